@@ -1,0 +1,29 @@
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+STAMP := $(VENV)/.installed
+
+.PHONY: install test serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: this machine has the CPU build on disk; a looser pin pulls CUDA builds.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/conveyor up --host 127.0.0.1 --port $(PORT)
+
+bench: $(STAMP)
+	$(VENV)/bin/conveyor bench offline --workload uniform
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,57 @@
+"""Engine configuration shared by the offline `LLM`, the scheduler and the executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What to load and how: a local Hugging Face directory, dtype and device.
+
+    ``max_model_len`` None means the checkpoint's ``max_position_embeddings``.
+    """
+
+    model: str
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 ("auto": fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None
+    attention_backend: str = "auto"  # auto | torch | triton ("auto": triton on CUDA, torch on CPU)
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache geometry and its memory budget."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes, CPU budget (None: a default fraction of RAM)
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # force a pool size (tests); overrides the budget
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Parallelism of one executor. Only a single device is implemented today."""
+
+    tensor_parallel_size: int = 1
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Per-step limits of continuous batching."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    """What an executor reports to its scheduler once the model and KV cache are up."""
+
+    model_name: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int

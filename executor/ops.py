@@ -1,0 +1,50 @@
+"""The kernel interface the model code calls, with one implementation per backend.
+
+The model never branches on the backend: it calls ``ops.<name>``. ``torch`` is the CPU path
+(and the reference); ``triton`` runs the kernels in ``executor/kernels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class Ops:
+    """Signatures (all tensors on the model's device):
+
+    - ``write_kv(key, value, k_cache, v_cache, slot_mapping)``: key/value ``[T, Hkv, D]`` into
+      caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping[t]`` (skip slot < 0). In place.
+    - ``paged_attention(q, k_cache, v_cache, meta, scale) -> out``: q ``[T, Hq, D]``, out
+      ``[T, Hq, D]``; causal over each sequence's cached prefix plus its new tokens (GQA:
+      query head h uses KV head ``h // (Hq // Hkv)``). K/V of the new tokens are already written.
+    - ``rms_norm(x, weight, eps, residual=None) -> (out, new_residual)``: with a residual,
+      ``x = x + residual`` first and that sum is returned as ``new_residual``; without one,
+      ``new_residual`` is ``x`` itself.
+    - ``rotary(q, k, positions, cos_sin_cache)``: neox-style rotation in place; q ``[T, Hq, D]``,
+      k ``[T, Hkv, D]``, ``cos_sin_cache`` ``[max_pos, rot_dim]`` = cat(cos, sin) over rot_dim/2 each.
+    - ``silu_and_mul(x) -> out``: x ``[T, 2I]`` -> ``silu(x[:, :I]) * x[:, I:]``.
+    """
+
+    name: str
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., None]
+    silu_and_mul: Callable[..., torch.Tensor]
+
+
+def get_ops(backend: str) -> Ops:
+    """Return the ops of ``backend`` (``torch`` or ``triton``)."""
+    if backend == "torch":
+        from executor import ops_torch
+
+        return ops_torch.OPS
+    if backend == "triton":
+        from executor.kernels import OPS
+
+        return OPS
+    raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")

@@ -1,0 +1,15 @@
+"""`conveyor bench <name> ...`: dispatch to the benchmark modules."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = {"offline": "bench.offline"}
+
+
+def main(argv: list[str]) -> int:
+    """Run ``conveyor bench offline [options]``."""
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
+        return 2
+    return int(importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0)

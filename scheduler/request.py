@@ -1,0 +1,70 @@
+"""A request's life inside the scheduler, and what one engine step reports about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request.
+
+    ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the scheduler's only
+    per-request progress variable (no prefill/decode phases). Preemption resets it to 0 and the
+    request recomputes prompt plus the tokens it has already generated.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``[start, end)`` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step produced for one request (new tokens, and whether it ended)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float] | None]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_output_tokens: int  # generated so far, including new_token_ids

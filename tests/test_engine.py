@@ -1,0 +1,126 @@
+"""The offline engine end to end on real tiny checkpoints, with transformers as the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common import SamplingParams
+from scheduler import LLM
+
+PROMPT_LENS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 320]
+MAX_TOKENS = 10
+
+
+def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+    )
+    logprobs = torch.log_softmax(torch.stack(out.logits, 1)[0].float(), -1)
+    return out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_parity_with_transformers(tiny_model, arch: str) -> None:
+    model_dir = tiny_model(arch)
+    # A small token budget forces chunked prefills to share steps with decodes.
+    llm = LLM(model_dir, dtype="float32", block_size=16, max_num_batched_tokens=48, max_num_seqs=8)
+    prompts = random_prompts(llm.executor.info.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(prompts, params)
+    steps = llm.scheduler.num_steps
+    assert steps > MAX_TOKENS + 5, "the budget should have split prefills across steps"
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outputs):
+        want, hf_logprobs = hf_greedy(hf, prompt, MAX_TOKENS)
+        assert out.token_ids == want, f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+        for step, lp in enumerate(out.logprobs):
+            assert lp is not None and len(lp) >= 5
+            for token, value in lp.items():
+                assert abs(value - hf_logprobs[step, token].item()) < 1e-3
+            top = torch.topk(hf_logprobs[step], 5).indices.tolist()
+            assert set(top) <= set(lp)
+    llm.cache_manager.check_invariants()
+
+
+def test_text_prompts_and_mixed_params(tiny_model) -> None:
+    llm = LLM(tiny_model("llama"), block_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["Hello world", "def f(x):"], [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=6)])
+    assert outs[0].prompt == "Hello world"
+    assert outs[0].prompt_token_ids == llm.tokenizer("Hello world")["input_ids"]
+    assert len(outs[0].token_ids) == 6
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)
+    assert 1 <= len(outs[1].token_ids) <= 6
+    assert outs[0].logprobs is None
+
+
+def test_preemption_gives_identical_outputs(tiny_model, caplog) -> None:
+    model_dir = tiny_model("llama")
+    prompts = random_prompts(1000, seed=1)[2:]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    big = LLM(model_dir, block_size=16, max_num_batched_tokens=128, num_blocks=256)
+    want = big.generate(prompts, params)
+    # 30 blocks = 480 tokens: enough for the longest request (344), far too few for all of them.
+    small = LLM(model_dir, block_size=16, max_num_batched_tokens=128, num_blocks=30, max_model_len=480)
+    got = small.generate(prompts, params)
+    assert big.scheduler.num_preemptions == 0
+    assert small.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    small.cache_manager.check_invariants()
+    assert small.cache_manager.get_num_free_blocks() == 30
+
+
+def test_seeded_sampling_ignores_batch_mates(tiny_model) -> None:
+    llm = LLM(tiny_model("qwen2"), block_size=16)
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7, 8]], p)[0].token_ids
+    mates = [[9, 10, 11], [12] * 40, [5, 6, 7, 8]]
+    crowd = llm.generate(mates + [[5, 6, 7, 8]], [SamplingParams(temperature=1.0, max_tokens=12)] * 3 + [p])
+    assert crowd[-1].token_ids == alone
+    top1 = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.7, top_k=1, max_tokens=12, ignore_eos=True))
+    greedy = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert top1[0].token_ids == greedy[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "at least one token"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+        ("hi", SamplingParams(top_p=0.0), "top_p"),
+        ("hi", SamplingParams(top_p=1.5), "top_p"),
+        ("hi", SamplingParams(temperature=-1), "temperature"),
+        ([1] * 600, SamplingParams(), "max_model_len"),
+        ([10**9], SamplingParams(), "token ids"),
+    ],
+)
+def test_bad_input_raises_and_engine_stays_usable(tiny_model, prompt, params, match) -> None:
+    llm = _shared_llm(tiny_model("llama"))
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], params)
+    assert not llm.scheduler.has_unfinished()
+    out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    llm.cache_manager.check_invariants()
+
+
+_LLMS: dict[str, LLM] = {}
+
+
+def _shared_llm(model_dir: str) -> LLM:
+    if model_dir not in _LLMS:
+        _LLMS[model_dir] = LLM(model_dir, block_size=16, max_model_len=512)
+    return _LLMS[model_dir]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = {"offline": "bench.offline"}
+BENCHES = {"offline": "bench.offline", "serve": "bench.serve"}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,228 @@
+"""Redis-stream transport on ``redis.asyncio``: send, read (plain or consumer group), heartbeats.
+
+Why the settings below:
+- The socket timeout is set above the longest ``BLOCK`` any caller uses (redis-py's default of
+  5 s would turn a long blocking read into a TimeoutError after internal retries).
+- Connection errors are retried with exponential backoff (capped), forever for readers and
+  writers of long-lived services; a Redis restart costs a pause, not a crashed service.
+- A message that fails `protocol.decode` is logged, copied to the dead-letter stream with the
+  reason, acknowledged, and skipped: one bad producer cannot wedge a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.protocol import ENTRY_FIELD, MAX_MESSAGE_BYTES, Names, ProtocolError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
+DEAD_LETTER_MAXLEN = 10_000
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class Transport:
+    """One process's connection to the shared Redis, with protocol encode/decode built in."""
+
+    def __init__(
+        self,
+        url: str,
+        names: Names,
+        *,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        owner: str = "?",
+    ) -> None:
+        self.url = url
+        self.names = names
+        self.max_message_bytes = max_message_bytes
+        self.owner = owner
+        self.num_dead_letters = 0
+        self.redis = aioredis.from_url(
+            url,
+            socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
+            socket_connect_timeout=5.0,
+            socket_keepalive=True,
+            health_check_interval=30,
+            max_connections=64,
+        )
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # -- retry ---------------------------------------------------------------------------------
+    async def call(self, fn: Any, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> Any:
+        """Run ``await fn(*args, **kwargs)``, retrying transient errors with capped backoff.
+
+        ``deadline_s`` None retries forever (service loops); otherwise the last error is raised
+        once that many seconds have passed (request paths that must fail fast).
+        """
+        delay = 0.05
+        start = time.monotonic()
+        while True:
+            try:
+                return await fn(*args, **kwargs)
+            except TRANSIENT_ERRORS as exc:
+                if deadline_s is not None and time.monotonic() - start + delay > deadline_s:
+                    raise
+                logger.warning("%s: redis unavailable (%s); retrying in %.2fs", self.owner, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def ping(self, deadline_s: float | None = None) -> None:
+        await self.call(self.redis.ping, deadline_s=deadline_s)
+
+    # -- send ----------------------------------------------------------------------------------
+    async def send(self, stream: str, msg: Any, *, maxlen: int | None = None, deadline_s: float | None = None) -> bytes:
+        """Append one message to ``stream`` (optionally trimmed to about ``maxlen`` entries)."""
+        data = encode(msg, self.max_message_bytes)
+        return await self.send_raw(stream, data, maxlen=maxlen, deadline_s=deadline_s)
+
+    async def send_raw(self, stream: str, data: bytes, *, maxlen: int | None = None, deadline_s: float | None = None) -> bytes:
+        return await self.call(
+            self.redis.xadd, stream, {ENTRY_FIELD: data}, maxlen=maxlen, approximate=True, deadline_s=deadline_s
+        )
+
+    # -- receive -------------------------------------------------------------------------------
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        """Create ``group`` on ``stream`` (and the stream) unless it exists."""
+        try:
+            await self.call(self.redis.xgroup_create, stream, group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_group(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        count: int = 256,
+        block_ms: int | None = 1000,
+        expected: tuple[type, ...] | None = None,
+        pending: bool = False,
+    ) -> list[tuple[bytes, Any]]:
+        """Take up to ``count`` new entries for ``consumer``; every entry is XACKed at once.
+
+        ``pending=True`` re-reads this consumer's own unacknowledged entries instead (after a
+        restart). Malformed entries go to the dead-letter stream and are not returned.
+        """
+        assert block_ms is None or block_ms <= MAX_BLOCK_MS
+        start = "0" if pending else ">"
+        try:
+            reply = await self.call(
+                self.redis.xreadgroup, group, consumer, {stream: start}, count=count, block=block_ms
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream or group vanished (Redis restarted without persistence): recreate.
+            await self.ensure_group(stream, group)
+            return []
+        out: list[tuple[bytes, Any]] = []
+        ids: list[bytes] = []
+        for _, entries in reply or []:
+            for entry_id, entry in entries:
+                ids.append(entry_id)
+                msg = await self._decode_entry(stream, entry_id, entry, expected)
+                if msg is not None:
+                    out.append((entry_id, msg))
+        if ids:
+            await self.call(self.redis.xack, stream, group, *ids)
+        return out
+
+    async def read(
+        self,
+        cursors: dict[str, bytes | str],
+        *,
+        count: int = 256,
+        block_ms: int | None = 1000,
+        expected: tuple[type, ...] | None = None,
+    ) -> list[tuple[str, bytes, Any]]:
+        """XREAD from each stream after its cursor; cursors advance in place.
+
+        Returns ``(stream, entry_id, message)``; malformed entries are dead-lettered.
+        """
+        assert block_ms is None or block_ms <= MAX_BLOCK_MS
+        reply = await self.call(self.redis.xread, dict(cursors), count=count, block=block_ms)
+        out: list[tuple[str, bytes, Any]] = []
+        for stream_name, entries in reply or []:
+            stream = stream_name.decode() if isinstance(stream_name, bytes) else stream_name
+            for entry_id, entry in entries:
+                cursors[stream] = entry_id
+                msg = await self._decode_entry(stream, entry_id, entry, expected)
+                if msg is not None:
+                    out.append((stream, entry_id, msg))
+        return out
+
+    async def last_id(self, stream: str) -> bytes:
+        """The id of the newest entry of ``stream`` ("0-0" if empty): a cursor for new entries."""
+        info = await self.call(self.redis.xrevrange, stream, count=1)
+        return info[0][0] if info else b"0-0"
+
+    async def _decode_entry(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], expected: tuple[type, ...] | None) -> Any:
+        data = entry.get(ENTRY_FIELD)
+        try:
+            if data is None:
+                raise ProtocolError(f"entry has no {ENTRY_FIELD.decode()!r} field (fields: {sorted(entry)})")
+            return decode(data, expected, self.max_message_bytes)
+        except ProtocolError as exc:
+            await self.dead_letter(stream, entry_id, entry, str(exc))
+            return None
+
+    async def dead_letter(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str) -> None:
+        """Log a rejected entry and keep a copy (truncated) on the dead-letter stream."""
+        self.num_dead_letters += 1
+        logger.error("%s: rejected entry %s on %s: %s", self.owner, entry_id, stream, reason)
+        record: dict[bytes | str, bytes | str] = {
+            "stream": stream,
+            "id": entry_id,
+            "reason": reason,
+            "by": self.owner,
+        }
+        for key, value in list(entry.items())[:8]:
+            record[b"raw:" + key[:64]] = value[:4096]
+        try:
+            await self.call(self.redis.xadd, self.names.dead_letter, record, maxlen=DEAD_LETTER_MAXLEN, approximate=True, deadline_s=5)
+        except TRANSIENT_ERRORS:
+            logger.exception("could not write the dead letter")
+
+    # -- keys ----------------------------------------------------------------------------------
+    async def put(self, key: str, msg: Any, ttl_ms: int | None = None) -> None:
+        await self.call(self.redis.set, key, encode(msg, self.max_message_bytes), px=ttl_ms)
+
+    async def get(self, key: str, expected: tuple[type, ...] | None = None, deadline_s: float | None = None) -> Any:
+        """The message stored at ``key``, or None if absent or malformed (logged)."""
+        data = await self.call(self.redis.get, key, deadline_s=deadline_s)
+        if data is None:
+            return None
+        try:
+            return decode(data, expected, self.max_message_bytes)
+        except ProtocolError as exc:
+            logger.error("%s: malformed value at %s: %s", self.owner, key, exc)
+            return None
+
+    async def beat(self, kind: str, process_id: str, ttl_ms: int) -> None:
+        """Refresh this process's heartbeat key."""
+        await self.call(self.redis.set, self.names.heartbeat(kind, process_id), str(time.time()), px=ttl_ms)
+
+    async def alive(self, kind: str, process_id: str, deadline_s: float | None = None) -> bool:
+        return bool(await self.call(self.redis.exists, self.names.heartbeat(kind, process_id), deadline_s=deadline_s))
+
+    async def heartbeat_loop(self, kind: str, process_id: str, interval_s: float, ttl_ms: int) -> None:
+        """Beat every ``interval_s`` until cancelled; transient errors are logged, not fatal."""
+        while True:
+            try:
+                await self.beat(kind, process_id, ttl_ms)
+            except Exception:  # keep beating whatever happens; the loop is the liveness signal
+                logger.exception("%s: heartbeat failed", self.owner)
+            await asyncio.sleep(interval_s)

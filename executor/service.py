@@ -1,0 +1,232 @@
+"""`conveyor executor`: loads the model, allocates the KV cache, and runs steps from its scheduler.
+
+Protocol with the scheduler (see `common.protocol`): announce with `ExecutorHello` on the results
+stream (again every few seconds while idle, so a restarted scheduler finds it), accept the
+`BindExecutor` that names this executor, then execute every `StepDelta` of that epoch and answer
+with a `StepResult`. Steps of any other epoch are ignored: they refer to KV state of a previous
+binding. The step stream has exactly one reader (this process), so no consumer group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from common.batch import Batch
+from common.config import CacheConfig, ModelConfig, ParallelConfig
+from common.protocol import BindExecutor, ExecutorHello, Names, StepDelta, StepResult, pack_logprobs
+from common.sampling_params import SamplingParams
+from common.transport import Transport
+
+logger = logging.getLogger("conveyor.executor")
+
+HELLO_INTERVAL_S = 3.0
+
+
+@dataclass(slots=True)
+class _RequestState:
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)
+
+
+def _edit(store: list[int], start: int, values: list[int]) -> None:
+    if start > len(store):
+        store.extend([-1] * (start - len(store)))
+    del store[start:]
+    store.extend(values)
+
+
+class RequestStates:
+    """The executor's per-request token stores and block tables; rebuilds full `Batch`es."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.states: dict[str, _RequestState] = {}
+
+    def clear(self) -> None:
+        self.states.clear()
+
+    def apply(self, delta: StepDelta) -> Batch:
+        """Apply one step's edits and return the full batch; raises ValueError if inconsistent."""
+        for request_id in delta.release:
+            self.states.pop(request_id, None)
+        if len(delta.new_ids) != len(delta.new_sampling):
+            raise ValueError("new_ids and new_sampling differ in length")
+        for request_id, sampling in zip(delta.new_ids, delta.new_sampling):
+            self.states[request_id] = _RequestState(SamplingParams(**sampling))
+        n = len(delta.request_ids)
+        columns = (delta.query_lens, delta.seq_lens, delta.output_lens, delta.sample, delta.token_starts,
+                   delta.num_new_tokens, delta.block_starts, delta.num_new_blocks)
+        if any(len(c) != n for c in columns):
+            raise ValueError("per-sequence columns differ in length")
+        bs = self.block_size
+        batch = Batch()
+        tpos = bpos = spos = 0
+        explicit = set(delta.slot_seqs)
+        for i, request_id in enumerate(delta.request_ids):
+            state = self.states.get(request_id)
+            if state is None:
+                raise ValueError(f"step refers to unknown request {request_id!r}")
+            k = delta.num_new_tokens[i]
+            _edit(state.tokens, delta.token_starts[i], delta.new_tokens[tpos : tpos + k])
+            tpos += k
+            k = delta.num_new_blocks[i]
+            _edit(state.table, delta.block_starts[i], delta.new_blocks[bpos : bpos + k])
+            bpos += k
+            q, s = delta.query_lens[i], delta.seq_lens[i]
+            a = s - q
+            window = state.tokens[a:s]
+            if len(window) != q or -1 in window:
+                raise ValueError(f"request {request_id!r}: tokens for positions [{a}, {s}) were never sent")
+            table = state.table
+            if i in explicit:
+                slots = delta.slots[spos : spos + q]
+                spos += q
+            else:
+                slots = [table[p // bs] * bs + p % bs for p in range(a, s)]
+            batch.request_ids.append(request_id)
+            batch.input_ids.extend(window)
+            batch.positions.extend(range(a, s))
+            batch.slot_mapping.extend(slots)
+            batch.query_lens.append(q)
+            batch.seq_lens.append(s)
+            batch.block_tables.append(list(table))
+            batch.sample.append(delta.sample[i])
+            batch.output_lens.append(delta.output_lens[i])
+            batch.sampling_params.append(state.params)
+        if tpos != len(delta.new_tokens) or bpos != len(delta.new_blocks) or spos != len(delta.slots):
+            raise ValueError("flat token/block/slot columns do not match their counts")
+        return batch
+
+
+@dataclass(slots=True)
+class ExecutorServiceConfig:
+    redis_url: str
+    model: str
+    namespace: str = "conveyor"
+    scheduler_id: str = "0"
+    executor_id: str = ""
+    model_config: ModelConfig | None = None
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    heartbeat_ttl_ms: int = 3000
+
+
+class ExecutorService:
+    """One executor process bound to one scheduler id."""
+
+    def __init__(self, config: ExecutorServiceConfig, model_executor: object) -> None:
+        self.config = config
+        self.model = model_executor
+        self.info = model_executor.info  # type: ignore[attr-defined]
+        self.eid = config.executor_id or uuid.uuid4().hex[:12]
+        self.names = Names(config.namespace)
+        self.transport = Transport(config.redis_url, self.names, owner=f"executor {self.eid}")
+        self.states = RequestStates(self.info.block_size)
+        self.epoch: int | None = None
+
+    def _hello(self) -> ExecutorHello:
+        i = self.info
+        return ExecutorHello(self.eid, i.model_name, self.config.model, i.num_blocks, i.block_size, i.max_model_len,
+                             i.vocab_size, list(i.eos_token_ids))
+
+    async def run(self) -> None:
+        t = self.transport
+        await t.ping()
+        ttl = self.config.heartbeat_ttl_ms
+        beat = asyncio.create_task(t.heartbeat_loop("executor", self.eid, max(0.1, ttl / 6000), ttl))
+        steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
+        await t.beat("executor", self.eid, ttl)
+        cursors: dict[str, bytes | str] = {steps: await t.last_id(steps)}
+        await t.send(results, self._hello(), maxlen=2000)
+        last_activity = time.monotonic()
+        logger.info("executor %s up (%d blocks of %d); waiting for scheduler %s", self.eid, self.info.num_blocks,
+                    self.info.block_size, self.config.scheduler_id)
+        try:
+            while True:
+                got = await t.read(cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta))
+                if not got and time.monotonic() - last_activity > HELLO_INTERVAL_S:
+                    # Idle: re-announce, so a scheduler that (re)started finds this executor.
+                    await t.send(results, self._hello(), maxlen=2000)
+                    last_activity = time.monotonic()
+                for _, _, msg in got:
+                    last_activity = time.monotonic()
+                    if isinstance(msg, BindExecutor):
+                        if msg.executor_id == self.eid:
+                            logger.info("bound to scheduler %s, epoch %d", msg.scheduler_id, msg.epoch)
+                            self.epoch = msg.epoch
+                        elif self.epoch is not None:
+                            logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
+                            self.epoch = None
+                        self.states.clear()
+                    elif msg.epoch == self.epoch:
+                        await t.send(results, await self._step(msg), maxlen=2000)
+        finally:
+            beat.cancel()
+            await t.close()
+
+    async def _step(self, delta: StepDelta) -> StepResult:
+        result = StepResult(epoch=delta.epoch, step=delta.step)
+        try:
+            batch = self.states.apply(delta)
+            t0 = time.perf_counter()
+            out = await asyncio.to_thread(self.model.execute_model, batch)  # type: ignore[attr-defined]
+            result.forward_s = time.perf_counter() - t0
+        except Exception as exc:  # report, drop state; the scheduler fails the step's requests
+            logger.exception("step %d failed", delta.step)
+            self.states.clear()
+            result.error = f"{exc.__class__.__name__}: {exc}"
+            return result
+        result.token_ids = list(out.token_ids)
+        if out.logprobs and any(lp is not None for lp in out.logprobs):
+            result.lp_counts, result.lp_token_ids, result.lp_values = pack_logprobs(list(out.logprobs))
+        return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="conveyor executor", description="Run the executor service (model + KV cache).")
+    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--model", default=env("CONVEYOR_MODEL"), required=env("CONVEYOR_MODEL") is None,
+                   help="local Hugging Face model directory")
+    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"))
+    p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"))
+    p.add_argument("--executor-id", default=env("CONVEYOR_EXECUTOR_ID", ""))
+    p.add_argument("--dtype", default=env("CONVEYOR_DTYPE", "auto"))
+    p.add_argument("--device", default=env("CONVEYOR_DEVICE", "auto"))
+    p.add_argument("--max-model-len", type=int, default=int(env("CONVEYOR_MAX_MODEL_LEN", "0")) or None)
+    p.add_argument("--attention-backend", default=env("CONVEYOR_ATTENTION_BACKEND", "auto"))
+    p.add_argument("--block-size", type=int, default=int(env("CONVEYOR_BLOCK_SIZE", "16")))
+    p.add_argument("--num-blocks", type=int, default=int(env("CONVEYOR_NUM_BLOCKS", "0")) or None)
+    p.add_argument("--kv-cache-memory", type=int, default=int(env("CONVEYOR_KV_CACHE_MEMORY", "0")) or None,
+                   help="bytes of KV cache on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=float(env("CONVEYOR_GPU_MEMORY_UTILIZATION", "0.9")))
+    p.add_argument("--seed", type=int, default=int(env("CONVEYOR_SEED", "0")))
+    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
+    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from executor.model_executor import ModelExecutor  # heavy (torch): only here
+
+    model_config = ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                               attention_backend=args.attention_backend, seed=args.seed)
+    cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                               gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks)
+    logger.info("loading %s", args.model)
+    model_executor = ModelExecutor(model_config, ParallelConfig(), cache_config)
+    config = ExecutorServiceConfig(args.redis_url, args.model, args.namespace, args.scheduler_id, args.executor_id,
+                                   model_config, cache_config, args.heartbeat_ttl_ms)
+    try:
+        asyncio.run(ExecutorService(config, model_executor).run())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.protocol import ModelInfo, Names
+from gateway.config import GatewayConfig
+from gateway.generation import Generation, Piece
+from gateway.openai_schema import ApiError, GenerationSpec, parse_chat, parse_completion
+from gateway.responses import ResponseFormatter
+from gateway.router import EngineClient
+
+logger = logging.getLogger("conveyor.gateway")
+
+
+class Tokenizers:
+    """The tokenizer of the served model, loaded once (off the event loop)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.tokenizer: Any = None
+        self._lock = asyncio.Lock()
+
+    async def get(self, info: ModelInfo) -> Any:
+        if self.tokenizer is None:
+            async with self._lock:
+                if self.tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    path = self.path or info.model_path
+                    self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+        return self.tokenizer
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the {limit}-byte limit", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """Build the gateway app; its lifespan connects to Redis and starts the engine client."""
+    gateway_id = config.gateway_id or uuid.uuid4().hex[:12]
+    client = EngineClient(config.redis_url, Names(config.namespace), gateway_id,
+                          heartbeat_ttl_ms=config.heartbeat_ttl_ms, liveness_grace_s=config.liveness_grace_s)
+    tokenizers = Tokenizers(config.model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+
+        async def warm() -> None:  # load the tokenizer before the first request needs it
+            while client.model_info is None:
+                await asyncio.sleep(0.5)
+            try:
+                await tokenizers.get(client.model_info)
+            except Exception:
+                logger.exception("could not load the tokenizer")
+
+        warm_task = asyncio.create_task(warm())
+        logger.info("gateway %s serving on %s:%d (namespace %r)", gateway_id, config.host, config.port, config.namespace)
+        yield
+        warm_task.cancel()
+        await client.stop()
+
+    app = FastAPI(title="Conveyor", lifespan=lifespan)
+    app.state.client = client
+    app.state.config = config
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(ApiError(500, f"internal error: {exc}", "server_error").body(), status_code=500)
+
+    def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    def served_name(info: ModelInfo) -> str:
+        return config.served_model_name or info.model_name
+
+    def ready_info() -> ModelInfo:
+        info = client.model_info
+        if info is None or client.down_reason is not None:
+            raise ApiError(503, f"engine unavailable: {client.down_reason}", "server_error", code="engine_unavailable")
+        return info
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.down_reason is not None:
+            return JSONResponse(ApiError(503, f"engine unavailable: {client.down_reason}", "server_error").body(), status_code=503)
+        return JSONResponse({"status": "ok", "gateway_id": gateway_id})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        info = client.model_info
+        data = []
+        if info is not None:
+            data.append({"id": served_name(info), "object": "model", "created": 0, "owned_by": "conveyor",
+                         "root": info.model_path, "max_model_len": info.max_model_len})
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        spec = parse_completion(await read_json(request, config.max_body_bytes))
+        return await serve(request, spec)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        spec = parse_chat(await read_json(request, config.max_body_bytes))
+        return await serve(request, spec)
+
+    async def serve(request: Request, spec: GenerationSpec) -> Response:
+        info = ready_info()
+        name = served_name(info)
+        if spec.model and spec.model not in (name, info.model_path):  # "" or absent: the served model
+            raise ApiError(404, f"The model `{spec.model}` does not exist (this server serves `{name}`).",
+                           "not_found_error", "model", "model_not_found")
+        tokenizer = await tokenizers.get(info)
+        prompt_ids, prompt_text = tokenize(tokenizer, spec)
+        if any(t >= info.vocab_size for t in prompt_ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
+        n_prompt, limit = len(prompt_ids), info.max_model_len
+        max_tokens = spec.max_tokens if spec.max_tokens is not None else limit - n_prompt
+        if n_prompt + max(max_tokens, 1) > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the prompt or max_tokens.",
+                param="max_tokens" if n_prompt < limit else ("messages" if spec.kind == "chat" else "prompt"),
+                code="context_length_exceeded",
+            )
+        spec.sampling.max_tokens = max_tokens
+        try:
+            spec.sampling.validate()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+        if len(client.requests) >= config.max_inflight:
+            raise ApiError(429, f"too many requests in flight ({config.max_inflight}); retry shortly",
+                           "rate_limit_error", code="too_many_requests")
+        prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        gen = Generation(client, tokenizer, request_id, prompt_ids, spec.sampling, spec.stop,
+                         spec.include_stop_str_in_output, spec.skip_special_tokens)
+        await gen.start()
+        echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
+        fmt = ResponseFormatter(spec, request_id, name, tokenizer, n_prompt, echo)
+        if spec.stream:
+            return StreamingResponse(stream_events(gen, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await collect(request, gen, fmt))
+
+    async def stream_events(gen: Generation, fmt: ResponseFormatter) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.stream_start():
+                yield sse(chunk)
+            async for piece in gen.pieces():
+                for chunk in fmt.stream_piece(piece, gen.num_completion_tokens):
+                    yield sse(chunk)
+        except ApiError as exc:
+            yield sse(exc.body())
+        yield "data: [DONE]\n\n"
+
+    async def collect(request: Request, gen: Generation, fmt: ResponseFormatter) -> dict[str, Any]:
+        pieces: list[Piece] = []
+
+        async def run() -> None:
+            async for piece in gen.pieces():
+                pieces.append(piece)
+
+        task = asyncio.create_task(run())
+        try:
+            # A non-streaming client that hangs up must abort its request too.
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise ApiError(499, "client disconnected")
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+        return fmt.full_response(pieces, gen.num_completion_tokens)
+
+    return app
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def tokenize(tokenizer: Any, spec: GenerationSpec) -> tuple[list[int], str | None]:
+    """Prompt token ids (and text, when the prompt was text) for a completion or chat request."""
+    if spec.kind == "chat":
+        assert spec.messages is not None
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
+        else:  # a checkpoint without a template: a plain, documented fallback
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in spec.messages) + "assistant:"
+        ids = list(tokenizer(text, add_special_tokens=spec.add_special_tokens)["input_ids"])
+        return ids, text
+    if spec.prompt_token_ids is not None:
+        return spec.prompt_token_ids, None
+    assert spec.prompt is not None
+    return list(tokenizer(spec.prompt, add_special_tokens=spec.add_special_tokens)["input_ids"]), spec.prompt
+

@@ -1,0 +1,21 @@
+"""Gateway settings (flags and CONVEYOR_* environment variables map onto these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "conveyor"
+    gateway_id: str = ""  # "" -> random per process (outputs stream and heartbeat key use it)
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model: str | None = None  # tokenizer directory; None -> the path the executor reported
+    served_model_name: str | None = None  # None -> the name the executor reported
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_inflight: int = 4096  # admission bound: beyond it, 429 with Retry-After
+    heartbeat_ttl_ms: int = 3000
+    liveness_grace_s: float = 1.0
+    api_key: str | None = None

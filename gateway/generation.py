@@ -1,0 +1,88 @@
+"""One request's journey through the gateway: submit, then engine events -> text pieces.
+
+`Generation` ties together the engine client, the incremental detokenizer and the stop-string
+matcher; the HTTP layer only formats its `Piece`s as OpenAI JSON or SSE chunks. Whatever ends the
+iteration early (client disconnect, stop string, error) aborts the request in the engine, so its
+KV blocks are freed at the next scheduler step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from common.protocol import sampling_to_dict
+from common.sampling_params import SamplingParams
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.openai_schema import ApiError
+from gateway.router import EngineClient, EngineUnavailable, RequestHandle
+from gateway.stop import StopMatcher
+
+
+@dataclass(slots=True)
+class Piece:
+    """Text to emit now, the tokens it came with, and the finish reason on the last piece."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """Drives one submitted request and yields `Piece`s until it finishes."""
+
+    def __init__(self, client: EngineClient, tokenizer: Any, request_id: str, prompt_token_ids: list[int],
+                 sampling: SamplingParams, stop: list[str], include_stop: bool, skip_special_tokens: bool) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop = StopMatcher(stop, include_stop)
+        self.num_completion_tokens = 0
+        self.handle: RequestHandle | None = None
+        self.finished = False
+
+    async def start(self) -> None:
+        """Submit to the engine; errors here become HTTP errors (nothing was streamed yet)."""
+        try:
+            self.handle = await self.client.submit(self.request_id, self.prompt_token_ids, sampling_to_dict(self.sampling))
+        except EngineUnavailable as exc:
+            raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
+        except (ConnectionError, OSError, TimeoutError) as exc:
+            raise ApiError(503, f"cannot reach the engine's Redis: {exc}", "server_error") from None
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        assert self.handle is not None, "start() first"
+        try:
+            while True:
+                event = await self.handle.events.get()
+                if event.error is not None:
+                    self.finished = True
+                    if event.finish_reason == "rejected":
+                        raise ApiError(400, event.error, param="max_tokens" if "max_tokens" in event.error else None)
+                    raise ApiError(503, event.error, "server_error", code="engine_error")
+                self.num_completion_tokens += len(event.token_ids)
+                text = self.detokenizer.add(event.token_ids)
+                if event.finished:
+                    text += self.detokenizer.finish()
+                out, stopped = self.stop.feed(text)
+                if stopped:
+                    if not event.finished:
+                        self.client.abort(self.request_id)  # the engine would go on generating
+                    self.finished = True
+                    yield Piece(out, event.token_ids, event.logprobs, "stop")
+                    return
+                if event.finished:
+                    self.finished = True
+                    reason = "length" if event.finish_reason == "length" else "stop"
+                    yield Piece(out + self.stop.flush(), event.token_ids, event.logprobs, reason)
+                    return
+                if out or event.token_ids:
+                    yield Piece(out, event.token_ids, event.logprobs)
+        finally:
+            if self.finished:
+                self.client.release(self.request_id)
+            else:  # the consumer went away (client disconnect) or something raised
+                self.client.abort(self.request_id)

@@ -1,0 +1,109 @@
+"""OpenAI response bodies and SSE chunks for completions and chat completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.generation import Piece
+from gateway.openai_schema import GenerationSpec
+
+
+class ResponseFormatter:
+    """Formats one request's pieces; keeps the running text offset for completion logprobs."""
+
+    def __init__(self, spec: GenerationSpec, request_id: str, model: str, tokenizer: Any, num_prompt_tokens: int,
+                 echo_text: str | None) -> None:
+        self.spec = spec
+        self.request_id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.num_prompt_tokens = num_prompt_tokens
+        self.echo_text = echo_text
+        self.created = int(time.time())
+        self.text_offset = len(echo_text) if echo_text else 0
+        self.chat = spec.kind == "chat"
+
+    # -- pieces ------------------------------------------------------------------------------
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.num_prompt_tokens + completion_tokens}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        n = self.spec.logprobs or 0
+        return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+        """Logprobs of the tokens in ``pieces``, in completions or chat format."""
+        if self.spec.logprobs is None:
+            return None
+        pairs = [(t, lp) for p in pieces for t, lp in zip(p.token_ids, p.logprobs)]
+        if self.chat:
+            content = []
+            for token_id, entry in pairs:
+                text = self._token_text(token_id)
+                content.append({
+                    "token": text, "logprob": (entry or {}).get(token_id, 0.0), "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": (s := self._token_text(t)), "logprob": v, "bytes": list(s.encode())}
+                                     for t, v in self._top(entry or {})],
+                })
+            return {"content": content}
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in pairs:
+            text = self._token_text(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append((entry or {}).get(token_id))
+            out["top_logprobs"].append({self._token_text(t): v for t, v in self._top(entry or {})})
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(text)
+        return out
+
+    # -- non-streaming -----------------------------------------------------------------------
+    def full_response(self, pieces: list[Piece], completion_tokens: int) -> dict[str, Any]:
+        text = "".join(p.text for p in pieces)
+        reason = pieces[-1].finish_reason if pieces else "stop"
+        logprobs = self.logprobs(pieces)
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": logprobs, "finish_reason": reason}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": (self.echo_text or "") + text, "logprobs": logprobs, "finish_reason": reason}
+            kind = "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(completion_tokens)}
+
+    # -- streaming ---------------------------------------------------------------------------
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {"id": self.request_id,
+                                 "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                 "created": self.created, "model": self.model, "choices": [choice]}
+        if self.spec.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        if self.chat:
+            return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})]
+        if self.echo_text:
+            return [self._chunk({"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None})]
+        return []
+
+    def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = []
+        logprobs = self.logprobs([piece])
+        if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
+            if self.chat:
+                delta = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            else:
+                choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            chunks.append(self._chunk(choice))
+        if piece.finish_reason is not None and self.spec.include_usage:
+            chunks.append({"id": self.request_id, "object": self._chunk({})["object"], "created": self.created,
+                           "model": self.model, "choices": [], "usage": self.usage(completion_tokens)})
+        return chunks

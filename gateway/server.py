@@ -1,0 +1,46 @@
+"""`conveyor gateway`: run the OpenAI-compatible HTTP gateway (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from gateway.config import GatewayConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="conveyor gateway", description="Run the OpenAI-compatible HTTP gateway.")
+    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"), help="prefix of every stream and key")
+    p.add_argument("--host", default=env("CONVEYOR_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(env("CONVEYOR_PORT", "8000")))
+    p.add_argument("--model", default=env("CONVEYOR_MODEL"),
+                   help="tokenizer directory (default: the model path the executor reported)")
+    p.add_argument("--served-model-name", default=env("CONVEYOR_SERVED_MODEL_NAME"))
+    p.add_argument("--gateway-id", default=env("CONVEYOR_GATEWAY_ID", ""), help="default: random per process")
+    p.add_argument("--max-body-bytes", type=int, default=int(env("CONVEYOR_MAX_BODY_BYTES", str(8 * 1024 * 1024))))
+    p.add_argument("--max-inflight", type=int, default=int(env("CONVEYOR_MAX_INFLIGHT", "4096")))
+    p.add_argument("--api-key", default=env("CONVEYOR_API_KEY"))
+    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
+    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from gateway.app import create_app
+
+    config = GatewayConfig(
+        redis_url=args.redis_url, namespace=args.namespace, gateway_id=args.gateway_id, host=args.host,
+        port=args.port, model=args.model, served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight, api_key=args.api_key,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=False, timeout_graceful_shutdown=3)
+    return 0

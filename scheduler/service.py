@@ -1,0 +1,383 @@
+"""`conveyor scheduler`: the engine loop as a service between the gateways and one executor.
+
+It binds an executor (the newest live `ExecutorHello`), builds the very `Scheduler` and
+`CacheManager` the offline `LLM` uses with a `StreamExecutor`, and then loops: take new requests
+and aborts (read by background tasks between steps), run one step on a worker thread, send each
+gateway one `StepOutputs` for its requests. Failures are contained: a malformed message is
+dead-lettered; a gateway whose heartbeat expires has its requests aborted; a lost executor fails
+every in-flight request with an error (never a hang) and the service waits for the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from common.config import ExecutorInfo, SchedulerConfig
+from common.protocol import (
+    AbortRequests,
+    BindExecutor,
+    ExecutorHello,
+    GenerateRequest,
+    ModelInfo,
+    Names,
+    ProtocolError,
+    SchedulerStats,
+    StepOutputs,
+    decode,
+    pack_logprobs,
+)
+from common.sampling_params import SamplingParams
+from common.transport import Transport
+from scheduler.cache_manager import CacheManager
+from scheduler.request import Request, StepOutput
+from scheduler.scheduler import Scheduler
+from scheduler.stream_executor import ExecutorLost, StreamExecutor
+
+logger = logging.getLogger("conveyor.scheduler")
+
+OUTPUTS_MAXLEN = 20_000
+RESULTS_MAXLEN = 2_000
+
+
+@dataclass(slots=True)
+class SchedulerServiceConfig:
+    redis_url: str
+    namespace: str = "conveyor"
+    scheduler_id: str = "0"
+    model: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    heartbeat_interval_s: float = 0.5
+    heartbeat_ttl_ms: int = 3000
+    result_timeout_s: float = 120.0
+    max_message_bytes: int = 16 * 1024 * 1024
+
+
+class SchedulerService:
+    """One scheduler process: owns the engine state for the requests it has taken."""
+
+    def __init__(self, config: SchedulerServiceConfig) -> None:
+        self.config = config
+        self.names = Names(config.namespace)
+        self.transport = Transport(
+            config.redis_url, self.names, max_message_bytes=config.max_message_bytes, owner=f"scheduler {config.scheduler_id}"
+        )
+        self.sid = config.scheduler_id
+        self.inbox: list[GenerateRequest] = []
+        self.aborts: list[str] = []
+        self.wakeup = asyncio.Event()
+        self.owner: dict[str, str] = {}  # request id -> gateway id
+        self.recent_aborts: dict[str, float] = {}  # aborts that may overtake their request
+        self.engine: Scheduler | None = None
+        self.executor: StreamExecutor | None = None
+        self.info: ExecutorInfo | None = None
+        self.last_stats = 0.0
+        self.step_wall_s = 0.0
+        self.step_forward_s = 0.0
+        self.step_count = 0
+
+    # -- entry ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.transport.ping()
+        await self.transport.ensure_group(self.names.requests, self.names.scheduler_group)
+        tasks = [
+            asyncio.create_task(self.transport.heartbeat_loop("scheduler", self.sid, self.config.heartbeat_interval_s, self.config.heartbeat_ttl_ms)),
+            asyncio.create_task(self._read_requests()),
+            asyncio.create_task(self._read_control()),
+            asyncio.create_task(self._watch_gateways()),
+        ]
+        try:
+            while True:
+                executor = await self._bind_executor()
+                self.executor = executor
+                self.engine = Scheduler(
+                    SchedulerConfig(self.config.max_num_batched_tokens, self.config.max_num_seqs),
+                    CacheManager(executor.info.num_blocks, executor.info.block_size),
+                    executor,
+                )
+                try:
+                    await self._engine_loop()
+                except Exception as exc:  # ExecutorLost, or an engine bug: contain it either way
+                    if isinstance(exc, ExecutorLost):
+                        logger.error("%s; failing %d requests", exc, len(self.owner))
+                    else:
+                        logger.exception("engine step failed; failing %d requests", len(self.owner))
+                    await self._fail_all(str(exc) if isinstance(exc, ExecutorLost) else f"engine error: {exc}")
+                    self.engine = None
+                    self.executor = None
+        finally:
+            for task in tasks:
+                task.cancel()
+            await self.transport.close()
+
+    # -- executor binding ----------------------------------------------------------------------
+    async def _bind_executor(self) -> StreamExecutor:
+        """Wait for a live executor's hello, give it a fresh epoch and publish the model info."""
+        results = self.names.results(self.sid)
+        r = self.transport.redis
+        cursor = await self.transport.last_id(results)
+        candidates: list[ExecutorHello] = list(self.executor.hellos) if self.executor else []
+        for _, entry in await self.transport.call(r.xrevrange, results, count=200):
+            try:
+                msg = decode(entry.get(b"m", b""))
+            except ProtocolError:
+                continue
+            if isinstance(msg, ExecutorHello):
+                candidates.append(msg)
+        logger.info("waiting for an executor on %s", results)
+        while True:
+            for hello in candidates:  # newest first
+                if await self.transport.alive("executor", hello.executor_id):
+                    return await self._bind(hello, cursor)
+            candidates = []
+            cursors: dict[str, bytes | str] = {results: cursor}
+            for _, _, msg in await self.transport.read(cursors, block_ms=1000, expected=(ExecutorHello,)):
+                candidates.insert(0, msg)
+            cursor = cursors[results]  # type: ignore[assignment]
+            self._drop_unservable()
+
+    async def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
+        epoch = int(await self.transport.call(self.transport.redis.incr, self.names.epoch(self.sid)))
+        await self.transport.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, epoch), maxlen=1000)
+        info = ExecutorInfo(hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size)
+        self.info = info
+        await self.transport.put(
+            self.names.model_info,
+            ModelInfo(hello.model_name, hello.model_path, hello.max_model_len, hello.vocab_size, hello.block_size,
+                      hello.num_blocks, self.sid, hello.executor_id, epoch),
+        )
+        logger.info("bound executor %s (epoch %d): %s, %d blocks of %d", hello.executor_id, epoch, hello.model_name, hello.num_blocks, hello.block_size)
+        return StreamExecutor(
+            info, self.transport, asyncio.get_running_loop(), scheduler_id=self.sid, executor_id=hello.executor_id,
+            epoch=epoch, results_cursor=cursor, result_timeout_s=self.config.result_timeout_s,
+        )
+
+    def _drop_unservable(self) -> None:
+        """Without an executor, keep queued requests (the gateway times them out) but bound the queue."""
+        if len(self.inbox) > 10_000:
+            del self.inbox[: len(self.inbox) - 10_000]
+
+    # -- background readers --------------------------------------------------------------------
+    async def _read_requests(self) -> None:
+        consumer = self.sid
+        # Entries taken before a crash but never acknowledged belong to this consumer: re-read.
+        pending = True
+        while True:
+            try:
+                got = await self.transport.read_group(
+                    self.names.requests, self.names.scheduler_group, consumer, block_ms=1000,
+                    expected=(GenerateRequest,), pending=pending,
+                )
+                pending = False
+                if got:
+                    self.inbox.extend(msg for _, msg in got)
+                    self.wakeup.set()
+            except Exception:
+                logger.exception("request reader failed; continuing")
+                await asyncio.sleep(0.5)
+
+    async def _read_control(self) -> None:
+        control = self.names.control
+        cursors: dict[str, bytes | str] = {control: await self.transport.last_id(control)}
+        while True:
+            try:
+                for _, _, msg in await self.transport.read(cursors, block_ms=1000, expected=(AbortRequests,)):
+                    self.aborts.extend(msg.request_ids)
+                    self.wakeup.set()
+            except Exception:
+                logger.exception("control reader failed; continuing")
+                await asyncio.sleep(0.5)
+
+    async def _watch_gateways(self) -> None:
+        """Abort the requests of gateways whose heartbeat expired (their clients are gone)."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                for gateway_id in set(self.owner.values()):
+                    if not await self.transport.alive("gateway", gateway_id):
+                        dead = [rid for rid, gid in self.owner.items() if gid == gateway_id]
+                        logger.warning("gateway %s is gone; aborting its %d requests", gateway_id, len(dead))
+                        self.aborts.extend(dead)
+                        self.wakeup.set()
+                await self._publish_stats(force=True)
+            except Exception:
+                logger.exception("gateway watch failed; continuing")
+
+    # -- engine loop ---------------------------------------------------------------------------
+    async def _engine_loop(self) -> None:
+        engine, executor = self.engine, self.executor
+        assert engine is not None and executor is not None
+        if executor.hellos:
+            executor.hellos.clear()
+        while True:
+            if not engine.has_unfinished() and not self.inbox and not self.aborts:
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                # An idle executor that vanished must not take the next request down with it.
+                if not engine.has_unfinished() and not await self.transport.alive("executor", executor.executor_id):
+                    raise ExecutorLost(f"executor {executor.executor_id} stopped (its heartbeat expired)")
+            await self._apply_aborts(engine, executor)
+            await self._admit(engine)
+            if engine.has_unfinished():
+                t0 = time.perf_counter()
+                outputs = await asyncio.to_thread(engine.schedule)
+                self.step_wall_s += time.perf_counter() - t0
+                self.step_forward_s += executor.last_forward_s
+                self.step_count += 1
+                await self._publish(outputs)
+                executor.release([o.request_id for o in outputs if o.finished])
+            await self._publish_stats()
+
+    async def _apply_aborts(self, engine: Scheduler, executor: StreamExecutor) -> None:
+        if not self.aborts:
+            return
+        request_ids, self.aborts = self.aborts, []
+        now = time.monotonic()
+        for request_id in request_ids:
+            if engine.abort(request_id) is None:
+                self.recent_aborts[request_id] = now  # may still be on its way in
+            self.owner.pop(request_id, None)
+        executor.release(request_ids)
+        for request_id, t in list(self.recent_aborts.items()):
+            if now - t > 60:
+                del self.recent_aborts[request_id]
+        await self._publish_stats(force=True)
+
+    async def _admit(self, engine: Scheduler) -> None:
+        if not self.inbox:
+            return
+        incoming, self.inbox = self.inbox, []
+        errors: list[tuple[GenerateRequest, str]] = []
+        for msg in incoming:
+            if self.recent_aborts.pop(msg.request_id, None) is not None:
+                continue
+            if msg.request_id in self.owner:
+                logger.warning("duplicate request id %s ignored", msg.request_id)
+                continue
+            try:
+                params = SamplingParams(**msg.sampling)
+                params.validate()
+                limit = engine.max_model_len
+                if len(msg.prompt_token_ids) + params.max_tokens > limit:
+                    raise ValueError(
+                        f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                        f"exceeds max_model_len ({limit})"
+                    )
+                assert self.info is not None
+                if any(not 0 <= t < self.info.vocab_size for t in msg.prompt_token_ids):
+                    raise ValueError(f"prompt token ids must be in [0, {self.info.vocab_size})")
+                engine.add_request(Request(msg.request_id, msg.prompt_token_ids, params))
+                self.owner[msg.request_id] = msg.gateway_id
+            except (TypeError, ValueError) as exc:
+                errors.append((msg, str(exc)))
+        for msg, error in errors:
+            logger.warning("rejected request %s: %s", msg.request_id, error)
+            # "rejected" (not "error"): the request was bad, the engine is fine (a 400, not a 503).
+            out = StepOutputs([msg.request_id], [0], [0], [], [True], ["rejected"], [error], [], [], [])
+            await self.transport.send(self.names.outputs(msg.gateway_id), out, maxlen=OUTPUTS_MAXLEN)
+
+    async def _publish(self, outputs: list[StepOutput]) -> None:
+        """One `StepOutputs` per gateway for this step."""
+        by_gateway: dict[str, StepOutputs] = {}
+        for out in outputs:
+            gateway_id = self.owner.get(out.request_id)
+            if gateway_id is None:
+                continue
+            msg = by_gateway.get(gateway_id)
+            if msg is None:
+                msg = by_gateway[gateway_id] = StepOutputs()
+            msg.request_ids.append(out.request_id)
+            msg.token_index.append(out.num_output_tokens - len(out.new_token_ids))
+            msg.num_tokens.append(len(out.new_token_ids))
+            msg.token_ids.extend(out.new_token_ids)
+            msg.finished.append(out.finished)
+            msg.finish_reasons.append(out.finish_reason)
+            msg.errors.append(None)
+            counts, ids, values = pack_logprobs(out.new_logprobs if out.new_logprobs else [None] * len(out.new_token_ids))
+            msg.lp_counts.extend(counts)
+            msg.lp_token_ids.extend(ids)
+            msg.lp_values.extend(values)
+            if out.finished:
+                del self.owner[out.request_id]
+        for gateway_id, msg in by_gateway.items():
+            await self.transport.send(self.names.outputs(gateway_id), msg, maxlen=OUTPUTS_MAXLEN)
+
+    async def _fail_all(self, error: str) -> None:
+        by_gateway: dict[str, list[str]] = {}
+        for request_id, gateway_id in self.owner.items():
+            by_gateway.setdefault(gateway_id, []).append(request_id)
+        self.owner.clear()
+        for gateway_id, request_ids in by_gateway.items():
+            n = len(request_ids)
+            out = StepOutputs(request_ids, [0] * n, [0] * n, [], [True] * n, ["error"] * n, [error] * n, [], [], [])
+            try:
+                await self.transport.send(self.names.outputs(gateway_id), out, maxlen=OUTPUTS_MAXLEN, deadline_s=10)
+            except Exception:
+                logger.exception("could not tell gateway %s about the failure", gateway_id)
+
+    async def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_stats < 0.1:
+            return
+        self.last_stats = now
+        engine, info = self.engine, self.info
+        executor = self.executor
+        stats = SchedulerStats(
+            scheduler_id=self.sid,
+            epoch=executor.epoch if executor else 0,
+            num_blocks=info.num_blocks if info else 0,
+            num_free_blocks=engine.cache.get_num_free_blocks() if engine else 0,
+            num_running=len(engine.running) if engine else 0,
+            num_waiting=len(engine.waiting) if engine else 0,
+            num_steps=engine.num_steps if engine else 0,
+            num_preemptions=engine.num_preemptions if engine else 0,
+            num_dead_letters=self.transport.num_dead_letters,
+            updated_at=time.time(),
+            step_wall_s=self.step_wall_s,
+            step_forward_s=self.step_forward_s,
+            step_count=self.step_count,
+        )
+        await self.transport.put(self.names.stats(self.sid), stats)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="conveyor scheduler", description="Run the scheduler service.")
+    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"), help="prefix of every stream and key")
+    p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"), help="pairs this scheduler with its executor")
+    p.add_argument("--model", default=env("CONVEYOR_MODEL"), help="unused (the executor reports the model); accepted for symmetry")
+    p.add_argument("--max-num-seqs", type=int, default=int(env("CONVEYOR_MAX_NUM_SEQS", "256")))
+    p.add_argument("--max-num-batched-tokens", type=int, default=int(env("CONVEYOR_MAX_NUM_BATCHED_TOKENS", "2048")))
+    p.add_argument("--result-timeout", type=float, default=float(env("CONVEYOR_RESULT_TIMEOUT", "120")),
+                   help="seconds to wait for one step's result before declaring the executor lost")
+    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
+    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = SchedulerServiceConfig(
+        redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id, model=args.model,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        result_timeout_s=args.result_timeout, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+        heartbeat_interval_s=max(0.1, args.heartbeat_ttl_ms / 6000),
+    )
+    logger.info("scheduler %s on %s (namespace %r, host %s)", config.scheduler_id, config.redis_url, config.namespace, socket.gethostname())
+    try:
+        asyncio.run(SchedulerService(config).run())
+    except KeyboardInterrupt:
+        pass
+    return 0
+

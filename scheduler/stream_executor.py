@@ -1,0 +1,189 @@
+"""`StreamExecutor`: the scheduler's executor when the model runs in another process.
+
+It implements the executor interface (``.info`` + ``.execute_model(batch)``) so the very same
+`Scheduler` drives it, but sends each `Batch` as a `StepDelta`: only what the executor does not
+already hold. Both sides keep, per request, a token store and a block table; each step edits them
+with ``store[start:] = values``. A mirror of the executor's stores lives here, so a decode step
+carries one new token and (every ``block_size`` steps) one new block id per sequence, and a
+prompt's tokens travel once. Preemption (a different block table) and any other divergence are
+just larger edits, so the executor's rebuilt `Batch` always equals the scheduler's.
+
+`execute_model` is called on a worker thread (the engine step), while Redis I/O belongs to the
+service's event loop; the round trip is handed to that loop with ``run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from common.batch import Batch, ExecutorOutput
+from common.config import ExecutorInfo
+from common.protocol import ExecutorHello, StepDelta, StepResult, sampling_to_dict, unpack_logprobs
+from common.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+class ExecutorLost(RuntimeError):
+    """The executor died, stopped answering, or failed a step; in-flight requests are lost."""
+
+
+@dataclass(slots=True)
+class _Mirror:
+    """The executor's view of one request, as of the last step sent."""
+
+    tokens: list[int] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)
+
+
+def edit(store: list[int], start: int, values: list[int]) -> None:
+    """``store[start:] = values``, padding with -1 (unknown) if ``start`` is past the end."""
+    if start > len(store):
+        store.extend([-1] * (start - len(store)))
+    del store[start:]
+    store.extend(values)
+
+
+class DeltaEncoder:
+    """Turns consecutive full `Batch`es into `StepDelta`s (pure: no I/O, unit-testable)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.mirrors: dict[str, _Mirror] = {}
+        self._released: list[str] = []
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget these requests here and, with the next step, on the executor."""
+        for request_id in request_ids:
+            if self.mirrors.pop(request_id, None) is not None:
+                self._released.append(request_id)
+
+    def encode(self, batch: Batch, epoch: int, step: int) -> StepDelta:
+        delta = StepDelta(epoch=epoch, step=step, release=self._released)
+        self._released = []
+        bs = self.block_size
+        offset = 0
+        for i, request_id in enumerate(batch.request_ids):
+            q, s = batch.query_lens[i], batch.seq_lens[i]
+            a = s - q
+            window = batch.input_ids[offset : offset + q]
+            slots = batch.slot_mapping[offset : offset + q]
+            offset += q
+            mirror = self.mirrors.get(request_id)
+            if mirror is None:
+                mirror = self.mirrors[request_id] = _Mirror()
+                delta.new_ids.append(request_id)
+                delta.new_sampling.append(sampling_to_dict(batch.sampling_params[i]))
+            # Tokens: send the part of this step's window the executor does not hold yet.
+            tokens = mirror.tokens
+            n = len(tokens)
+            if a >= n:
+                start, values = a, window
+            else:
+                overlap = min(s, n) - a
+                j = 0
+                while j < overlap and tokens[a + j] == window[j]:
+                    j += 1
+                start, values = (a + j, window[j:]) if j < overlap else (n, window[overlap:])
+            edit(tokens, start, values)
+            delta.token_starts.append(start)
+            delta.num_new_tokens.append(len(values))
+            delta.new_tokens.extend(values)
+            # Block table: normally it only grows; anything else resends from the first change.
+            table, known = batch.block_tables[i], mirror.table
+            if len(table) >= len(known) and table[: len(known)] == known:
+                bstart = len(known)
+            else:
+                bstart = next((k for k, (x, y) in enumerate(zip(table, known)) if x != y), min(len(table), len(known)))
+            new_blocks = table[bstart:]
+            edit(known, bstart, new_blocks)
+            delta.block_starts.append(bstart)
+            delta.num_new_blocks.append(len(new_blocks))
+            delta.new_blocks.extend(new_blocks)
+            # Slots follow from the table; send them only where the scheduler chose otherwise.
+            if slots != [table[p // bs] * bs + p % bs for p in range(a, s)]:
+                delta.slot_seqs.append(i)
+                delta.slots.extend(slots)
+            delta.request_ids.append(request_id)
+            delta.query_lens.append(q)
+            delta.seq_lens.append(s)
+            delta.output_lens.append(batch.output_lens[i])
+            delta.sample.append(batch.sample[i])
+        return delta
+
+
+class StreamExecutor:
+    """Executor interface over Redis streams for one bound executor and epoch."""
+
+    def __init__(
+        self,
+        info: ExecutorInfo,
+        transport: Transport,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        scheduler_id: str,
+        executor_id: str,
+        epoch: int,
+        results_cursor: bytes,
+        result_timeout_s: float = 60.0,
+        liveness_check_s: float = 0.5,
+    ) -> None:
+        self.info = info
+        self.transport = transport
+        self.loop = loop
+        self.scheduler_id = scheduler_id
+        self.executor_id = executor_id
+        self.epoch = epoch
+        self.results_cursor = results_cursor
+        self.result_timeout_s = result_timeout_s
+        self.liveness_check_s = liveness_check_s
+        self.encoder = DeltaEncoder(info.block_size)
+        self.step = 0
+        self.last_forward_s = 0.0
+        self.total_forward_s = 0.0
+        self.hellos: list[ExecutorHello] = []  # seen while stepping; the service may bind one later
+
+    def release(self, request_ids: list[str]) -> None:
+        self.encoder.release(request_ids)
+
+    def execute_model(self, batch: Batch) -> ExecutorOutput:
+        """Send one step and wait for its result (called on the engine's worker thread)."""
+        self.step += 1
+        delta = self.encoder.encode(batch, self.epoch, self.step)
+        future = asyncio.run_coroutine_threadsafe(self._round_trip(delta), self.loop)
+        result: StepResult = future.result()
+        if len(result.token_ids) != batch.num_seqs:
+            raise ExecutorLost(f"executor returned {len(result.token_ids)} tokens for {batch.num_seqs} sequences")
+        self.last_forward_s = result.forward_s
+        self.total_forward_s += result.forward_s
+        logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values)
+        return ExecutorOutput(token_ids=result.token_ids, logprobs=logprobs if result.lp_counts else [])
+
+    async def _round_trip(self, delta: StepDelta) -> StepResult:
+        names = self.transport.names
+        await self.transport.send(names.steps(self.scheduler_id), delta, maxlen=1000)
+        cursors: dict[str, bytes | str] = {names.results(self.scheduler_id): self.results_cursor}
+        start = time.monotonic()
+        last_check = start
+        try:
+            while True:
+                for _, _, msg in await self.transport.read(cursors, count=64, block_ms=int(self.liveness_check_s * 1000)):
+                    if isinstance(msg, StepResult) and msg.epoch == self.epoch and msg.step == delta.step:
+                        if msg.error is not None:
+                            raise ExecutorLost(f"executor {self.executor_id} failed step {delta.step}: {msg.error}")
+                        return msg
+                    if isinstance(msg, ExecutorHello) and msg.executor_id != self.executor_id:
+                        self.hellos.append(msg)
+                now = time.monotonic()
+                if now - start > self.result_timeout_s:
+                    raise ExecutorLost(
+                        f"executor {self.executor_id} sent no result for step {delta.step} within {self.result_timeout_s:.0f}s"
+                    )
+                if now - last_check >= self.liveness_check_s:
+                    last_check = now
+                    if not await self.transport.alive("executor", self.executor_id):
+                        raise ExecutorLost(f"executor {self.executor_id} stopped (its heartbeat expired)")
+        finally:
+            self.results_cursor = cursors[names.results(self.scheduler_id)]  # type: ignore[assignment]

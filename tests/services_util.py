@@ -1,0 +1,121 @@
+"""Start a real service stack for tests and benchmarks: Redis, executor, scheduler, N gateways.
+
+Redis comes from ``CONVEYOR_REDIS_URL``, else 127.0.0.1:6379 when reachable, else a private
+``redis-server`` on a free port. Every stack gets its own namespace, so parallel runs sharing one
+Redis never see each other's streams. Process logs go to files; `Stack.logs()` shows their tails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from common.launcher import free_port, start_redis, stop_all, wait_healthy
+from common.protocol import ModelInfo, Names, SchedulerStats, decode
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+    """A reachable Redis URL, and the process if this call had to start one."""
+    candidates = [os.environ["CONVEYOR_REDIS_URL"]] if os.environ.get("CONVEYOR_REDIS_URL") else []
+    candidates.append("redis://127.0.0.1:6379/0")
+    for url in candidates:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            return url, None
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            continue
+    return start_redis(workdir)
+
+
+class Stack:
+    """Executor + scheduler + gateways as separate processes under one fresh namespace."""
+
+    def __init__(self, model: str | Path, workdir: Path, *, gateways: int = 1, executor_args: tuple[str, ...] = (),
+                 scheduler_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = (),
+                 heartbeat_ttl_ms: int = 1500) -> None:
+        self.model = str(model)
+        self.workdir = workdir
+        self.namespace = f"test-{uuid.uuid4().hex[:10]}"
+        self.names = Names(self.namespace)
+        self.redis_url, self.redis_proc = find_redis(workdir)
+        self.redis = redis.Redis.from_url(self.redis_url)
+        self.num_gateways = gateways
+        self.executor_args, self.scheduler_args, self.gateway_args = executor_args, scheduler_args, gateway_args
+        self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: list[int] = []
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "CONVEYOR_REDIS_URL": self.redis_url, "CONVEYOR_NAMESPACE": self.namespace,
+                "CONVEYOR_MODEL": self.model, "CONVEYOR_HEARTBEAT_TTL_MS": str(self.heartbeat_ttl_ms),
+                "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], env=self._env(), cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 120) -> Stack:
+        try:
+            self.spawn("executor", "executor", *self.executor_args)
+            self.spawn("scheduler", "scheduler", *self.scheduler_args)
+            for i in range(self.num_gateways):
+                port = free_port()
+                self.ports.append(port)
+                self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(port), *self.gateway_args)
+            for url in self.urls:
+                wait_healthy(f"{url}/health", timeout_s, list(self.procs.values()))
+        except Exception:
+            print(self.logs(), file=sys.stderr)
+            self.stop()
+            raise
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    def model_info(self) -> ModelInfo:
+        return decode(self.redis.get(self.names.model_info), (ModelInfo,))
+
+    def stats(self) -> SchedulerStats:
+        return decode(self.redis.get(self.names.stats(self.model_info().scheduler_id)), (SchedulerStats,))
+
+    def wait_stats(self, predicate, timeout_s: float) -> SchedulerStats:  # type: ignore[no-untyped-def]
+        """Poll the scheduler's stats until ``predicate(stats)`` holds; returns the last stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def logs(self, lines: int = 40) -> str:
+        out = []
+        for name in self.procs:
+            path = self.workdir / f"{name}.log"
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {name} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        stop_all(list(self.procs.values()))
+        try:
+            keys = list(self.redis.scan_iter(match=f"{self.namespace}:*", count=1000))
+            if keys:
+                self.redis.delete(*keys)
+        except redis.RedisError:
+            pass
+        if self.redis_proc is not None:
+            stop_all([self.redis_proc])

@@ -1,0 +1,174 @@
+"""Gateway request validation and error format, against real Redis with no engine behind it.
+
+The engine side is played by the test: a `ModelInfo` key and heartbeat keys make the gateway
+believe a scheduler and executor are up; for the one request that gets through, a thread reads
+the requests stream and writes `StepOutputs` back, as the scheduler would.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import redis
+from starlette.testclient import TestClient
+
+from common.protocol import AbortRequests, GenerateRequest, ModelInfo, Names, StepOutputs, decode, encode
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tests.services_util import find_redis
+
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[dict[str, Any]]:
+    workdir = Path(tmp_path_factory.mktemp("gw"))
+    model = tiny_model()
+    url, proc = find_redis(workdir)
+    r = redis.Redis.from_url(url)
+    names = Names(f"test-gw-{time.time_ns()}")
+    r.set(names.model_info, encode(ModelInfo("tiny", str(model), MAX_MODEL_LEN, 1024, 16, 64, "s0", "e0", 1)))
+    r.set(names.heartbeat("scheduler", "s0"), "1", px=600_000)
+    r.set(names.heartbeat("executor", "e0"), "1", px=600_000)
+    config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id="gw0", max_body_bytes=20000)
+    with TestClient(create_app(config)) as client:
+        yield {"client": client, "redis": r, "names": names}
+    for key in r.scan_iter(match=f"{names.namespace}:*"):
+        r.delete(key)
+    if proc is not None:
+        proc.terminate()
+
+
+def _error(response: Any, status: int, *words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in err["message"], err
+    return err
+
+
+def test_malformed_json_and_non_object(env: dict[str, Any]) -> None:
+    c = env["client"]
+    _error(c.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}), 400, "not valid JSON")
+    _error(c.post("/v1/completions", json=[1, 2]), 400, "JSON object")
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens", ["integer"]),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature", ["number"]),
+        ({"prompt": "hi", "stream": "yes"}, "stream", ["boolean"]),
+        ({"prompt": "hi", "max_tokens": -5}, "max_tokens", ["at least 1", "-5"]),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["at least 1"]),
+        ({"prompt": "hi", "top_p": 0}, "top_p", ["top_p"]),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs", ["logprobs"]),
+        ({"prompt": "hi", "stop": [1, 2]}, "stop", ["stop"]),
+        ({"prompt": "hi", "n": 2}, "n", ["n = 1"]),
+        ({"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens", ["min_tokens"]),
+        ({"prompt": ""}, "prompt", ["empty"]),
+        ({"max_tokens": 3}, "prompt", ["required"]),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
+    ],
+)
+def test_bad_parameters(env: dict[str, Any], body: dict[str, Any], param: str, words: list[str]) -> None:
+    err = _error(env["client"].post("/v1/completions", json=body), 400, *words)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_context_length_errors_say_both_numbers(env: dict[str, Any]) -> None:
+    c = env["client"]
+    err = _error(c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 10**6}), 400, str(MAX_MODEL_LEN), str(10**6))
+    assert err["code"] == "context_length_exceeded"
+    err = _error(c.post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1}), 400, "3000 in the prompt", str(MAX_MODEL_LEN))
+    assert err["param"] == "prompt"
+    _error(c.post("/v1/completions", json={"prompt": [5, 99999]}), 400, "token ids")
+
+
+def test_chat_validation(env: dict[str, Any]) -> None:
+    c = env["client"]
+    _error(c.post("/v1/chat/completions", json={"messages": []}), 400, "non-empty")
+    _error(c.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}), 400, "role")
+    _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]}), 400, "content")
+    _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400, "requires")
+
+
+def test_unknown_model_body_too_large_and_unknown_route(env: dict[str, Any]) -> None:
+    c = env["client"]
+    err = _error(c.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "gpt-9")
+    assert err["code"] == "model_not_found"
+    _error(c.post("/v1/completions", json={"prompt": "x" * 25000}), 413, "20000")
+    _error(c.get("/v1/nothing"), 404)
+
+
+def test_models_and_health(env: dict[str, Any]) -> None:
+    c = env["client"]
+    data = c.get("/v1/models").json()["data"]
+    assert data[0]["id"] == "tiny" and data[0]["max_model_len"] == MAX_MODEL_LEN
+    assert c.get("/health").status_code == 200
+
+
+def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path: str) -> threading.Thread:
+    """Answer the next request on the stream with the tokens of ``texts``, one output per text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def run() -> None:
+        reply = r.xread({names.requests: "0"}, block=10_000, count=1)
+        req = decode(reply[0][1][0][1][b"m"], (GenerateRequest,))
+        index = 0
+        for i, text in enumerate(texts):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            last = i == len(texts) - 1
+            out = StepOutputs([req.request_id], [index], [len(ids)], ids, [last], ["length" if last else None], [None],
+                              [], [], [])
+            r.xadd(names.outputs(req.gateway_id), {b"m": encode(out)})
+            index += len(ids)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_stream_stop_string_aborts_in_engine(env: dict[str, Any]) -> None:
+    c, r, names = env["client"], env["redis"], env["names"]
+    info = decode(r.get(names.model_info), (ModelInfo,))
+    control_before = r.xlen(names.control)
+    thread = _fake_engine(r, names, ["Hello wor", "ld! END", " of", " text"], info.model_path)
+    body = {"prompt": "hi", "max_tokens": 50, "stream": True, "stop": ["END"], "stream_options": {"include_usage": True}}
+    with c.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    thread.join(5)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+    assert text == "Hello world! "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
+    # The gateway told the scheduler to stop generating.
+    deadline = time.time() + 2
+    while r.xlen(names.control) == control_before and time.time() < deadline:
+        time.sleep(0.02)
+    entries = r.xrange(names.control)
+    aborts = [decode(e[b"m"], (AbortRequests,)) for _, e in entries]
+    assert any(chunks[0]["id"] in a.request_ids for a in aborts)
+
+
+def test_engine_down_gives_503(env: dict[str, Any]) -> None:
+    c, r, names = env["client"], env["redis"], env["names"]
+    r.delete(names.heartbeat("executor", "e0"))
+    deadline = time.time() + 3
+    while c.get("/health").status_code == 200 and time.time() < deadline:
+        time.sleep(0.1)
+    _error(c.get("/health"), 503, "executor e0")
+    _error(c.post("/v1/completions", json={"prompt": "hi"}), 503, "engine unavailable")
+    r.set(names.heartbeat("executor", "e0"), "1", px=600_000)

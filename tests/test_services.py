@@ -1,0 +1,210 @@
+"""The full stack as separate processes over real Redis and real HTTP, driven by the openai client.
+
+One module-scoped stack (executor, scheduler, two gateways, tiny checkpoint) serves every test;
+the executor-death test runs last because it takes the executor down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from common.protocol import GenerateRequest, StepOutputs, decode, encode
+from common.sampling_params import SamplingParams
+from tests.services_util import Stack
+
+NUM_BLOCKS = 256
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("stack")), gateways=2,
+              executor_args=("--num-blocks", str(NUM_BLOCKS)), gateway_args=("--max-body-bytes", "200000"))
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Any) -> Any:
+    from scheduler import LLM
+
+    return LLM(str(tiny_model()), num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def test_completions_match_offline_llm(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
+    model = client.models.list().data[0].id
+    prompts = ["def hello(", "import os\nimport sys\n", "class Foo:"]
+    expected = llm.generate(prompts, _greedy(24))
+    for prompt, exp in zip(prompts, expected):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == exp.text
+        assert r.usage.completion_tokens == len(exp.token_ids) and r.usage.prompt_tokens == len(exp.prompt_token_ids)
+        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == exp.text
+        assert chunks[-1].usage.completion_tokens == len(exp.token_ids)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == exp.finish_reason
+    # A prompt given as token ids.
+    r = client.completions.create(model=model, prompt=expected[0].prompt_token_ids, max_tokens=24, temperature=0)
+    assert r.choices[0].text == expected[0].text
+
+
+def test_chat_matches_offline_llm(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi in Python."}]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    exp = llm.generate([ids], _greedy(20))[0]
+    r = client.chat.completions.create(model=stack.model_info().model_name, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == exp.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(messages=messages, model="", max_tokens=20, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == exp.text
+
+
+def test_64_concurrent_streams(stack: Stack) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+        n = 4 + i % 13
+        stream = await client.completions.create(model="", prompt=f"x = {i} +", max_tokens=n, temperature=0.8, seed=i,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        reason, usage = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return n, usage.completion_tokens if usage else -1, reason
+
+    async def run() -> list[tuple[int, int, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{stack.urls[0]}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert all(got == want and reason == "length" for want, got, reason in results), results
+    assert stack.wait_stats(lambda s: s.num_free_blocks == NUM_BLOCKS, 2).num_free_blocks == NUM_BLOCKS
+
+
+def test_two_gateways_never_see_each_others_outputs(stack: Stack) -> None:
+    gateway_ids = [httpx.get(f"{url}/health").json()["gateway_id"] for url in stack.urls]
+
+    async def run(url: str) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            async def one(i: int) -> str:
+                r = await c.completions.create(model="", prompt=f"# {i}", max_tokens=8, extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == 8
+                return r.id
+            return list(await asyncio.gather(*(one(i) for i in range(12))))
+
+    async def both() -> list[list[str]]:
+        return list(await asyncio.gather(*(run(url) for url in stack.urls)))
+
+    ids = [set(x) for x in asyncio.run(both())]
+    for k, gateway_id in enumerate(gateway_ids):
+        seen: set[str] = set()
+        for _, entry in stack.redis.xrange(stack.names.outputs(gateway_id)):
+            seen.update(decode(entry[b"m"], (StepOutputs,)).request_ids)
+        assert ids[k] <= seen  # every request of this gateway came back on its own stream...
+        assert not (seen & ids[1 - k])  # ...and none of the other gateway's did
+
+
+def _stream_lines(url: str, body: dict[str, Any], n: int) -> list[str]:
+    """Open a stream, read ``n`` data lines, then hang up."""
+    lines = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) >= n:
+                    break
+    return lines
+
+
+def test_disconnect_aborts_and_frees_blocks(stack: Stack) -> None:
+    body = {"prompt": "def f(", "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    _stream_lines(stack.urls[1], body, 5)
+    t0 = time.monotonic()
+    stats = stack.wait_stats(lambda s: s.num_free_blocks == NUM_BLOCKS and s.num_running == 0, 3)
+    assert stats.num_free_blocks == NUM_BLOCKS and time.monotonic() - t0 < 1.0, stats
+    # A non-streaming client that gives up is aborted as well.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.urls[0]}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    stats = stack.wait_stats(lambda s: s.num_free_blocks == NUM_BLOCKS and s.num_running == 0, 2)
+    assert stats.num_free_blocks == NUM_BLOCKS, stats
+
+
+def test_stop_string_cuts_output_and_frees_blocks(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
+    exp = llm.generate(["import os\n"], _greedy(40))[0].text
+    stop = next(exp[i : i + 3] for i in range(4, len(exp) - 3) if "\ufffd" not in exp[i : i + 3] and exp[i : i + 3].strip())
+    cut = exp.find(stop)
+    r = client.completions.create(model="", prompt="import os\n", max_tokens=40, temperature=0, stop=[stop])
+    assert r.choices[0].text == exp[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="", prompt="import os\n", max_tokens=40, temperature=0, stop=[stop],
+                                            stream=True, extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in chunks) == exp[:cut] + stop
+    assert stack.wait_stats(lambda s: s.num_running == 0, 2).num_free_blocks == NUM_BLOCKS
+
+
+def test_bad_input_gets_clear_errors_and_stack_keeps_serving(stack: Stack, client: openai.OpenAI) -> None:
+    url = stack.urls[0]
+    cases = [
+        (b'{"prompt": ', "/v1/completions", 400, "not valid JSON"),
+        ({"prompt": "hi", "max_tokens": "many"}, "/v1/completions", 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, "/v1/completions", 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**9}, "/v1/completions", 400, "2048"),
+        ({"prompt": [1] * 2100}, "/v1/completions", 400, "2100 in the prompt"),
+        ({"messages": []}, "/v1/chat/completions", 400, "messages"),
+        ({"model": "nope", "prompt": "hi"}, "/v1/completions", 404, "nope"),
+        ({"prompt": "x" * 300_000}, "/v1/completions", 413, "200000"),
+    ]
+    for body, path, status, word in cases:
+        kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(f"{url}{path}", timeout=10, **kwargs)
+        assert r.status_code == status and word in r.json()["error"]["message"], (body, r.text)
+    # Garbage straight onto the requests stream, and a well-formed request with bad parameters.
+    before = stack.stats().num_dead_letters
+    stack.redis.xadd(stack.names.requests, {b"m": b"\x93garbage"})
+    stack.redis.xadd(stack.names.requests, {b"junk": b"1"})
+    bad = GenerateRequest("bad-1", "nobody", [1, 2], {"temperature": -3.0}, 0.0)
+    stack.redis.xadd(stack.names.requests, {b"m": encode(bad)})
+    assert stack.wait_stats(lambda s: s.num_dead_letters >= before + 2, 3).num_dead_letters == before + 2
+    reasons = [e[b"reason"].decode() for _, e in stack.redis.xrange(stack.names.dead_letter)]
+    assert any("not a msgpack message" in x or "msgpack" in x for x in reasons)
+    r = client.completions.create(model="", prompt="still alive?", max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+
+
+def test_executor_death_fails_requests_instead_of_hanging(stack: Stack) -> None:
+    body = {"prompt": "def f(", "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    events: list[str] = []
+    t0 = 0.0
+    with httpx.stream("POST", f"{stack.urls[0]}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 3:
+                    stack.procs["executor"].send_signal(signal.SIGKILL)
+                    t0 = time.monotonic()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert "executor" in error["message"] and time.monotonic() - t0 < 10
+    r = httpx.post(f"{stack.urls[1]}/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 503 and "executor" in r.json()["error"]["message"]

@@ -1,0 +1,247 @@
+"""Paged attention over a batch that mixes prefill chunks and decodes (one launch).
+
+Grid ``(num_q_blocks, num_kv_heads)``: each program takes ``BLOCK_Q`` query tokens of one
+sequence times the query heads that share one KV head, packed into ``BLOCK_M`` rows so the KV tile
+is loaded once for the whole GQA group. KV is walked in ``TILE_N`` tiles that are independent of the
+cache block size (each key looks up its own block id), with an online softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from executor.attention_metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest i with ``query_start_loc[i] // BLOCK_Q + i <= pid`` (where seq i's q blocks start)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        go_right = start <= pid
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    num_seqs,
+    num_queries_per_kv,
+    head_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_idx = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= q_len:  # grid is an upper bound; spare programs leave
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    ctx_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    local_q = offs_m // QPK_PAD
+    head_in_group = offs_m % QPK_PAD
+    q_pos = q_block * BLOCK_Q + local_q
+    row_valid = (local_q < BLOCK_Q) & (q_pos < q_len) & (head_in_group < num_queries_per_kv)
+    q_head = kv_head * num_queries_per_kv + head_in_group
+    d_mask = offs_d < head_size
+    token = (q_start + q_pos).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_abs = ctx_len + q_pos  # absolute position of each row's token (causal limit)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+
+    # Keys this tile can see: the cached prefix plus new tokens up to its last row.
+    kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    for start in range(0, kv_end, TILE_N):
+        offs_n = start + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_end
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        k_off = block * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ks
+        v_off = block * stride_vb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_vs
+        kv_mask_t = d_mask[:, None] & n_valid[None, :]
+        # Masked loads: stale slots past seq_len may hold anything, NaN included.
+        k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= q_abs[:, None]) & n_valid[None, :] & row_valid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + v_off[:, None] + offs_d[None, :],
+            mask=n_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_mask[None, :],
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 dots (tf32 would miss fp32 tolerances); 16-bit ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int) -> dict[str, int]:
+    """Tile sizes and launch options: heuristics, no autotune (it breaks the interpreter).
+
+    Chosen by compiling for sm_90 and reading the register/stack use: the K/V tiles are gathers,
+    so every element holds a 64-bit pointer, and tiles above these sizes spill.
+    """
+    qpk_pad = triton.next_power_of_2(num_queries_per_kv)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    if max_query_len == 1:
+        # Decode: one token per program; rows are the GQA group, padded to tl.dot's 16.
+        block_m = max(16, qpk_pad)
+        block_q, tile_n, warps, stages = 1, (64 if head_pad <= 128 else 16), 8, 2
+    elif head_pad <= 128:
+        block_m = max(128, qpk_pad)
+        block_q, tile_n, warps, stages = block_m // qpk_pad, 32, 8, 3
+    else:
+        block_m = max(64, qpk_pad)
+        block_q, tile_n, warps, stages = block_m // qpk_pad, 16, 8, 2
+    return dict(QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+                HEAD_PAD=head_pad, num_warps=warps, num_stages=stages)
+
+
+def paged_attention_2d(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention for a mixed prefill/decode batch; q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+    num_tokens, num_heads, head_size = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    qpk = num_heads // num_kv_heads
+    cfg = launch_config(meta.max_query_len, qpk, head_size)
+    num_seqs = meta.num_seqs
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale * LOG2E,
+        num_seqs,
+        qpk,
+        head_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        meta.block_tables.stride(0),
+        BLOCK_SIZE=k_cache.shape[1],
+        DOT_PRECISION=dot_precision(q.dtype),
+        **cfg,
+    )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Plain torch reference: gather blocks, expand GQA, causal mask, softmax in fp32."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens_list):
+        q_lo, q_hi = starts[i], starts[i + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        n_blocks = (seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[q_lo:q_hi].float()  # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", qi, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        k_pos = torch.arange(seq_len)
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
+    return out

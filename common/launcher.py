@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        # A second Ctrl-C (or the terminal's SIGINT to the whole group) must not cut the clean-up short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_all(procs)
         stop_all(redis_procs)  # last: the services clean up their keys on the way out
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,307 @@
+"""`conveyor make-model`: write a small random Llama-family checkpoint in Hugging Face format.
+
+The checkpoint is real enough for every consumer: transformers loads it with
+``AutoModelForCausalLM``/``AutoTokenizer``, and the engine loads it with its own loader. The
+tokenizer is a byte-level BPE trained here on the Python standard library's own source (present
+on every machine, so no download). Weights are initialised for *decisive* greedy decoding: the
+output head has a large init std, so the typical top-1/top-2 logit gap (~2) dwarfs fp32
+rounding error (~1e-5) and two correct implementations agree token for token on all but very
+long runs. ``tiny`` is ~0.2M parameters (fast tests); ``small`` ~80-107M (benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "small")
+
+BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
+# transformers maps model_type qwen2 to Qwen2Tokenizer, which rebuilds the tokenizer with this
+# unk token and the split regex below; having both already makes every class load it the same.
+UNK = "<|endoftext|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END, UNK]
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Enough text for a few-thousand-token vocabulary; training takes about a second.
+CORPUS_CHARS = 2_000_000
+
+# Geometry per size. GQA everywhere (heads != kv heads) so that path is always exercised.
+GEOMETRY: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, inter=128, max_pos=2048),
+    "small": dict(vocab=8192, hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, inter=2048, max_pos=4096),
+}
+
+# Output-head std is HEAD_GAIN/sqrt(hidden): logits have std ~HEAD_GAIN, so greedy is decisive.
+HEAD_GAIN = 8.0
+# Residual-branch outputs (o_proj, down_proj) are amplified so the layers, not the current token's
+# own embedding, dominate the residual stream: attention over the context then visibly matters.
+OUT_GAIN = 3.0
+
+_TOKENIZER_CACHE: dict[int, str] = {}
+
+
+def _corpus() -> list[str]:
+    """Standard-library ``.py`` files in sorted order, capped at ``CORPUS_CHARS`` characters."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= CORPUS_CHARS:
+            break
+    return texts
+
+
+def train_tokenizer_json(vocab_size: int) -> str:
+    """Train (once per process per size) a byte-level BPE and return its ``tokenizer.json`` text."""
+    if vocab_size not in _TOKENIZER_CACHE:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(), trainer=trainer)
+        bos_id = tok.token_to_id(BOS)
+        # BOS is added on encode, like Llama tokenizers.
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A:0", pair=f"{BOS} $A:0 {BOS} $B:1", special_tokens=[(BOS, bos_id)]
+        )
+        _TOKENIZER_CACHE[vocab_size] = tok.to_str()
+    return _TOKENIZER_CACHE[vocab_size]
+
+
+def write_tokenizer(out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
+    """Write tokenizer files into ``out``; return the special token ids."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(train_tokenizer_json(vocab_size))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=max_len
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    # Name a class every transformers version knows and keep the template inline too (older
+    # versions do not read chat_template.jinja).
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE, add_bos_token=True)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
+
+
+def build_config(arch: str, size: str, vocab_size: int, ids: dict[str, int]) -> dict:
+    """The ``config.json`` contents for ``arch``/``size``."""
+    g = GEOMETRY[size]
+    model_type, cls = {
+        "llama": ("llama", "LlamaForCausalLM"),
+        "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+        "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+        "mistral": ("mistral", "MistralForCausalLM"),
+    }[arch]
+    head_dim = g["head_dim"] * 2 if arch == "qwen3" else g["head_dim"]  # qwen3: head_dim != hidden/heads
+    cfg: dict = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": g["hidden"],
+        "intermediate_size": g["inter"],
+        "num_hidden_layers": g["layers"],
+        "num_attention_heads": g["heads"],
+        "num_key_value_heads": g["kv_heads"],
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": g["max_pos"],
+        "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
+        "rope_theta": 10000.0 if size == "tiny" else 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": arch == "qwen2",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": ids[BOS],
+        "eos_token_id": ids[EOS],
+        "pad_token_id": ids[PAD],
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        # llama3 scaling with an original context short enough that some frequencies are scaled
+        # and some smoothed, so the whole code path matters.
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": g["max_pos"] // 8,
+        }
+        cfg["mlp_bias"] = False
+    elif arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=g["layers"])
+    elif arch == "qwen3":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=g["layers"])
+    elif arch == "mistral":
+        cfg["sliding_window"] = None
+    return cfg
+
+
+def init_weights(cfg: dict, seed: int, special_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Random fp32 weights under Hugging Face parameter names."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        # std gain/sqrt(fan_in): attention scores and MLP outputs are O(1), so every layer matters.
+        return normal((out_f, in_f), gain / math.sqrt(in_f))
+
+    def norm(n: int) -> torch.Tensor:
+        # Not all ones, so a missing norm weight would show up in tests.
+        return 1.0 + normal((n,), 0.1)
+
+    # A large output-head std makes greedy decoding decisive (big top-1/top-2 gaps).
+    head_std = HEAD_GAIN / math.sqrt(hidden)
+    w: dict[str, torch.Tensor] = {}
+    embed = normal((vocab, hidden), head_std if cfg["tie_word_embeddings"] else 1.0)
+    w["model.embed_tokens.weight"] = embed
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(hidden)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        w[p + "self_attn.q_proj.weight"] = linear(hq * d, hidden)
+        w[p + "self_attn.k_proj.weight"] = linear(hkv * d, hidden)
+        w[p + "self_attn.v_proj.weight"] = linear(hkv * d, hidden)
+        w[p + "self_attn.o_proj.weight"] = linear(hidden, hq * d, OUT_GAIN)
+        if qwen2:
+            w[p + "self_attn.q_proj.bias"] = normal((hq * d,), 0.1)
+            w[p + "self_attn.k_proj.bias"] = normal((hkv * d,), 0.1)
+            w[p + "self_attn.v_proj.bias"] = normal((hkv * d,), 0.1)
+        if qwen3:
+            w[p + "self_attn.q_norm.weight"] = norm(d)
+            w[p + "self_attn.k_norm.weight"] = norm(d)
+        w[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = linear(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = linear(hidden, inter, OUT_GAIN)
+    # Random signs on the final norm: with tied embeddings the residual stream still holds the
+    # current token's embedding E_t, and h.E_t ~ |E_t|^2 would make the model repeat its input.
+    signs = torch.randint(0, 2, (hidden,), generator=gen) * 2.0 - 1.0
+    w["model.norm.weight"] = norm(hidden) * signs
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal((vocab, hidden), head_std)
+    # Special tokens get small output rows: greedy decoding then never emits EOS by chance, so
+    # generation lengths (and benchmarks) are deterministic; sampling still can, rarely.
+    head = w["model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"]
+    head[special_ids] *= 0.1
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def count_params(weights: dict[str, torch.Tensor]) -> int:
+    """Number of parameters in a state dict."""
+    return sum(t.numel() for t in weights.values())
+
+
+def save_weights(weights: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """Write one ``model.safetensors`` or ``shards`` files plus ``model.safetensors.index.json``."""
+    meta = {"format": "pt"}
+    if shards <= 1:
+        save_file(weights, str(out / "model.safetensors"), metadata=meta)
+        return
+    names = list(weights)
+    per = math.ceil(len(names) / shards)
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: weights[n] for n in names[s * per : (s + 1) * per]}
+        save_file(part, str(out / fname), metadata=meta)
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_model(arch: str, size: str = "tiny", seed: int = 0, out: str | Path | None = None, shards: int = 1) -> Path:
+    """Write a random ``arch``/``size`` checkpoint into ``out`` (a new temp dir if None)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"conveyor-{arch}-{size}-"))
+    out.mkdir(parents=True, exist_ok=True)
+    g = GEOMETRY[size]
+    ids = write_tokenizer(out, g["vocab"], g["max_pos"])
+    from tokenizers import Tokenizer
+
+    vocab_size = Tokenizer.from_str(train_tokenizer_json(g["vocab"])).get_vocab_size()
+    cfg = build_config(arch, size, vocab_size, ids)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen_cfg = {
+        "bos_token_id": ids[BOS],
+        # A list, as in Llama 3 / Qwen checkpoints: end-of-text and end-of-turn both stop.
+        "eos_token_id": [ids[EOS], ids[IM_END]],
+        "pad_token_id": ids[PAD],
+        "do_sample": False,
+    }
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    save_weights(init_weights(cfg, seed, list(ids.values())), out, shards)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``conveyor make-model``."""
+    ap = argparse.ArgumentParser(prog="conveyor make-model", description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=ARCHS, default="llama")
+    ap.add_argument("--size", choices=SIZES, default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=1, help="number of safetensors files")
+    ap.add_argument("--out", required=True, help="output directory")
+    args = ap.parse_args(argv)
+    out = make_model(args.arch, args.size, args.seed, args.out, args.shards)
+    cfg = json.loads((out / "config.json").read_text())
+    n = sum(
+        math.prod(info["shape"])
+        for f in sorted(out.glob("*.safetensors"))
+        for info in _header(f).values()
+        if isinstance(info, dict) and "shape" in info
+    )
+    print(f"wrote {args.arch}/{args.size} ({n / 1e6:.1f}M params, vocab {cfg['vocab_size']}) to {out}")
+    return 0
+
+
+def _header(path: Path) -> dict:
+    """The JSON header of a safetensors file (for counting parameters without loading)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))

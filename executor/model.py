@@ -1,0 +1,127 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) written against `executor.ops`.
+
+Plain tensors and ``torch.nn.functional`` calls, no ``nn.Module``: the forward pass is a short
+loop over layers whose kernels come from the selected backend. Batches are flat (``[T, ...]``,
+all sequences' new tokens concatenated); the paged KV cache holds everything else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor.attention_metadata import AttentionMetadata
+from executor.model_config import HFModelConfig
+from executor.ops import Ops
+
+
+def rope_inv_freq(cfg: HFModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (fp32), with Llama 3 frequency-dependent scaling if configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    factor = float(sc["factor"])
+    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+    old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the band in
+    # between interpolated smoothly.
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cache(cfg: HFModelConfig, max_pos: int, device: torch.device) -> torch.Tensor:
+    """``[max_pos, head_dim]`` fp32 table: cat(cos, sin) of position x inverse frequency."""
+    inv_freq = rope_inv_freq(cfg)
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+@dataclass(slots=True)
+class _Layer:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LlamaModel:
+    """Decoder-only transformer over fused weights from `executor.loader.load_weights`."""
+
+    def __init__(self, cfg: HFModelConfig, weights: dict[str, torch.Tensor], ops: Ops, max_pos: int) -> None:
+        self.cfg = cfg
+        self.ops = ops
+        self.embed = weights["embed"]
+        self.norm = weights["norm"]
+        self.lm_head = weights["lm_head"]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.layers = [
+            _Layer(
+                qkv=weights[f"layers.{i}.qkv"],
+                qkv_bias=weights.get(f"layers.{i}.qkv_bias"),
+                o=weights[f"layers.{i}.o"],
+                o_bias=weights.get(f"layers.{i}.o_bias"),
+                gate_up=weights[f"layers.{i}.gate_up"],
+                down=weights[f"layers.{i}.down"],
+                in_norm=weights[f"layers.{i}.in_norm"],
+                post_norm=weights[f"layers.{i}.post_norm"],
+                q_norm=weights.get(f"layers.{i}.q_norm"),
+                k_norm=weights.get(f"layers.{i}.k_norm"),
+            )
+            for i in range(cfg.num_layers)
+        ]
+        self.cos_sin_cache = rope_cache(cfg, max_pos, self.device)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (before the final norm) of the batch's new tokens."""
+        cfg, ops = self.cfg, self.ops
+        t = input_ids.shape[0]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        eps = cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = ops.rms_norm(h, layer.in_norm, eps, residual)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_end].view(t, hq, d)
+            k = qkv[:, q_end:k_end].view(t, hkv, d)
+            v = qkv[:, k_end:].view(t, hkv, d)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q.reshape(t * hq, d), layer.q_norm, eps)[0].view(t, hq, d)
+                k = ops.rms_norm(k.reshape(t * hkv, d), layer.k_norm, eps)[0].view(t, hkv, d)
+            ops.rotary(q, k, positions, self.cos_sin_cache)
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            h = F.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
+            x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
+            h = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        assert residual is not None
+        return h + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]`` of the given hidden rows (only those that are sampled)."""
+        x, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

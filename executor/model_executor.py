@@ -1,0 +1,194 @@
+"""`ModelExecutor`: owns the model, its paged KV cache and the sampler; runs one `Batch` per call."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from common.batch import Batch, ExecutorOutput
+from common.config import CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
+from common.sampling_params import SamplingParams
+from executor.attention_metadata import AttentionMetadata
+from executor.loader import load_weights
+from executor.model import LlamaModel
+from executor.model_config import HFModelConfig, load_config
+from executor.ops import get_ops
+from executor.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, CPU default when CacheConfig.kv_cache_memory is None
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device_dtype(model_config: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    """``auto`` means CUDA + bf16 when a GPU is present, else CPU + fp32."""
+    if model_config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(model_config.device)
+    if model_config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif model_config.dtype in _DTYPES:
+        dtype = _DTYPES[model_config.dtype]
+    else:
+        raise ValueError(f"unknown dtype {model_config.dtype!r}; expected auto, {', '.join(_DTYPES)}")
+    return device, dtype
+
+
+def kv_block_bytes(cfg: HFModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelExecutor:
+    """Loads a checkpoint, sizes and allocates the KV pool, and executes batches."""
+
+    def __init__(self, model_config: ModelConfig, parallel_config: ParallelConfig, cache_config: CacheConfig) -> None:
+        if parallel_config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported")
+        self.model_config = model_config
+        self.cache_config = cache_config
+        model_dir = Path(model_config.model)
+        self.device, self.dtype = resolve_device_dtype(model_config)
+        self.hf_config = cfg = load_config(model_dir)
+
+        max_len = model_config.max_model_len or cfg.max_position_embeddings
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
+        self.max_model_len = max_len
+
+        backend = model_config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.ops = get_ops(backend)
+
+        torch.manual_seed(model_config.seed)
+        weights = load_weights(model_dir, cfg, self.dtype, self.device)
+        self.model = LlamaModel(cfg, weights, self.ops, max_pos=cfg.max_position_embeddings)
+        del weights
+
+        self.block_size = cache_config.block_size
+        self.num_blocks = self._num_blocks(cfg)
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zero-filled: masked-out keys/values must be finite (0 x NaN would poison attention).
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.sampler = Sampler(self.device, seed=model_config.seed)
+        self.info = ExecutorInfo(
+            model_name=model_dir.resolve().name,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(cfg.eos_token_ids),
+            vocab_size=cfg.vocab_size,
+        )
+        self.backend = backend
+        log.info(
+            "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens",
+            self.info.model_name, self.device, self.dtype, backend, self.num_blocks, self.block_size,
+        )
+
+    def _num_blocks(self, cfg: HFModelConfig) -> int:
+        block_bytes = kv_block_bytes(cfg, self.block_size, self.dtype)
+        cc = self.cache_config
+        if cc.num_blocks is not None:
+            num_blocks, budget, what = cc.num_blocks, cc.num_blocks * block_bytes, "num_blocks"
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # What this process may still use under the utilisation cap, less headroom for
+            # activations and the allocator.
+            budget = int(total * cc.gpu_memory_utilization) - (total - free) - (512 << 20)
+            num_blocks, what = max(budget, 0) // block_bytes, f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+        else:
+            budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+            num_blocks, what = budget // block_bytes, "kv_cache_memory"
+        holds = num_blocks * self.block_size
+        if holds < self.max_model_len:
+            need = -(-self.max_model_len // self.block_size)
+            raise ValueError(
+                f"KV cache too small: {num_blocks} blocks x {self.block_size} tokens hold {holds} tokens, "
+                f"fewer than max_model_len={self.max_model_len} (one full-length sequence). The pool "
+                f"({what}) gives {budget} bytes at {block_bytes} bytes per block; at least "
+                f"{need * block_bytes} bytes ({need} blocks) are needed. Raise the KV memory or lower "
+                f"max_model_len."
+            )
+        return int(num_blocks)
+
+    def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Tensors and attention metadata of ``batch``, built once for the whole step."""
+        dev = self.device
+        qsl = [0]
+        for ql in batch.query_lens:
+            qsl.append(qsl[-1] + ql)
+        width = max(len(bt) for bt in batch.block_tables) if batch.block_tables else 0
+        width = max(width, 1)
+        tables = [bt + [0] * (width - len(bt)) for bt in batch.block_tables]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64).to(dev, non_blocking=True),
+            max_query_len=max(batch.query_lens),
+            max_seq_len=max(batch.seq_lens),
+            query_lens_list=list(batch.query_lens),
+            seq_lens_list=list(batch.seq_lens),
+        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        positions = torch.tensor(batch.positions, dtype=torch.int64).to(dev, non_blocking=True)
+        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(batch.sample) if s]
+        return input_ids, positions, meta, sample_rows
+
+    def execute_model(self, batch: Batch) -> ExecutorOutput:
+        """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode."""
+        n = batch.num_seqs
+        if n == 0:
+            return ExecutorOutput()
+        if max(batch.seq_lens) > self.max_model_len:
+            raise ValueError(f"sequence of {max(batch.seq_lens)} tokens exceeds max_model_len={self.max_model_len}")
+        if batch.input_ids and not (0 <= min(batch.input_ids) and max(batch.input_ids) < self.info.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.info.vocab_size}), got {min(batch.input_ids)}..{max(batch.input_ids)}")
+        input_ids, positions, meta, rows = self._prepare(batch)
+        tokens: list[int] = [-1] * n
+        logprobs: list[dict[int, float] | None] = [None] * n
+        with torch.inference_mode():
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            if not rows:
+                return ExecutorOutput(tokens, logprobs)
+            if len(rows) < hidden.shape[0]:
+                hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
+            logits = self.model.compute_logits(hidden)
+            idx = [i for i, s in enumerate(batch.sample) if s]
+            params = [batch.sampling_params[i] for i in idx]
+            out_lens = [batch.output_lens[i] for i in idx]
+            banned = self._banned(params, out_lens)
+            sampled, lps = self.sampler.sample(logits, params, out_lens, banned)
+        for j, i in enumerate(idx):
+            tokens[i] = sampled[j]
+            logprobs[i] = lps[j]
+        return ExecutorOutput(tokens, logprobs)
+
+    def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
+        """EOS and stop tokens are banned while a request is below its ``min_tokens``."""
+        banned: list[list[int]] | None = None
+        for j, (p, ol) in enumerate(zip(params, out_lens)):
+            if ol < p.min_tokens:
+                if banned is None:
+                    banned = [[] for _ in params]
+                banned[j] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
+        return banned
+
+    def shutdown(self) -> None:
+        """Free the KV cache and weights."""
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,274 @@
+"""The torch backend of `executor.ops`: the CPU path, and the reference for the Triton kernels.
+
+Speed on a small CPU comes from doing per-step work once and batching everything else:
+
+- `paged_attention` turns the step's `AttentionMetadata` into a *plan* once (the first layer to
+  see it) and reuses it in every layer. The plan groups sequences: all decodes (one query token
+  each) form one padded batch; prefill chunks are packed into padded batches while padding waste
+  stays small. Each group gathers its K/V blocks with one ``index_select`` and runs one
+  ``scaled_dot_product_attention`` with GQA, masked by sequence length and causal offset.
+- `write_kv` is one ``index_copy_`` per cache; `rotary` indexes a precomputed cos/sin table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor.attention_metadata import AttentionMetadata
+from executor.ops import Ops
+
+# Padded batching of prefill chunks is allowed while padded work <= this x the real work.
+_PAD_WASTE = 1.5
+
+
+@dataclass(slots=True)
+class _Group:
+    """Sequences attended in one padded SDPA call."""
+
+    num_seqs: int
+    max_q: int
+    kv_len: int  # keys per sequence after padding (max seq_len in the group)
+    row_start: int  # with q_index None: the group's tokens are rows row_start:row_start+num_seqs
+    q_index: torch.Tensor | None  # [num_seqs * max_q] token rows (padding repeats a real row)
+    out_valid: torch.Tensor | None  # positions of real tokens in the padded [num_seqs * max_q]
+    out_rows: torch.Tensor | None  # their token rows in q/out
+    block_index: torch.Tensor  # int64 [num_seqs * blocks_per_seq]
+    mask: torch.Tensor | None  # bool [num_seqs, 1, max_q, kv_len]; None = no masking
+    causal: bool  # mask-free causal attention (whole prompts, all of one length)
+
+
+@dataclass(slots=True)
+class _Plan:
+    groups: list[_Group]
+    identity: bool  # a single group whose padded rows are exactly the token rows
+
+
+# One-entry memo: the metadata object of the current step and its plan. Holding the object (not
+# its id) makes a stale hit impossible.
+_memo_meta: AttentionMetadata | None = None
+_memo_plan: _Plan | None = None
+
+
+def _make_group(
+    seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_size: int, device: torch.device
+) -> _Group:
+    q_lens = [meta.query_lens_list[i] for i in seqs]
+    s_lens = [meta.seq_lens_list[i] for i in seqs]
+    num, max_q, kv_len = len(seqs), max(q_lens), max(s_lens)
+    nblocks = -(-kv_len // block_size)
+    sel = torch.tensor(seqs, dtype=torch.long)
+    block_index = meta.block_tables.index_select(0, sel.to(meta.block_tables.device))[:, :nblocks]
+    block_index = block_index.reshape(-1).to(device=device, dtype=torch.long)
+
+    starts = [qsl[i] for i in seqs]
+    contiguous = max_q == 1 and starts == list(range(starts[0], starts[0] + num))
+    if max_q == 1:
+        q_index = out_valid = out_rows = None
+        if not contiguous:
+            q_index = torch.tensor(starts, dtype=torch.long, device=device)
+            out_rows = q_index
+    else:
+        rows: list[int] = []
+        valid: list[int] = []
+        real: list[int] = []
+        for n, (start, ql) in enumerate(zip(starts, q_lens)):
+            rows.extend(range(start, start + ql))
+            rows.extend([start] * (max_q - ql))
+            valid.extend(range(n * max_q, n * max_q + ql))
+            real.extend(range(start, start + ql))
+        q_index = torch.tensor(rows, dtype=torch.long, device=device)
+        out_valid = torch.tensor(valid, dtype=torch.long, device=device)
+        out_rows = torch.tensor(real, dtype=torch.long, device=device)
+
+    # Whole prompts of one length need no explicit mask: plain causal attention.
+    causal = max_q > 1 and all(ql == max_q for ql in q_lens) and all(sl == max_q for sl in s_lens)
+    mask = None
+    if not causal and not (max_q == 1 and min(s_lens) == kv_len):
+        seq_len = torch.tensor(s_lens, device=device)
+        prefix = seq_len - torch.tensor(q_lens, device=device)
+        key_pos = torch.arange(kv_len, device=device)
+        q_pos = prefix[:, None] + torch.arange(max_q, device=device)[None, :]  # [num, max_q]
+        # Key l is visible to a query at absolute position p iff l <= p and l < seq_len.
+        # Padding queries sit past the end, so they still see >= 1 key (no NaN rows).
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_len[:, None, None])
+        mask = mask.unsqueeze(1)
+    return _Group(num, max_q, kv_len, starts[0], q_index, out_valid, out_rows, block_index, mask, causal)
+
+
+def _pack(seqs: list[int], meta: AttentionMetadata) -> list[list[int]]:
+    """Split ``seqs`` into groups whose padded work stays within ``_PAD_WASTE`` x the real work.
+
+    Sequences are taken longest first, so each group spans similar lengths.
+    """
+    ql, sl = meta.query_lens_list, meta.seq_lens_list
+    order = sorted(seqs, key=lambda i: (-ql[i], -sl[i]))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = max_q = max_kv = 0
+    for i in order:
+        work = ql[i] * sl[i]
+        new_q, new_kv = max(max_q, ql[i]), max(max_kv, sl[i])
+        if current and (len(current) + 1) * new_q * new_kv > _PAD_WASTE * (real + work):
+            groups.append(current)
+            current, real, new_q, new_kv = [], 0, ql[i], sl[i]
+        current.append(i)
+        real, max_q, max_kv = real + work, new_q, new_kv
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    qsl = [0]
+    for ql in meta.query_lens_list:
+        qsl.append(qsl[-1] + ql)
+    decodes = [i for i, ql in enumerate(meta.query_lens_list) if ql == 1]
+    prefills = [i for i, ql in enumerate(meta.query_lens_list) if ql > 1]
+    # Members in batch order, so that a group of consecutive decodes needs no index tensors.
+    groups = [
+        _make_group(sorted(members), meta, qsl, block_size, device)
+        for part in (decodes, prefills)
+        if part
+        for members in _pack(part, meta)
+    ]
+    identity = len(groups) == 1 and groups[0].max_q == 1 and groups[0].q_index is None
+    return _Plan(groups, identity)
+
+
+def _plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    global _memo_meta, _memo_plan
+    if _memo_meta is not meta or _memo_plan is None:
+        _memo_plan = _build_plan(meta, block_size, device)
+        _memo_meta = meta
+    return _memo_plan
+
+
+# Reused gather buffers for K and V: a fresh multi-MB tensor per layer costs page faults on CPU.
+_workspace: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, which: str) -> torch.Tensor:
+    """``cache.index_select(0, index)`` into a persistent buffer."""
+    shape = (index.numel(), *cache.shape[1:])
+    numel = index.numel() * cache[0].numel()
+    # Inference-mode tensors cannot be written outside inference mode (and vice versa is slow).
+    key = (which, cache.device, cache.dtype, torch.is_inference_mode_enabled())
+    buf = _workspace.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 20), dtype=cache.dtype, device=cache.device)
+        _workspace[key] = buf
+    out = buf[:numel].view(shape)
+    torch.index_select(cache, 0, index, out=out)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached K/V (see `executor.ops`)."""
+    num_tokens, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    plan = _plan_for(meta, block_size, q.device)
+    out = None if plan.identity else q.new_empty(num_tokens, hq, d)
+    for g in plan.groups:
+        # [num_seqs * nblocks, block_size, hkv, d] -> [num_seqs, kv_len, hkv, d] -> heads first.
+        keys = _gather(k_cache, g.block_index, "k").view(g.num_seqs, -1, hkv, d)[:, : g.kv_len]
+        vals = _gather(v_cache, g.block_index, "v").view(g.num_seqs, -1, hkv, d)[:, : g.kv_len]
+        if g.q_index is None:
+            qg = q[g.row_start : g.row_start + g.num_seqs]
+        else:
+            qg = q.index_select(0, g.q_index)
+        qg = qg.reshape(g.num_seqs, g.max_q, hq, d).transpose(1, 2)
+        og = F.scaled_dot_product_attention(
+            qg,
+            keys.transpose(1, 2),
+            vals.transpose(1, 2),
+            attn_mask=g.mask,
+            is_causal=g.causal,
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )  # [num_seqs, hq, max_q, d]
+        og = og.transpose(1, 2).reshape(g.num_seqs * g.max_q, hq, d)
+        if plan.identity:
+            return og
+        if g.out_valid is not None:
+            og = og.index_select(0, g.out_valid)
+        if g.out_rows is None:
+            out[g.row_start : g.row_start + g.num_seqs] = og
+        else:
+            out.index_copy_(0, g.out_rows, og)
+    assert out is not None
+    return out
+
+
+# Memo of the last slot_mapping seen (the same tensor is passed by every layer of a step).
+_memo_slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping`` (skip < 0)."""
+    global _memo_slots
+    if _memo_slots is None or _memo_slots[0] is not slot_mapping:
+        keep = None
+        if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+            keep = torch.nonzero(slot_mapping >= 0).flatten()
+        _memo_slots = (slot_mapping, keep)
+    keep = _memo_slots[1]
+    slots = slot_mapping
+    if keep is not None:
+        slots, key, value = slot_mapping.index_select(0, keep), key.index_select(0, keep), value.index_select(0, keep)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, optionally of ``x + residual`` (returned as the new residual)."""
+    if residual is not None:
+        x = x + residual
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
+    # Low precision: normalise in fp32, then scale in the model dtype (as transformers does).
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight, x
+
+
+_memo_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Neox-style rotary embedding of q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""
+    global _memo_rope
+    if _memo_rope is None or _memo_rope[0] is not positions or _memo_rope[1] is not cos_sin_cache:
+        cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        _memo_rope = (positions, cos_sin_cache, cos, sin)
+    cos, sin = _memo_rope[2], _memo_rope[3]
+    half = cos.shape[-1]
+    for x in (q, k):
+        x1, x2 = x[..., :half], x[..., half : 2 * half]
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        x1.copy_(r1)
+        x2.copy_(r2)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]``."""
+    inter = x.shape[-1] // 2
+    out = F.silu(x[..., :inter])
+    return out.mul_(x[..., inter:])
+
+
+OPS = Ops(
+    name="torch",
+    write_kv=write_kv,
+    paged_attention=paged_attention,
+    rms_norm=rms_norm,
+    rotary=rotary,
+    silu_and_mul=silu_and_mul,
+)

@@ -25,7 +25,7 @@ class CacheConfig:
     """Paged KV cache geometry and its memory budget."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes, CPU budget (None: a default fraction of RAM)
+    kv_cache_memory: int | None = None  # bytes, CPU budget (None: 1 GiB)
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # force a pool size (tests); overrides the budget
 

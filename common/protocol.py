@@ -32,7 +32,7 @@ import types
 import typing
 from array import array
 from dataclasses import dataclass, field, fields
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgpack
 
@@ -279,9 +279,54 @@ MESSAGE_TYPES: dict[str, type] = {
     "stats": SchedulerStats,
 }
 _TAGS: dict[type, str] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
-# Per type: (name, resolved type hint, packed code or None) for each field, resolved once.
-_SCHEMA: dict[type, list[tuple[str, Any, str | None]]] = {
-    cls: [(f.name, typing.get_type_hints(cls)[f.name], f.metadata.get("packed")) for f in fields(cls)]
+
+
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A predicate for "``value`` (as msgpack decodes it) fits the type hint ``hint``".
+
+    Built once per field: interpreting the hint for every value (``typing.get_origin`` per list
+    element) made decoding a 64-request `StepOutputs` cost ~0.45 ms, a tenth of a decode step.
+    """
+    if hint is Any:
+        return lambda v: True
+    origin = typing.get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        args = typing.get_args(hint)
+        rest = [_checker(h) for h in args if h is not type(None)]
+        if len(rest) == 1 and len(args) == 2:  # Optional[X], the usual case
+            (check,) = rest
+            return lambda v: v is None or check(v)
+        checks = [_checker(h) for h in args]
+        return lambda v: any(c(v) for c in checks)
+    if hint is type(None):
+        return lambda v: v is None
+    if hint is bool:
+        return lambda v: v is True or v is False
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is str:
+        return lambda v: isinstance(v, str)
+    if hint is bytes:
+        return lambda v: isinstance(v, bytes)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if item is str:  # request ids: the long lists
+            return lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
+        check = _checker(item)
+        return lambda v: isinstance(v, list) and all(map(check, v))
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        check_key, check_item = _checker(key), _checker(item)
+        return lambda v: isinstance(v, dict) and all(check_key(k) and check_item(x) for k, x in v.items())
+    raise TypeError(f"protocol schema uses unsupported type {hint!r}")
+
+
+# Per type: (name, resolved type hint, packed code or None, value checker) for each field, built once.
+_SCHEMA: dict[type, list[tuple[str, Any, str | None, Callable[[Any], bool]]]] = {
+    cls: [(f.name, hint, f.metadata.get("packed"), _checker(hint))
+          for f in fields(cls) for hint in [typing.get_type_hints(cls)[f.name]]]
     for cls in MESSAGE_TYPES.values()
 }
 
@@ -294,7 +339,7 @@ def encode(msg: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
     if tag is None:
         raise ProtocolError(f"cannot encode {cls.__name__}: not a protocol message type")
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": tag}
-    for name, _, code in _SCHEMA[cls]:
+    for name, _, code, _ in _SCHEMA[cls]:
         value = getattr(msg, name)
         body[name] = pack_array(code, value) if code is not None else value
     data = msgpack.packb(body, use_bin_type=True)
@@ -326,7 +371,7 @@ def decode(data: bytes, expected: tuple[type, ...] | None = None, max_bytes: int
         want = ", ".join(c.__name__ for c in expected)
         raise ProtocolError(f"unexpected message type {cls.__name__} (expected {want})")
     kwargs: dict[str, Any] = {}
-    for name, hint, code in _SCHEMA[cls]:
+    for name, hint, code, check in _SCHEMA[cls]:
         if name not in body:
             raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
         value = body.pop(name)
@@ -337,40 +382,12 @@ def decode(data: bytes, expected: tuple[type, ...] | None = None, max_bytes: int
                 value = unpack_array(code, value)
             except ValueError as exc:
                 raise ProtocolError(f"{cls.__name__}.{name}: {exc}") from None
-        elif not _matches(value, hint):
+        elif not check(value):
             raise ProtocolError(f"{cls.__name__}.{name}: expected {_hint_name(hint)}, got {_short(value)}")
         kwargs[name] = value
     if body:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, body))}")
     return cls(**kwargs)
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Does ``value`` (as msgpack decodes it) fit the type hint ``hint``?"""
-    if hint is Any:
-        return True
-    origin = typing.get_origin(hint)
-    if origin is Union or origin is types.UnionType:
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is bytes:
-        return isinstance(value, bytes)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
-    if origin is dict:
-        key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, item) for k, v in value.items())
-    raise TypeError(f"protocol schema uses unsupported type {hint!r}")
 
 
 def _hint_name(hint: Any) -> str:

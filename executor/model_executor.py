@@ -47,7 +47,10 @@ def kv_block_bytes(cfg: HFModelConfig, block_size: int, dtype: torch.dtype) -> i
 class ModelExecutor:
     """Loads a checkpoint, sizes and allocates the KV pool, and executes batches."""
 
-    def __init__(self, model_config: ModelConfig, parallel_config: ParallelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, model_config: ModelConfig, parallel_config: ParallelConfig, cache_config: CacheConfig | None = None
+    ) -> None:
+        cache_config = cache_config or CacheConfig()
         if parallel_config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported")
         self.model_config = model_config

@@ -4,13 +4,13 @@ Protocol with the scheduler (see `common.protocol`): announce with `ExecutorHell
 stream (again every few seconds while idle, so a restarted scheduler finds it), accept the
 `BindExecutor` that names this executor, then execute every `StepDelta` of that epoch and answer
 with a `StepResult`. Steps of any other epoch are ignored: they refer to KV state of a previous
-binding. The step stream has exactly one reader (this process), so no consumer group.
+binding. The step stream has exactly one reader (this process), so no consumer group. The loop
+is synchronous (blocking reads, the forward pass inline); heartbeats run on their own thread.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import time
@@ -21,7 +21,7 @@ from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.protocol import BindExecutor, ExecutorHello, Names, StepDelta, StepResult, pack_logprobs
 from common.sampling_params import SamplingParams
-from common.transport import Transport
+from common.transport import Heartbeat, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 
@@ -126,33 +126,39 @@ class ExecutorService:
         self.info = model_executor.info  # type: ignore[attr-defined]
         self.eid = config.executor_id or uuid.uuid4().hex[:12]
         self.names = Names(config.namespace)
-        self.transport = Transport(config.redis_url, self.names, owner=f"executor {self.eid}")
+        self.transport = SyncTransport(config.redis_url, self.names, owner=f"executor {self.eid}")
         self.states = RequestStates(self.info.block_size)
         self.epoch: int | None = None
+        self.last_step = 0  # of the current epoch
 
     def _hello(self) -> ExecutorHello:
         i = self.info
         return ExecutorHello(self.eid, i.model_name, self.config.model, i.num_blocks, i.block_size, i.max_model_len,
                              i.vocab_size, list(i.eos_token_ids))
 
-    async def run(self) -> None:
+    def run(self) -> None:
+        """Serve until interrupted: one blocking loop, each step executed inline.
+
+        The result of a step rides in the same round trip as the next blocking read of the step
+        stream (XADD, then XREAD), so a step costs this process one Redis round trip.
+        """
         t = self.transport
-        await t.ping()
+        t.ping()
         ttl = self.config.heartbeat_ttl_ms
-        beat = asyncio.create_task(t.heartbeat_loop("executor", self.eid, max(0.1, ttl / 6000), ttl))
+        heartbeat = Heartbeat(self.config.redis_url, self.names, "executor", self.eid, max(0.1, ttl / 6000), ttl).start()
         steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
-        await t.beat("executor", self.eid, ttl)
-        cursors: dict[str, bytes | str] = {steps: await t.last_id(steps)}
-        await t.send(results, self._hello(), maxlen=2000)
+        cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
+        sends: list[tuple[str, bytes, int | None]] = [(results, t.encode(self._hello()), 2000)]
         last_activity = time.monotonic()
         logger.info("executor %s up (%d blocks of %d); waiting for scheduler %s", self.eid, self.info.num_blocks,
                     self.info.block_size, self.config.scheduler_id)
         try:
             while True:
-                got = await t.read(cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta))
+                got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta))
+                sends = []
                 if not got and time.monotonic() - last_activity > HELLO_INTERVAL_S:
                     # Idle: re-announce, so a scheduler that (re)started finds this executor.
-                    await t.send(results, self._hello(), maxlen=2000)
+                    sends.append((results, t.encode(self._hello()), 2000))
                     last_activity = time.monotonic()
                 for _, _, msg in got:
                     last_activity = time.monotonic()
@@ -164,18 +170,21 @@ class ExecutorService:
                             logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
                             self.epoch = None
                         self.states.clear()
-                    elif msg.epoch == self.epoch:
-                        await t.send(results, await self._step(msg), maxlen=2000)
+                        self.last_step = 0
+                    elif msg.epoch == self.epoch and msg.step > self.last_step:
+                        # (a step seen twice, from a retried send, is not executed twice)
+                        self.last_step = msg.step
+                        sends.append((results, t.encode(self._step(msg)), 2000))
         finally:
-            beat.cancel()
-            await t.close()
+            heartbeat.stop()
+            t.close()
 
-    async def _step(self, delta: StepDelta) -> StepResult:
+    def _step(self, delta: StepDelta) -> StepResult:
         result = StepResult(epoch=delta.epoch, step=delta.step)
         try:
             batch = self.states.apply(delta)
             t0 = time.perf_counter()
-            out = await asyncio.to_thread(self.model.execute_model, batch)  # type: ignore[attr-defined]
+            out = self.model.execute_model(batch)  # type: ignore[attr-defined]
             result.forward_s = time.perf_counter() - t0
         except Exception as exc:  # report, drop state; the scheduler fails the step's requests
             logger.exception("step %d failed", delta.step)
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ExecutorServiceConfig(args.redis_url, args.model, args.namespace, args.scheduler_id, args.executor_id,
                                    model_config, cache_config, args.heartbeat_ttl_ms)
     try:
-        asyncio.run(ExecutorService(config, model_executor).run())
+        ExecutorService(config, model_executor).run()
     except KeyboardInterrupt:
         pass
     return 0

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.protocol import AbortRequests, GenerateRequest, ModelInfo, Names, StepOutputs, unpack_logprobs
-from common.transport import Transport
+from common.transport import Heartbeat, Transport
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -62,6 +62,8 @@ class EngineClient:
         self._aborts: list[str] = []
         self._abort_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._heartbeat: Heartbeat | None = None
+        self.redis_url = redis_url
         self.outputs_stream = names.outputs(gateway_id)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -70,14 +72,19 @@ class EngineClient:
         await self.transport.beat("gateway", self.gateway_id, self.heartbeat_ttl_ms)
         cursor = await self.transport.last_id(self.outputs_stream)
         await self._check_engine()
+        # On a thread: a busy event loop (many streams on a loaded CPU) must not let the heartbeat
+        # lapse, or the scheduler aborts every request of this gateway.
+        self._heartbeat = Heartbeat(self.redis_url, self.names, "gateway", self.gateway_id,
+                                    max(0.1, self.heartbeat_ttl_ms / 6000), self.heartbeat_ttl_ms).start()
         self._tasks = [
-            asyncio.create_task(self.transport.heartbeat_loop("gateway", self.gateway_id, max(0.1, self.heartbeat_ttl_ms / 6000), self.heartbeat_ttl_ms)),
             asyncio.create_task(self._read_outputs(cursor)),
             asyncio.create_task(self._send_aborts()),
             asyncio.create_task(self._watch_engine()),
         ]
 
     async def stop(self) -> None:
+        if self._heartbeat is not None:
+            await asyncio.to_thread(self._heartbeat.stop, 2.0)  # no beat may land after the delete below
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -2,8 +2,8 @@
 
 It binds an executor (the newest live `ExecutorHello`), builds the very `Scheduler` and
 `CacheManager` the offline `LLM` uses with a `StreamExecutor`, and then loops: take new requests
-and aborts (read by background tasks between steps), run one step on a worker thread, send each
-gateway one `StepOutputs` for its requests. Failures are contained: a malformed message is
+and aborts (read by background threads), run one step inline, queue one `StepOutputs` per
+gateway (sent in the next step's round trip, or at once if no step follows). Failures are contained: a malformed message is
 dead-lettered; a gateway whose heartbeat expires has its requests aborted; a lost executor fails
 every in-flight request with an error (never a hang) and the service waits for the next one.
 """
@@ -11,11 +11,12 @@ every in-flight request with an error (never a hang) and the service waits for t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from common.config import ExecutorInfo, SchedulerConfig
@@ -33,7 +34,7 @@ from common.protocol import (
     pack_logprobs,
 )
 from common.sampling_params import SamplingParams
-from common.transport import Transport
+from common.transport import Heartbeat, SyncTransport
 from scheduler.cache_manager import CacheManager
 from scheduler.request import Request, StepOutput
 from scheduler.scheduler import Scheduler
@@ -60,19 +61,25 @@ class SchedulerServiceConfig:
 
 
 class SchedulerService:
-    """One scheduler process: owns the engine state for the requests it has taken."""
+    """One scheduler process: owns the engine state for the requests it has taken.
+
+    Threads: the engine loop (the caller of `run`) owns the `Scheduler` and runs every step
+    inline; reader threads block on the requests and control streams and hand messages over in
+    thread-safe deques; a watcher aborts the requests of dead gateways; `Heartbeat` beats.
+    """
 
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         self.names = Names(config.namespace)
-        self.transport = Transport(
+        self.transport = SyncTransport(
             config.redis_url, self.names, max_message_bytes=config.max_message_bytes, owner=f"scheduler {config.scheduler_id}"
         )
         self.sid = config.scheduler_id
-        self.inbox: list[GenerateRequest] = []
-        self.aborts: list[str] = []
-        self.wakeup = asyncio.Event()
-        self.owner: dict[str, str] = {}  # request id -> gateway id
+        self.inbox: deque[GenerateRequest] = deque()
+        self.aborts: deque[str] = deque()
+        self.wakeup = threading.Event()
+        self.stopping = threading.Event()
+        self.owner: dict[str, str] = {}  # request id -> gateway id (written by the engine thread only)
         self.recent_aborts: dict[str, float] = {}  # aborts that may overtake their request
         self.engine: Scheduler | None = None
         self.executor: StreamExecutor | None = None
@@ -83,18 +90,17 @@ class SchedulerService:
         self.step_count = 0
 
     # -- entry ---------------------------------------------------------------------------------
-    async def run(self) -> None:
-        await self.transport.ping()
-        await self.transport.ensure_group(self.names.requests, self.names.scheduler_group)
-        tasks = [
-            asyncio.create_task(self.transport.heartbeat_loop("scheduler", self.sid, self.config.heartbeat_interval_s, self.config.heartbeat_ttl_ms)),
-            asyncio.create_task(self._read_requests()),
-            asyncio.create_task(self._read_control()),
-            asyncio.create_task(self._watch_gateways()),
-        ]
+    def run(self) -> None:
+        t = self.transport
+        t.ping()
+        t.ensure_group(self.names.requests, self.names.scheduler_group)
+        heartbeat = Heartbeat(self.config.redis_url, self.names, "scheduler", self.sid, self.config.heartbeat_interval_s,
+                              self.config.heartbeat_ttl_ms).start()
+        for target in (self._read_requests, self._read_control, self._watch_gateways):
+            threading.Thread(target=target, name=target.__name__.strip("_"), daemon=True).start()
         try:
             while True:
-                executor = await self._bind_executor()
+                executor = self._bind_executor()
                 self.executor = executor
                 self.engine = Scheduler(
                     SchedulerConfig(self.config.max_num_batched_tokens, self.config.max_num_seqs),
@@ -102,28 +108,28 @@ class SchedulerService:
                     executor,
                 )
                 try:
-                    await self._engine_loop()
+                    self._engine_loop()
                 except Exception as exc:  # ExecutorLost, or an engine bug: contain it either way
                     if isinstance(exc, ExecutorLost):
                         logger.error("%s; failing %d requests", exc, len(self.owner))
                     else:
                         logger.exception("engine step failed; failing %d requests", len(self.owner))
-                    await self._fail_all(str(exc) if isinstance(exc, ExecutorLost) else f"engine error: {exc}")
+                    self._fail_all(str(exc) if isinstance(exc, ExecutorLost) else f"engine error: {exc}")
                     self.engine = None
                     self.executor = None
         finally:
-            for task in tasks:
-                task.cancel()
-            await self.transport.close()
+            self.stopping.set()
+            heartbeat.stop()
+            t.close()
 
     # -- executor binding ----------------------------------------------------------------------
-    async def _bind_executor(self) -> StreamExecutor:
+    def _bind_executor(self) -> StreamExecutor:
         """Wait for a live executor's hello, give it a fresh epoch and publish the model info."""
         results = self.names.results(self.sid)
-        r = self.transport.redis
-        cursor = await self.transport.last_id(results)
+        t = self.transport
+        cursor = t.last_id(results)
         candidates: list[ExecutorHello] = list(self.executor.hellos) if self.executor else []
-        for _, entry in await self.transport.call(r.xrevrange, results, count=200):
+        for _, entry in t.call(t.redis.xrevrange, results, count=200):
             try:
                 msg = decode(entry.get(b"m", b""))
             except ProtocolError:
@@ -133,45 +139,45 @@ class SchedulerService:
         logger.info("waiting for an executor on %s", results)
         while True:
             for hello in candidates:  # newest first
-                if await self.transport.alive("executor", hello.executor_id):
-                    return await self._bind(hello, cursor)
+                if t.alive("executor", hello.executor_id):
+                    return self._bind(hello, cursor)
             candidates = []
             cursors: dict[str, bytes | str] = {results: cursor}
-            for _, _, msg in await self.transport.read(cursors, block_ms=1000, expected=(ExecutorHello,)):
+            for _, _, msg in t.read(cursors, block_ms=1000, expected=(ExecutorHello,)):
                 candidates.insert(0, msg)
             cursor = cursors[results]  # type: ignore[assignment]
             self._drop_unservable()
 
-    async def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
-        epoch = int(await self.transport.call(self.transport.redis.incr, self.names.epoch(self.sid)))
-        await self.transport.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, epoch), maxlen=1000)
+    def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
+        t = self.transport
+        epoch = int(t.call(t.redis.incr, self.names.epoch(self.sid)))
+        t.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, epoch), maxlen=1000)
         info = ExecutorInfo(hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size)
         self.info = info
-        await self.transport.put(
+        t.put(
             self.names.model_info,
             ModelInfo(hello.model_name, hello.model_path, hello.max_model_len, hello.vocab_size, hello.block_size,
                       hello.num_blocks, self.sid, hello.executor_id, epoch),
         )
         logger.info("bound executor %s (epoch %d): %s, %d blocks of %d", hello.executor_id, epoch, hello.model_name, hello.num_blocks, hello.block_size)
         return StreamExecutor(
-            info, self.transport, asyncio.get_running_loop(), scheduler_id=self.sid, executor_id=hello.executor_id,
-            epoch=epoch, results_cursor=cursor, result_timeout_s=self.config.result_timeout_s,
+            info, t, scheduler_id=self.sid, executor_id=hello.executor_id, epoch=epoch, results_cursor=cursor,
+            result_timeout_s=self.config.result_timeout_s,
         )
 
     def _drop_unservable(self) -> None:
         """Without an executor, keep queued requests (the gateway times them out) but bound the queue."""
-        if len(self.inbox) > 10_000:
-            del self.inbox[: len(self.inbox) - 10_000]
+        while len(self.inbox) > 10_000:
+            self.inbox.popleft()
 
-    # -- background readers --------------------------------------------------------------------
-    async def _read_requests(self) -> None:
-        consumer = self.sid
+    # -- background threads --------------------------------------------------------------------
+    def _read_requests(self) -> None:
         # Entries taken before a crash but never acknowledged belong to this consumer: re-read.
         pending = True
-        while True:
+        while not self.stopping.is_set():
             try:
-                got = await self.transport.read_group(
-                    self.names.requests, self.names.scheduler_group, consumer, block_ms=1000,
+                got = self.transport.read_group(
+                    self.names.requests, self.names.scheduler_group, self.sid, block_ms=1000,
                     expected=(GenerateRequest,), pending=pending,
                 )
                 pending = False
@@ -180,67 +186,77 @@ class SchedulerService:
                     self.wakeup.set()
             except Exception:
                 logger.exception("request reader failed; continuing")
-                await asyncio.sleep(0.5)
+                time.sleep(0.5)
 
-    async def _read_control(self) -> None:
+    def _read_control(self) -> None:
         control = self.names.control
-        cursors: dict[str, bytes | str] = {control: await self.transport.last_id(control)}
-        while True:
+        cursors: dict[str, bytes | str] = {}
+        while not self.stopping.is_set():
             try:
-                for _, _, msg in await self.transport.read(cursors, block_ms=1000, expected=(AbortRequests,)):
+                if not cursors:
+                    cursors[control] = self.transport.last_id(control)
+                for _, _, msg in self.transport.read(cursors, block_ms=1000, expected=(AbortRequests,)):
                     self.aborts.extend(msg.request_ids)
                     self.wakeup.set()
             except Exception:
                 logger.exception("control reader failed; continuing")
-                await asyncio.sleep(0.5)
+                time.sleep(0.5)
 
-    async def _watch_gateways(self) -> None:
-        """Abort the requests of gateways whose heartbeat expired (their clients are gone)."""
-        while True:
-            await asyncio.sleep(1.0)
+    def _watch_gateways(self) -> None:
+        """Abort the requests of gateways whose heartbeat expired (their clients are gone).
+
+        Such a gateway also gets an error output for each of them: if it is in fact alive (its
+        heartbeat was only late), its clients see an error instead of waiting forever.
+        """
+        while not self.stopping.wait(1.0):
             try:
-                for gateway_id in set(self.owner.values()):
-                    if not await self.transport.alive("gateway", gateway_id):
-                        dead = [rid for rid, gid in self.owner.items() if gid == gateway_id]
-                        logger.warning("gateway %s is gone; aborting its %d requests", gateway_id, len(dead))
-                        self.aborts.extend(dead)
-                        self.wakeup.set()
-                await self._publish_stats(force=True)
+                owners = dict(self.owner)  # a copy: the engine thread edits the dict
+                for gateway_id in set(owners.values()):
+                    if self.transport.alive("gateway", gateway_id):
+                        continue
+                    dead = [rid for rid, gid in owners.items() if gid == gateway_id]
+                    logger.warning("gateway %s is gone; aborting its %d requests", gateway_id, len(dead))
+                    self.aborts.extend(dead)
+                    self.wakeup.set()
+                    self._send_errors(gateway_id, dead, f"gateway {gateway_id} missed its heartbeat; request aborted")
             except Exception:
                 logger.exception("gateway watch failed; continuing")
 
     # -- engine loop ---------------------------------------------------------------------------
-    async def _engine_loop(self) -> None:
+    def _engine_loop(self) -> None:
         engine, executor = self.engine, self.executor
         assert engine is not None and executor is not None
         if executor.hellos:
             executor.hellos.clear()
         while True:
             if not engine.has_unfinished() and not self.inbox and not self.aborts:
+                executor.flush()
+                self._publish_stats()
+                self.wakeup.wait(timeout=1.0)
                 self.wakeup.clear()
-                try:
-                    await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
                 # An idle executor that vanished must not take the next request down with it.
-                if not engine.has_unfinished() and not await self.transport.alive("executor", executor.executor_id):
+                if not engine.has_unfinished() and not self.transport.alive("executor", executor.executor_id):
                     raise ExecutorLost(f"executor {executor.executor_id} stopped (its heartbeat expired)")
-            await self._apply_aborts(engine, executor)
-            await self._admit(engine)
+            self._apply_aborts(engine, executor)
+            self._admit(engine)
             if engine.has_unfinished():
                 t0 = time.perf_counter()
-                outputs = await asyncio.to_thread(engine.schedule)
+                outputs = engine.schedule()  # also sends the previous step's outputs (executor.outbox)
+                self._publish(outputs, executor)
+                executor.release([o.request_id for o in outputs if o.finished])
+                if not engine.has_unfinished():
+                    executor.flush()  # no next step to carry them
                 self.step_wall_s += time.perf_counter() - t0
                 self.step_forward_s += executor.last_forward_s
                 self.step_count += 1
-                await self._publish(outputs)
-                executor.release([o.request_id for o in outputs if o.finished])
-            await self._publish_stats()
+            self._publish_stats()
 
-    async def _apply_aborts(self, engine: Scheduler, executor: StreamExecutor) -> None:
+    def _apply_aborts(self, engine: Scheduler, executor: StreamExecutor) -> None:
         if not self.aborts:
             return
-        request_ids, self.aborts = self.aborts, []
+        request_ids: list[str] = []
+        while self.aborts:
+            request_ids.append(self.aborts.popleft())
         now = time.monotonic()
         for request_id in request_ids:
             if engine.abort(request_id) is None:
@@ -250,12 +266,14 @@ class SchedulerService:
         for request_id, t in list(self.recent_aborts.items()):
             if now - t > 60:
                 del self.recent_aborts[request_id]
-        await self._publish_stats(force=True)
+        self._publish_stats(force=True)
 
-    async def _admit(self, engine: Scheduler) -> None:
+    def _admit(self, engine: Scheduler) -> None:
         if not self.inbox:
             return
-        incoming, self.inbox = self.inbox, []
+        incoming: list[GenerateRequest] = []
+        while self.inbox:
+            incoming.append(self.inbox.popleft())
         errors: list[tuple[GenerateRequest, str]] = []
         for msg in incoming:
             if self.recent_aborts.pop(msg.request_id, None) is not None:
@@ -283,10 +301,10 @@ class SchedulerService:
             logger.warning("rejected request %s: %s", msg.request_id, error)
             # "rejected" (not "error"): the request was bad, the engine is fine (a 400, not a 503).
             out = StepOutputs([msg.request_id], [0], [0], [], [True], ["rejected"], [error], [], [], [])
-            await self.transport.send(self.names.outputs(msg.gateway_id), out, maxlen=OUTPUTS_MAXLEN)
+            self.transport.send(self.names.outputs(msg.gateway_id), out, maxlen=OUTPUTS_MAXLEN)
 
-    async def _publish(self, outputs: list[StepOutput]) -> None:
-        """One `StepOutputs` per gateway for this step."""
+    def _publish(self, outputs: list[StepOutput], executor: StreamExecutor) -> None:
+        """Queue one `StepOutputs` per gateway for this step; the next step's round trip sends them."""
         by_gateway: dict[str, StepOutputs] = {}
         for out in outputs:
             gateway_id = self.owner.get(out.request_id)
@@ -295,36 +313,48 @@ class SchedulerService:
             msg = by_gateway.get(gateway_id)
             if msg is None:
                 msg = by_gateway[gateway_id] = StepOutputs()
+            n = len(out.new_token_ids)
             msg.request_ids.append(out.request_id)
-            msg.token_index.append(out.num_output_tokens - len(out.new_token_ids))
-            msg.num_tokens.append(len(out.new_token_ids))
+            msg.token_index.append(out.num_output_tokens - n)
+            msg.num_tokens.append(n)
             msg.token_ids.extend(out.new_token_ids)
             msg.finished.append(out.finished)
             msg.finish_reasons.append(out.finish_reason)
             msg.errors.append(None)
-            counts, ids, values = pack_logprobs(out.new_logprobs if out.new_logprobs else [None] * len(out.new_token_ids))
+            if out.new_logprobs and any(lp is not None for lp in out.new_logprobs):
+                counts, ids, values = pack_logprobs(out.new_logprobs)
+            else:  # the common case: no logprobs requested
+                counts, ids, values = [-1] * n, [], []
             msg.lp_counts.extend(counts)
             msg.lp_token_ids.extend(ids)
             msg.lp_values.extend(values)
             if out.finished:
                 del self.owner[out.request_id]
         for gateway_id, msg in by_gateway.items():
-            await self.transport.send(self.names.outputs(gateway_id), msg, maxlen=OUTPUTS_MAXLEN)
+            executor.outbox.append((self.names.outputs(gateway_id), self.transport.encode(msg), OUTPUTS_MAXLEN))
 
-    async def _fail_all(self, error: str) -> None:
+    def _send_errors(self, gateway_id: str, request_ids: list[str], error: str) -> None:
+        n = len(request_ids)
+        out = StepOutputs(request_ids, [0] * n, [0] * n, [], [True] * n, ["error"] * n, [error] * n, [], [], [])
+        try:
+            self.transport.send(self.names.outputs(gateway_id), out, maxlen=OUTPUTS_MAXLEN, deadline_s=10)
+        except Exception:
+            logger.exception("could not tell gateway %s about the failure", gateway_id)
+
+    def _fail_all(self, error: str) -> None:
+        if self.executor is not None:
+            try:  # tokens produced before the failure go first, so each stream stays in order
+                self.executor.flush()
+            except Exception:
+                logger.exception("could not send the last outputs")
         by_gateway: dict[str, list[str]] = {}
         for request_id, gateway_id in self.owner.items():
             by_gateway.setdefault(gateway_id, []).append(request_id)
         self.owner.clear()
         for gateway_id, request_ids in by_gateway.items():
-            n = len(request_ids)
-            out = StepOutputs(request_ids, [0] * n, [0] * n, [], [True] * n, ["error"] * n, [error] * n, [], [], [])
-            try:
-                await self.transport.send(self.names.outputs(gateway_id), out, maxlen=OUTPUTS_MAXLEN, deadline_s=10)
-            except Exception:
-                logger.exception("could not tell gateway %s about the failure", gateway_id)
+            self._send_errors(gateway_id, request_ids, error)
 
-    async def _publish_stats(self, force: bool = False) -> None:
+    def _publish_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last_stats < 0.1:
             return
@@ -346,7 +376,7 @@ class SchedulerService:
             step_forward_s=self.step_forward_s,
             step_count=self.step_count,
         )
-        await self.transport.put(self.names.stats(self.sid), stats)
+        self.transport.put(self.names.stats(self.sid), stats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logger.info("scheduler %s on %s (namespace %r, host %s)", config.scheduler_id, config.redis_url, config.namespace, socket.gethostname())
     try:
-        asyncio.run(SchedulerService(config).run())
+        SchedulerService(config).run()
     except KeyboardInterrupt:
         pass
     return 0

@@ -8,13 +8,12 @@ carries one new token and (every ``block_size`` steps) one new block id per sequ
 prompt's tokens travel once. Preemption (a different block table) and any other divergence are
 just larger edits, so the executor's rebuilt `Batch` always equals the scheduler's.
 
-`execute_model` is called on a worker thread (the engine step), while Redis I/O belongs to the
-service's event loop; the round trip is handed to that loop with ``run_coroutine_threadsafe``.
+`execute_model` runs inline on the engine's thread and blocks on Redis: no event loop, no thread
+hand-off in the hot path (each one is a wake-up, which costs most on a busy CPU).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo
 from common.protocol import ExecutorHello, StepDelta, StepResult, sampling_to_dict, unpack_logprobs
-from common.transport import Transport
+from common.transport import SyncTransport
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +114,18 @@ class DeltaEncoder:
 
 
 class StreamExecutor:
-    """Executor interface over Redis streams for one bound executor and epoch."""
+    """Executor interface over Redis streams for one bound executor and epoch.
+
+    Runs on the engine's own thread with blocking calls: a step is one pipelined round trip
+    (XADD the delta, then a blocking XREAD of the results stream). The service queues the previous
+    step's outputs in `outbox`, and they ride in the same round trip; `flush` sends them when no
+    step follows.
+    """
 
     def __init__(
         self,
         info: ExecutorInfo,
-        transport: Transport,
-        loop: asyncio.AbstractEventLoop,
+        transport: SyncTransport,
         *,
         scheduler_id: str,
         executor_id: str,
@@ -132,7 +136,6 @@ class StreamExecutor:
     ) -> None:
         self.info = info
         self.transport = transport
-        self.loop = loop
         self.scheduler_id = scheduler_id
         self.executor_id = executor_id
         self.epoch = epoch
@@ -144,46 +147,58 @@ class StreamExecutor:
         self.last_forward_s = 0.0
         self.total_forward_s = 0.0
         self.hellos: list[ExecutorHello] = []  # seen while stepping; the service may bind one later
+        self.outbox: list[tuple[str, bytes, int | None]] = []  # (stream, encoded message, maxlen)
+        self._steps_stream = transport.names.steps(scheduler_id)
+        self._results_stream = transport.names.results(scheduler_id)
 
     def release(self, request_ids: list[str]) -> None:
         self.encoder.release(request_ids)
 
+    def flush(self) -> None:
+        """Send the queued messages now (no step is coming to carry them)."""
+        if self.outbox:
+            sends, self.outbox = self.outbox, []
+            self.transport.exchange(sends)
+
     def execute_model(self, batch: Batch) -> ExecutorOutput:
-        """Send one step and wait for its result (called on the engine's worker thread)."""
+        """Send one step (with the queued outputs) and wait for its result."""
         self.step += 1
         delta = self.encoder.encode(batch, self.epoch, self.step)
-        future = asyncio.run_coroutine_threadsafe(self._round_trip(delta), self.loop)
-        result: StepResult = future.result()
+        sends, self.outbox = self.outbox, []
+        sends.append((self._steps_stream, self.transport.encode(delta), 1000))
+        result = self._round_trip(sends, delta.step)
         if len(result.token_ids) != batch.num_seqs:
             raise ExecutorLost(f"executor returned {len(result.token_ids)} tokens for {batch.num_seqs} sequences")
         self.last_forward_s = result.forward_s
         self.total_forward_s += result.forward_s
+        if not result.lp_counts:
+            return ExecutorOutput(token_ids=result.token_ids, logprobs=[])
         logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values)
-        return ExecutorOutput(token_ids=result.token_ids, logprobs=logprobs if result.lp_counts else [])
+        return ExecutorOutput(token_ids=result.token_ids, logprobs=logprobs)
 
-    async def _round_trip(self, delta: StepDelta) -> StepResult:
-        names = self.transport.names
-        await self.transport.send(names.steps(self.scheduler_id), delta, maxlen=1000)
-        cursors: dict[str, bytes | str] = {names.results(self.scheduler_id): self.results_cursor}
-        start = time.monotonic()
-        last_check = start
+    def _round_trip(self, sends: list[tuple[str, bytes, int | None]], step: int) -> StepResult:
+        cursors: dict[str, bytes | str] = {self._results_stream: self.results_cursor}
+        block_ms = int(self.liveness_check_s * 1000)
+        start = last_check = time.monotonic()
         try:
+            got = self.transport.exchange(sends, cursors, count=64, block_ms=block_ms)
             while True:
-                for _, _, msg in await self.transport.read(cursors, count=64, block_ms=int(self.liveness_check_s * 1000)):
-                    if isinstance(msg, StepResult) and msg.epoch == self.epoch and msg.step == delta.step:
+                for _, _, msg in got:
+                    if isinstance(msg, StepResult) and msg.epoch == self.epoch and msg.step == step:
                         if msg.error is not None:
-                            raise ExecutorLost(f"executor {self.executor_id} failed step {delta.step}: {msg.error}")
+                            raise ExecutorLost(f"executor {self.executor_id} failed step {step}: {msg.error}")
                         return msg
                     if isinstance(msg, ExecutorHello) and msg.executor_id != self.executor_id:
                         self.hellos.append(msg)
                 now = time.monotonic()
                 if now - start > self.result_timeout_s:
                     raise ExecutorLost(
-                        f"executor {self.executor_id} sent no result for step {delta.step} within {self.result_timeout_s:.0f}s"
+                        f"executor {self.executor_id} sent no result for step {step} within {self.result_timeout_s:.0f}s"
                     )
                 if now - last_check >= self.liveness_check_s:
                     last_check = now
-                    if not await self.transport.alive("executor", self.executor_id):
+                    if not self.transport.alive("executor", self.executor_id):
                         raise ExecutorLost(f"executor {self.executor_id} stopped (its heartbeat expired)")
+                got = self.transport.read(cursors, count=64, block_ms=block_ms)
         finally:
-            self.results_cursor = cursors[names.results(self.scheduler_id)]  # type: ignore[assignment]
+            self.results_cursor = cursors[self._results_stream]  # type: ignore[assignment]

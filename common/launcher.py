@@ -22,8 +22,6 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor")) / "models" / "tiny-llama"
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -58,22 +56,6 @@ def start_redis(workdir: Path, log=None) -> tuple[str, subprocess.Popen[bytes]]:
     proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for_port("127.0.0.1", port, 15, proc)
     return f"redis://127.0.0.1:{port}/0", proc
-
-
-def default_model() -> Path:
-    """The tiny default checkpoint, made on first use."""
-    if not (DEFAULT_MODEL_DIR / "config.json").exists():
-        from executor.make_model import make_model
-
-        print(f"conveyor: making the tiny default checkpoint in {DEFAULT_MODEL_DIR}", file=sys.stderr)
-        tmp = DEFAULT_MODEL_DIR.with_name(f".{DEFAULT_MODEL_DIR.name}.{uuid.uuid4().hex[:6]}")
-        make_model("llama", "tiny", 0, tmp)
-        DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.rename(DEFAULT_MODEL_DIR)  # atomic: a concurrent first run cannot see half a model
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return DEFAULT_MODEL_DIR
 
 
 def wait_healthy(url: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -128,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         if not redis_url:
             redis_url, redis_proc = start_redis(workdir)
             redis_procs.append(redis_proc)
-        model = str(Path(args.model).resolve()) if args.model else str(default_model())
+        if args.model:
+            model = str(Path(args.model).resolve())
+        else:
+            from executor.make_model import cached_model  # torch only when a model must be made
+
+            model = str(cached_model("llama", "tiny"))
         env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": args.namespace, "CONVEYOR_MODEL": model}
         cli = [sys.executable, "-m", "common.cli"]
         procs.append(subprocess.Popen([*cli, "executor", *args.executor_arg], env=env))

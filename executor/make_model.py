@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
+import sys
 import sysconfig
 import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -276,6 +280,26 @@ def make_model(arch: str, size: str = "tiny", seed: int = 0, out: str | Path | N
     }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     save_weights(init_weights(cfg, seed, list(ids.values())), out, shards)
+    return out
+
+
+CACHE_DIR = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor")) / "models"
+
+
+def cached_model(arch: str = "llama", size: str = "tiny") -> Path:
+    """``CACHE_DIR/{size}-{arch}`` (seed 0), made on first use.
+
+    Written to a temporary sibling and renamed, so a concurrent first run never sees half a model.
+    """
+    out = CACHE_DIR / f"{size}-{arch}"
+    if not (out / "config.json").exists():
+        print(f"conveyor: making the {size} {arch} checkpoint in {out}", file=sys.stderr)
+        tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:6]}")
+        make_model(arch, size, 0, tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

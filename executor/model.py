@@ -45,14 +45,40 @@ def rope_cache(cfg: HFModelConfig, max_pos: int, device: torch.device) -> torch.
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
+# On CPU, MKL's sgemm runs a few-row batch against a weight with thousands of output rows up to
+# 40% slower than against the same weight cut into 1024-row pieces (cache blocking; measured on
+# the dev machine: [64 x 768] @ [8192 x 768]^T 13.7 ms whole, 8.2 ms in pieces; neutral at 1 and
+# 1024 rows). Wide weights are therefore kept as row chunks there and the outputs concatenated.
+CPU_LINEAR_CHUNK = 1024
+
+
+class Linear:
+    """``y = x W^T + b`` over a weight stored whole (GPU) or as row chunks (CPU, wide weights)."""
+
+    __slots__ = ("weight", "bias", "chunks")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        wide = weight.device.type == "cpu" and weight.shape[0] >= 2 * CPU_LINEAR_CHUNK
+        self.chunks = list(weight.split(CPU_LINEAR_CHUNK)) if wide else None
+        if self.chunks is not None and bias is not None:
+            self.chunks = list(zip(self.chunks, bias.split(CPU_LINEAR_CHUNK)))  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunks is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.cat([F.linear(x, w) for w in self.chunks], dim=-1)
+        return torch.cat([F.linear(x, w, b) for w, b in self.chunks], dim=-1)  # type: ignore[misc]
+
+
 @dataclass(slots=True)
 class _Layer:
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -67,17 +93,15 @@ class LlamaModel:
         self.ops = ops
         self.embed = weights["embed"]
         self.norm = weights["norm"]
-        self.lm_head = weights["lm_head"]
+        self.lm_head = Linear(weights["lm_head"])
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.layers = [
             _Layer(
-                qkv=weights[f"layers.{i}.qkv"],
-                qkv_bias=weights.get(f"layers.{i}.qkv_bias"),
-                o=weights[f"layers.{i}.o"],
-                o_bias=weights.get(f"layers.{i}.o_bias"),
-                gate_up=weights[f"layers.{i}.gate_up"],
-                down=weights[f"layers.{i}.down"],
+                qkv=Linear(weights[f"layers.{i}.qkv"], weights.get(f"layers.{i}.qkv_bias")),
+                o=Linear(weights[f"layers.{i}.o"], weights.get(f"layers.{i}.o_bias")),
+                gate_up=Linear(weights[f"layers.{i}.gate_up"]),
+                down=Linear(weights[f"layers.{i}.down"]),
                 in_norm=weights[f"layers.{i}.in_norm"],
                 post_norm=weights[f"layers.{i}.post_norm"],
                 q_norm=weights.get(f"layers.{i}.q_norm"),
@@ -105,7 +129,7 @@ class LlamaModel:
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = ops.rms_norm(h, layer.in_norm, eps, residual)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q = qkv[:, :q_end].view(t, hq, d)
             k = qkv[:, q_end:k_end].view(t, hkv, d)
             v = qkv[:, k_end:].view(t, hkv, d)
@@ -115,13 +139,13 @@ class LlamaModel:
             ops.rotary(q, k, positions, self.cos_sin_cache)
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = F.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
+            h = layer.o(attn.reshape(t, hq * d))
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
-            h = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         assert residual is not None
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of the given hidden rows (only those that are sampled)."""
         x, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

@@ -21,6 +21,7 @@ from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.protocol import BindExecutor, ExecutorHello, Names, StepDelta, StepResult, pack_logprobs
 from common.sampling_params import SamplingParams
+from common.service_cli import service_parser, setup_logging
 from common.transport import Heartbeat, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
@@ -199,11 +200,8 @@ class ExecutorService:
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="conveyor executor", description="Run the executor service (model + KV cache).")
-    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--model", default=env("CONVEYOR_MODEL"), required=env("CONVEYOR_MODEL") is None,
-                   help="local Hugging Face model directory")
-    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"))
+    p = service_parser("conveyor executor", "Run the executor service (model + KV cache).",
+                       "local Hugging Face model directory (required)")
     p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"))
     p.add_argument("--executor-id", default=env("CONVEYOR_EXECUTOR_ID", ""))
     p.add_argument("--dtype", default=env("CONVEYOR_DTYPE", "auto"))
@@ -216,14 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=float(env("CONVEYOR_GPU_MEMORY_UTILIZATION", "0.9")))
     p.add_argument("--seed", type=int, default=int(env("CONVEYOR_SEED", "0")))
-    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
-    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.model:
+        parser.error("--model (or CONVEYOR_MODEL) is required")
+    setup_logging(args.log_level)
     from executor.model_executor import ModelExecutor  # heavy (torch): only here
 
     model_config = ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,

@@ -3,34 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
+from common.service_cli import service_parser, setup_logging
 from gateway.config import GatewayConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="conveyor gateway", description="Run the OpenAI-compatible HTTP gateway.")
-    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"), help="prefix of every stream and key")
+    p = service_parser("conveyor gateway", "Run the OpenAI-compatible HTTP gateway.",
+                       "tokenizer directory (default: the model path the executor reported)")
     p.add_argument("--host", default=env("CONVEYOR_HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(env("CONVEYOR_PORT", "8000")))
-    p.add_argument("--model", default=env("CONVEYOR_MODEL"),
-                   help="tokenizer directory (default: the model path the executor reported)")
     p.add_argument("--served-model-name", default=env("CONVEYOR_SERVED_MODEL_NAME"))
     p.add_argument("--gateway-id", default=env("CONVEYOR_GATEWAY_ID", ""), help="default: random per process")
     p.add_argument("--max-body-bytes", type=int, default=int(env("CONVEYOR_MAX_BODY_BYTES", str(8 * 1024 * 1024))))
     p.add_argument("--max-inflight", type=int, default=int(env("CONVEYOR_MAX_INFLIGHT", "4096")))
     p.add_argument("--api-key", default=env("CONVEYOR_API_KEY"))
-    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
-    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     import uvicorn
 
     from gateway.app import create_app

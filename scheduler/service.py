@@ -34,6 +34,7 @@ from common.protocol import (
     pack_logprobs,
 )
 from common.sampling_params import SamplingParams
+from common.service_cli import service_parser, setup_logging
 from common.transport import Heartbeat, SyncTransport
 from scheduler.cache_manager import CacheManager
 from scheduler.request import Request, StepOutput
@@ -381,23 +382,19 @@ class SchedulerService:
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="conveyor scheduler", description="Run the scheduler service.")
-    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"), help="prefix of every stream and key")
+    p = service_parser("conveyor scheduler", "Run the scheduler service.",
+                       "unused (the executor reports the model); accepted for symmetry")
     p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"), help="pairs this scheduler with its executor")
-    p.add_argument("--model", default=env("CONVEYOR_MODEL"), help="unused (the executor reports the model); accepted for symmetry")
     p.add_argument("--max-num-seqs", type=int, default=int(env("CONVEYOR_MAX_NUM_SEQS", "256")))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("CONVEYOR_MAX_NUM_BATCHED_TOKENS", "2048")))
     p.add_argument("--result-timeout", type=float, default=float(env("CONVEYOR_RESULT_TIMEOUT", "120")),
                    help="seconds to wait for one step's result before declaring the executor lost")
-    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
-    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     config = SchedulerServiceConfig(
         redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id, model=args.model,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,23 @@
+"""Flags every service shares (each also readable from a ``CONVEYOR_*`` environment variable)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
+    """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--log-level``."""
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"), help="prefix of every stream and key")
+    p.add_argument("--model", default=env("CONVEYOR_MODEL"), help=model_help)
+    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
+    p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
+    return p
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -45,32 +45,34 @@ def rope_cache(cfg: HFModelConfig, max_pos: int, device: torch.device) -> torch.
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-# On CPU, MKL's sgemm runs a few-row batch against a weight with thousands of output rows up to
-# 40% slower than against the same weight cut into 1024-row pieces (cache blocking; measured on
-# the dev machine: [64 x 768] @ [8192 x 768]^T 13.7 ms whole, 8.2 ms in pieces; neutral at 1 and
-# 1024 rows). Wide weights are therefore kept as row chunks there and the outputs concatenated.
-CPU_LINEAR_CHUNK = 1024
+def _onednn_ok(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 class Linear:
-    """``y = x W^T + b`` over a weight stored whole (GPU) or as row chunks (CPU, wide weights)."""
+    """``y = x W^T + b``; on CPU (fp32) through oneDNN with the weight packed once at load time.
 
-    __slots__ = ("weight", "bias", "chunks")
+    ``F.linear`` on CPU hands MKL the weight in its checkpoint layout and it is re-blocked on
+    every call, which dominates at decode batch sizes. Measured on the dev machine, same run:
+    [64 x 768] @ [8192 x 768]^T 10.9 ms with ``F.linear``, 7.2 ms prepacked; at 7 rows 5.8 vs 1.4
+    ms; within +-10% either way at 1024 rows. Results agree to ~1e-6 relative.
+    """
+
+    __slots__ = ("weight", "bias", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
         self.bias = bias
-        wide = weight.device.type == "cpu" and weight.shape[0] >= 2 * CPU_LINEAR_CHUNK
-        self.chunks = list(weight.split(CPU_LINEAR_CHUNK)) if wide else None
-        if self.chunks is not None and bias is not None:
-            self.chunks = list(zip(self.chunks, bias.split(CPU_LINEAR_CHUNK)))  # type: ignore[arg-type]
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = weight
+        if _onednn_ok(weight):
+            # The batch size is only a blocking hint; any number of rows is accepted later.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+            self.weight = None  # the packed copy replaces it (a tied embedding keeps its own)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.chunks is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.cat([F.linear(x, w) for w in self.chunks], dim=-1)
-        return torch.cat([F.linear(x, w, b) for w, b in self.chunks], dim=-1)  # type: ignore[misc]
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass(slots=True)

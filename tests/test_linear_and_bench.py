@@ -1,23 +1,24 @@
-"""Row-chunked CPU linear layers equal one matmul; the offline benchmark runs end to end."""
+"""Prepacked CPU linear layers equal a plain matmul; the offline benchmark runs end to end."""
 
 from __future__ import annotations
 
 import torch
 
-from executor.model import CPU_LINEAR_CHUNK, Linear
+from executor.model import Linear
 
 
-def test_chunked_linear_matches_single_matmul() -> None:
+def test_packed_linear_matches_plain_matmul() -> None:
     torch.manual_seed(0)
-    n = 2 * CPU_LINEAR_CHUNK + 100  # two full chunks and a ragged one
-    weight, bias = torch.randn(n, 64), torch.randn(n)
+    weight, bias = torch.randn(2100, 96), torch.randn(2100)
     for b in (None, bias):
         layer = Linear(weight, b)
-        assert layer.chunks is not None and len(layer.chunks) == 3
-        for rows in (1, 7, 300):
-            x = torch.randn(rows, 64)
+        assert layer.packed is not None or not torch.backends.mkldnn.is_available()
+        for rows in (1, 7, 64, 300):
+            x = torch.randn(rows, 96)
             torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
-    assert Linear(torch.randn(CPU_LINEAR_CHUNK, 64)).chunks is None  # narrow weights stay whole
+    half = Linear(weight.half(), bias.half())
+    assert half.packed is None  # only fp32 is packed
+    torch.testing.assert_close(half(torch.ones(2, 96).half()), torch.nn.functional.linear(torch.ones(2, 96).half(), weight.half(), bias.half()))
 
 
 def test_offline_bench_runs(tiny_model, capsys) -> None:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from executor.attention_metadata import AttentionMetadata
-from executor.kernels.paged_attention import LOG2E, dot_precision, launch_config
+from executor.kernels.paged_attention import LOG2E, attend_tiles, dot_precision, launch_config
 
 
 @triton.jit
@@ -77,32 +77,13 @@ def _decode_split_kernel(
     table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    for start in range(kv_lo, kv_hi, TILE_N):
-        offs_n = start + tl.arange(0, TILE_N)
-        n_valid = offs_n < kv_hi
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        k_off = block * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ks
-        v_off = block * stride_vb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_vs
-        k = tl.load(
-            k_base + k_off[None, :] + offs_d[:, None],
-            mask=d_mask[:, None] & n_valid[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        # The single query sits at position seq_len - 1, so every key < seq_len is visible.
-        s = tl.where(n_valid[None, :] & row_valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + v_off[:, None] + offs_d[None, :],
-            mask=n_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # The single query sits at position seq_len - 1: every key of the split is visible.
+    q_abs = tl.full([BLOCK_M], 0, dtype=tl.int32) + (seq_len - 1)
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, q_abs, row_valid, offs_d, d_mask, kv_lo, kv_hi, qk_scale,
+        table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+        BLOCK_SIZE, TILE_N, DOT_PRECISION,
+    )
 
     # An empty split (short sequence) leaves l = 0: lse = -inf gives it zero weight.
     has_mass = l_i > 0.0

@@ -18,6 +18,44 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def attend_tiles(
+    q, m_i, l_i, acc, q_abs, row_valid, offs_d, d_mask, kv_lo, kv_hi, qk_scale,
+    table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax attention of the rows of ``q`` over keys ``[kv_lo, kv_hi)`` of one sequence.
+
+    Row r sees key n iff ``n <= q_abs[r]`` (causal). Shared by the 2D kernel and split-KV decode.
+    """
+    for start in range(kv_lo, kv_hi, TILE_N):
+        offs_n = start + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_hi
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        k_off = block * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ks
+        v_off = block * stride_vb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_vs
+        kv_mask_t = d_mask[:, None] & n_valid[None, :]
+        # Masked loads: stale slots past seq_len may hold anything, NaN included.
+        k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= q_abs[:, None]) & n_valid[None, :] & row_valid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + v_off[:, None] + offs_d[None, :],
+            mask=n_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """Largest i with ``query_start_loc[i] // BLOCK_Q + i <= pid`` (where seq i's q blocks start)."""
     lo = 0
@@ -100,31 +138,11 @@ def _paged_attention_kernel(
     table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    for start in range(0, kv_end, TILE_N):
-        offs_n = start + tl.arange(0, TILE_N)
-        n_valid = offs_n < kv_end
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        k_off = block * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ks
-        v_off = block * stride_vb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_vs
-        kv_mask_t = d_mask[:, None] & n_valid[None, :]
-        # Masked loads: stale slots past seq_len may hold anything, NaN included.
-        k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= q_abs[:, None]) & n_valid[None, :] & row_valid[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + v_off[:, None] + offs_d[None, :],
-            mask=n_valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_tiles(
+        q, m_i, l_i, acc, q_abs, row_valid, offs_d, d_mask, 0, kv_end, qk_scale,
+        table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
+        BLOCK_SIZE, TILE_N, DOT_PRECISION,
+    )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]

@@ -35,6 +35,7 @@ def test_transformers_loads_model_and_tokenizer(tiny_model, arch: str) -> None:
     if arch == "qwen3":
         assert cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]
     # transformers sees exactly the weights we wrote (nothing newly initialised).
+    assert not AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)[1]["missing_keys"]
     ours = read_state_dict(path)
     theirs = model.state_dict()
     for name, tensor in ours.items():

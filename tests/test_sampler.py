@@ -138,7 +138,7 @@ def test_logprobs_contents() -> None:
 
 def test_banned_tokens_are_never_sampled() -> None:
     logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 4.0, 0.0]])
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
-    for _ in range(20):
+    for seed in range(20):
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=seed)]
         tokens, _ = Sampler().sample(logits, params, [0, 0], banned=[[0], [0, 1]])
         assert tokens == [1, 2]

@@ -43,6 +43,19 @@ PROTOCOL_VERSION = 1
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 ENTRY_FIELD = b"m"
+# Stream caps (XADD MAXLEN ~). Steps and results have one reader that keeps up step by step, so a
+# short tail suffices; outputs are read by gateways at their own pace and keep more.
+STEPS_MAXLEN = 1_000
+RESULTS_MAXLEN = 2_000
+OUTPUTS_MAXLEN = 20_000
+
+
+def apply_edit(store: list[int], start: int, values: list[int]) -> None:
+    """The `StepDelta` edit rule: ``store[start:] = values``, padding with -1 (unknown) past the end."""
+    if start > len(store):
+        store.extend([-1] * (start - len(store)))
+    del store[start:]
+    store.extend(values)
 
 
 class ProtocolError(ValueError):
@@ -217,7 +230,8 @@ class StepOutputs:
 
     Per request: ``token_index`` is the output index of its first new token (a reader drops
     duplicates and detects gaps with it); ``num_tokens`` new tokens are concatenated in
-    ``token_ids``; logprobs are per token, columnar as in `StepResult`.
+    ``token_ids``; logprobs are per token, columnar as in `StepResult`, and ``lp_counts`` is
+    empty when no request of the message asked for them.
     """
 
     request_ids: list[str] = field(default_factory=list)

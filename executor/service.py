@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 
 from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig
-from common.protocol import BindExecutor, ExecutorHello, Names, StepDelta, StepResult, pack_logprobs
+from common.protocol import (
+    RESULTS_MAXLEN,
+    BindExecutor,
+    ExecutorHello,
+    Names,
+    StepDelta,
+    StepResult,
+    apply_edit,
+    pack_logprobs,
+)
 from common.sampling_params import SamplingParams
 from common.service_cli import service_parser, setup_logging
 from common.transport import Heartbeat, SyncTransport
@@ -34,13 +43,6 @@ class _RequestState:
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
-
-
-def _edit(store: list[int], start: int, values: list[int]) -> None:
-    if start > len(store):
-        store.extend([-1] * (start - len(store)))
-    del store[start:]
-    store.extend(values)
 
 
 class RequestStates:
@@ -75,10 +77,10 @@ class RequestStates:
             if state is None:
                 raise ValueError(f"step refers to unknown request {request_id!r}")
             k = delta.num_new_tokens[i]
-            _edit(state.tokens, delta.token_starts[i], delta.new_tokens[tpos : tpos + k])
+            apply_edit(state.tokens, delta.token_starts[i], delta.new_tokens[tpos : tpos + k])
             tpos += k
             k = delta.num_new_blocks[i]
-            _edit(state.table, delta.block_starts[i], delta.new_blocks[bpos : bpos + k])
+            apply_edit(state.table, delta.block_starts[i], delta.new_blocks[bpos : bpos + k])
             bpos += k
             q, s = delta.query_lens[i], delta.seq_lens[i]
             a = s - q
@@ -149,7 +151,7 @@ class ExecutorService:
         heartbeat = Heartbeat(self.config.redis_url, self.names, "executor", self.eid, max(0.1, ttl / 6000), ttl).start()
         steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
         cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
-        sends: list[tuple[str, bytes, int | None]] = [(results, t.encode(self._hello()), 2000)]
+        sends: list[tuple[str, bytes, int | None]] = [(results, t.encode(self._hello()), RESULTS_MAXLEN)]
         last_activity = time.monotonic()
         logger.info("executor %s up (%d blocks of %d); waiting for scheduler %s", self.eid, self.info.num_blocks,
                     self.info.block_size, self.config.scheduler_id)
@@ -159,7 +161,7 @@ class ExecutorService:
                 sends = []
                 if not got and time.monotonic() - last_activity > HELLO_INTERVAL_S:
                     # Idle: re-announce, so a scheduler that (re)started finds this executor.
-                    sends.append((results, t.encode(self._hello()), 2000))
+                    sends.append((results, t.encode(self._hello()), RESULTS_MAXLEN))
                     last_activity = time.monotonic()
                 for _, _, msg in got:
                     last_activity = time.monotonic()
@@ -175,7 +177,7 @@ class ExecutorService:
                     elif msg.epoch == self.epoch and msg.step > self.last_step:
                         # (a step seen twice, from a retried send, is not executed twice)
                         self.last_step = msg.step
-                        sends.append((results, t.encode(self._step(msg)), 2000))
+                        sends.append((results, t.encode(self._step(msg)), RESULTS_MAXLEN))
         finally:
             heartbeat.stop()
             t.close()

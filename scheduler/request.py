@@ -44,10 +44,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     def tokens_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` of prompt + output."""
         n = len(self.prompt_token_ids)

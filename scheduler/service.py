@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 from common.config import ExecutorInfo, SchedulerConfig
 from common.protocol import (
+    ENTRY_FIELD,
+    MAX_MESSAGE_BYTES,
+    OUTPUTS_MAXLEN,
+    STEPS_MAXLEN,
     AbortRequests,
     BindExecutor,
     ExecutorHello,
@@ -43,8 +47,6 @@ from scheduler.stream_executor import ExecutorLost, StreamExecutor
 
 logger = logging.getLogger("conveyor.scheduler")
 
-OUTPUTS_MAXLEN = 20_000
-RESULTS_MAXLEN = 2_000
 
 
 @dataclass(slots=True)
@@ -58,7 +60,7 @@ class SchedulerServiceConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_ttl_ms: int = 3000
     result_timeout_s: float = 120.0
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
 
 
 class SchedulerService:
@@ -129,10 +131,10 @@ class SchedulerService:
         results = self.names.results(self.sid)
         t = self.transport
         cursor = t.last_id(results)
-        candidates: list[ExecutorHello] = list(self.executor.hellos) if self.executor else []
+        candidates: list[ExecutorHello] = []
         for _, entry in t.call(t.redis.xrevrange, results, count=200):
             try:
-                msg = decode(entry.get(b"m", b""))
+                msg = decode(entry.get(ENTRY_FIELD, b""))
             except ProtocolError:
                 continue
             if isinstance(msg, ExecutorHello):
@@ -152,7 +154,7 @@ class SchedulerService:
     def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
         t = self.transport
         epoch = int(t.call(t.redis.incr, self.names.epoch(self.sid)))
-        t.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, epoch), maxlen=1000)
+        t.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, epoch), maxlen=STEPS_MAXLEN)
         info = ExecutorInfo(hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size)
         self.info = info
         t.put(
@@ -227,16 +229,15 @@ class SchedulerService:
     def _engine_loop(self) -> None:
         engine, executor = self.engine, self.executor
         assert engine is not None and executor is not None
-        if executor.hellos:
-            executor.hellos.clear()
         while True:
             if not engine.has_unfinished() and not self.inbox and not self.aborts:
                 executor.flush()
                 self._publish_stats()
-                self.wakeup.wait(timeout=1.0)
+                woke = self.wakeup.wait(timeout=1.0)
                 self.wakeup.clear()
-                # An idle executor that vanished must not take the next request down with it.
-                if not engine.has_unfinished() and not self.transport.alive("executor", executor.executor_id):
+                # An idle executor that vanished must not take the next request down with it. Checked
+                # on the idle tick only: a request that wakes the loop should not pay a round trip.
+                if not woke and not engine.has_unfinished() and not self.transport.alive("executor", executor.executor_id):
                     raise ExecutorLost(f"executor {executor.executor_id} stopped (its heartbeat expired)")
             self._apply_aborts(engine, executor)
             self._admit(engine)
@@ -267,7 +268,7 @@ class SchedulerService:
         for request_id, t in list(self.recent_aborts.items()):
             if now - t > 60:
                 del self.recent_aborts[request_id]
-        self._publish_stats(force=True)
+        self._publish_stats(force=True)  # freed blocks are visible at once, not after the idle tick
 
     def _admit(self, engine: Scheduler) -> None:
         if not self.inbox:
@@ -332,6 +333,8 @@ class SchedulerService:
             if out.finished:
                 del self.owner[out.request_id]
         for gateway_id, msg in by_gateway.items():
+            if not msg.lp_token_ids:
+                msg.lp_counts.clear()  # no request asked for logprobs: the gateway skips unpacking
             executor.outbox.append((self.names.outputs(gateway_id), self.transport.encode(msg), OUTPUTS_MAXLEN))
 
     def _send_errors(self, gateway_id: str, request_ids: list[str], error: str) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo
-from common.protocol import ExecutorHello, StepDelta, StepResult, sampling_to_dict, unpack_logprobs
+from common.protocol import STEPS_MAXLEN, StepDelta, StepResult, apply_edit, sampling_to_dict, unpack_logprobs
 from common.transport import SyncTransport
 
 logger = logging.getLogger(__name__)
@@ -35,14 +35,6 @@ class _Mirror:
 
     tokens: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
-
-
-def edit(store: list[int], start: int, values: list[int]) -> None:
-    """``store[start:] = values``, padding with -1 (unknown) if ``start`` is past the end."""
-    if start > len(store):
-        store.extend([-1] * (start - len(store)))
-    del store[start:]
-    store.extend(values)
 
 
 class DeltaEncoder:
@@ -86,7 +78,7 @@ class DeltaEncoder:
                 while j < overlap and tokens[a + j] == window[j]:
                     j += 1
                 start, values = (a + j, window[j:]) if j < overlap else (n, window[overlap:])
-            edit(tokens, start, values)
+            apply_edit(tokens, start, values)
             delta.token_starts.append(start)
             delta.num_new_tokens.append(len(values))
             delta.new_tokens.extend(values)
@@ -97,7 +89,7 @@ class DeltaEncoder:
             else:
                 bstart = next((k for k, (x, y) in enumerate(zip(table, known)) if x != y), min(len(table), len(known)))
             new_blocks = table[bstart:]
-            edit(known, bstart, new_blocks)
+            apply_edit(known, bstart, new_blocks)
             delta.block_starts.append(bstart)
             delta.num_new_blocks.append(len(new_blocks))
             delta.new_blocks.extend(new_blocks)
@@ -146,7 +138,6 @@ class StreamExecutor:
         self.step = 0
         self.last_forward_s = 0.0
         self.total_forward_s = 0.0
-        self.hellos: list[ExecutorHello] = []  # seen while stepping; the service may bind one later
         self.outbox: list[tuple[str, bytes, int | None]] = []  # (stream, encoded message, maxlen)
         self._steps_stream = transport.names.steps(scheduler_id)
         self._results_stream = transport.names.results(scheduler_id)
@@ -165,7 +156,7 @@ class StreamExecutor:
         self.step += 1
         delta = self.encoder.encode(batch, self.epoch, self.step)
         sends, self.outbox = self.outbox, []
-        sends.append((self._steps_stream, self.transport.encode(delta), 1000))
+        sends.append((self._steps_stream, self.transport.encode(delta), STEPS_MAXLEN))
         result = self._round_trip(sends, delta.step)
         if len(result.token_ids) != batch.num_seqs:
             raise ExecutorLost(f"executor returned {len(result.token_ids)} tokens for {batch.num_seqs} sequences")
@@ -188,8 +179,6 @@ class StreamExecutor:
                         if msg.error is not None:
                             raise ExecutorLost(f"executor {self.executor_id} failed step {step}: {msg.error}")
                         return msg
-                    if isinstance(msg, ExecutorHello) and msg.executor_id != self.executor_id:
-                        self.hellos.append(msg)
                 now = time.monotonic()
                 if now - start > self.result_timeout_s:
                     raise ExecutorLost(

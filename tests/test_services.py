@@ -140,10 +140,12 @@ def _stream_lines(url: str, body: dict[str, Any], n: int) -> list[str]:
 
 def test_disconnect_aborts_and_frees_blocks(stack: Stack) -> None:
     body = {"prompt": "def f(", "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    steps0 = stack.stats().num_steps
     _stream_lines(stack.urls[1], body, 5)
     t0 = time.monotonic()
     stats = stack.wait_stats(lambda s: s.num_free_blocks == NUM_BLOCKS and s.num_running == 0, 3)
     assert stats.num_free_blocks == NUM_BLOCKS and time.monotonic() - t0 < 1.0, stats
+    assert stats.num_steps - steps0 < 1000, "the request ran to completion instead of being aborted"
     # A non-streaming client that gives up is aborted as well.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{stack.urls[0]}/v1/completions", json={**body, "stream": False}, timeout=1.0)
@@ -155,12 +157,17 @@ def test_stop_string_cuts_output_and_frees_blocks(stack: Stack, client: openai.O
     exp = llm.generate(["import os\n"], _greedy(40))[0].text
     stop = next(exp[i : i + 3] for i in range(4, len(exp) - 3) if "\ufffd" not in exp[i : i + 3] and exp[i : i + 3].strip())
     cut = exp.find(stop)
-    r = client.completions.create(model="", prompt="import os\n", max_tokens=40, temperature=0, stop=[stop])
+    # A long budget: the blocks come back only if the stop string aborts the request in the engine.
+    steps0 = stack.stats().num_steps
+    long = {"ignore_eos": True}
+    r = client.completions.create(model="", prompt="import os\n", max_tokens=1800, temperature=0, stop=[stop],
+                                  extra_body=long)
     assert r.choices[0].text == exp[:cut] and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="", prompt="import os\n", max_tokens=40, temperature=0, stop=[stop],
-                                            stream=True, extra_body={"include_stop_str_in_output": True}))
+    chunks = list(client.completions.create(model="", prompt="import os\n", max_tokens=1800, temperature=0, stop=[stop],
+                                            stream=True, extra_body={**long, "include_stop_str_in_output": True}))
     assert "".join(c.choices[0].text for c in chunks) == exp[:cut] + stop
-    assert stack.wait_stats(lambda s: s.num_running == 0, 2).num_free_blocks == NUM_BLOCKS
+    stats = stack.wait_stats(lambda s: s.num_running == 0, 2)
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_steps - steps0 < 1000, stats
 
 
 def test_bad_input_gets_clear_errors_and_stack_keeps_serving(stack: Stack, client: openai.OpenAI) -> None:

@@ -193,8 +193,15 @@ def test_bad_input_gets_clear_errors_and_stack_keeps_serving(stack: Stack, clien
     bad = GenerateRequest("bad-1", "nobody", [1, 2], {"temperature": -3.0}, 0.0)
     stack.redis.xadd(stack.names.requests, {b"m": encode(bad)})
     assert stack.wait_stats(lambda s: s.num_dead_letters >= before + 2, 3).num_dead_letters == before + 2
-    reasons = [e[b"reason"].decode() for _, e in stack.redis.xrange(stack.names.dead_letter)]
-    assert any("not a msgpack message" in x or "msgpack" in x for x in reasons)
+    reasons = [e[b"reason"].decode() for _, e in stack.redis.xrange(stack.names.dead_letter)][-2:]
+    assert "not a msgpack message" in reasons[0] and "has no 'm' field" in reasons[1], reasons
+    # The well-formed request with bad parameters is answered on its gateway's stream, not dropped.
+    deadline = time.monotonic() + 3
+    while not (entries := stack.redis.xrange(stack.names.outputs("nobody"))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rejected = decode(entries[-1][1][b"m"], expected=(StepOutputs,))
+    assert rejected.request_ids == ["bad-1"] and rejected.finish_reasons == ["rejected"]
+    assert "temperature" in (rejected.errors[0] or ""), rejected.errors
     r = client.completions.create(model="", prompt="still alive?", max_tokens=5, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 5
 

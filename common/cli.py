@@ -12,7 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("executor.make_model", "write a small random checkpoint in Hugging Face format"),
     "gateway": ("gateway.server", "run the OpenAI-compatible HTTP gateway"),
-    "scheduler": ("scheduler.service", "run the scheduler service"),
+    "scheduler": ("scheduler.cli", "run the scheduler service"),
     "executor": ("executor.service", "run the executor service"),
     "up": ("common.launcher", "start Redis, executor, scheduler and gateway together"),
     "bench": ("bench.cli", "run a benchmark (offline)"),

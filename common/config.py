@@ -55,3 +55,26 @@ class ExecutorInfo:
     max_model_len: int
     eos_token_ids: list[int]
     vocab_size: int
+
+
+class ServiceDefaults:
+    """Defaults shared by the services' flags and configs (each is defined here only)."""
+
+    namespace = "conveyor"
+    redis_url = "redis://127.0.0.1:6379/0"
+    heartbeat_ttl_ms = 3000
+    # How often liveness is checked (gateways by schedulers, engines by gateways).
+    liveness_check_s = 0.5
+    # Seconds to wait for one step's result before declaring the executor lost.
+    result_timeout_s = 120.0
+    # Seconds a scheduler keeps its requests without an executor before failing them.
+    recovery_timeout_s = 60.0
+    # Seconds a resumable stream keeps generating after its gateway died, waiting to be resumed.
+    resume_window_s = 60.0
+    # How many times a gateway moves one request to another engine before giving up.
+    migration_limit = 3
+
+    @staticmethod
+    def heartbeat_interval_s(ttl_ms: int) -> float:
+        """Beat six times per TTL: a few late beats never expire a live process."""
+        return max(0.1, ttl_ms / 6000)

@@ -1,4 +1,4 @@
-"""`conveyor up`: start Redis, the executor, the scheduler and the gateway as separate processes.
+"""`conveyor up`: start Redis, the engines (scheduler + executor pairs) and a gateway as processes.
 
 Redis: ``--redis-url`` if given; else a ``redis-server`` started on a free port if one is
 installed; else the embedded Redis-protocol server (`common.embedded_redis`, development only).
@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=int(os.environ.get("CONVEYOR_PORT", "8000")))
     p.add_argument("--redis-url", default=os.environ.get("CONVEYOR_REDIS_URL"))
     p.add_argument("--namespace", default=os.environ.get("CONVEYOR_NAMESPACE", f"conveyor-{uuid.uuid4().hex[:6]}"))
+    p.add_argument("--engines", type=int, default=int(os.environ.get("CONVEYOR_ENGINES", "1")),
+                   help="engine replicas (scheduler + executor pairs) serving the model")
     p.add_argument("--executor-arg", action="append", default=[], help="extra flag for the executor (repeatable)")
     args = p.parse_args(argv)
 
@@ -118,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             model = str(cached_model("llama", "tiny"))
         env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": args.namespace, "CONVEYOR_MODEL": model}
         cli = [sys.executable, "-m", "common.cli"]
-        procs.append(subprocess.Popen([*cli, "executor", *args.executor_arg], env=env))
-        procs.append(subprocess.Popen([*cli, "scheduler"], env=env))
+        for engine in range(args.engines):
+            pair = ["--scheduler-id", str(engine)]
+            procs.append(subprocess.Popen([*cli, "executor", *pair, *args.executor_arg], env=env))
+            procs.append(subprocess.Popen([*cli, "scheduler", *pair], env=env))
         procs.append(subprocess.Popen([*cli, "gateway", "--host", args.host, "--port", str(args.port)], env=env))
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         wait_healthy(f"http://{health_host}:{args.port}/health", 600, procs)

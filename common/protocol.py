@@ -8,20 +8,22 @@ with a message that says what is wrong. Token ids and other integer columns trav
 little-endian int32 arrays (fields marked ``packed("i")``); batches are columnar (one list per
 attribute, not one map per sequence), which is ~4x cheaper to pack and ~6x smaller.
 
-Streams (all names carry a namespace prefix so several stacks or test runs share one Redis):
+Streams and keys (all names carry a namespace prefix so several stacks or test runs share one
+Redis). Every one has an owner that bounds it:
 
 ===========================  ===========================  =======================================
-stream / key                 direction                    reading discipline
+stream / key                 direction                    discipline and bound
 ===========================  ===========================  =======================================
-``requests``                 gateways -> schedulers       consumer group ``schedulers``, XACK
-``control``                  gateways -> schedulers       XREAD by every scheduler (aborts)
-``steps:<scheduler>``        scheduler -> its executor    single reader, epoch-checked
-``results:<scheduler>``      executor -> its scheduler    single reader (hello + step results)
-``outputs:<gateway>``        scheduler -> one gateway     single reader; per-request token index
-``dead``                     anyone                       malformed messages, for inspection
-``hb:<kind>:<id>``           key with TTL                 liveness of every process
-``model``                    key                          what the serving executor reported
-``stats:<scheduler>``        key                          scheduler gauges (free blocks, ...)
+``requests:<scheduler>``     gateways -> one scheduler    single reader; trimmed as it is read
+``steps:<scheduler>``        scheduler -> its executor    single reader, epoch-checked; MAXLEN
+``results:<scheduler>``      executor -> its scheduler    single reader; MAXLEN
+``outputs:<gateway>``        schedulers -> one gateway    single reader; MAXLEN + TTL (refreshed)
+``journal:<response>``       gateway (scheduler while     resumable SSE streams; TTL (refreshed)
+                             orphaned) -> any gateway
+``dead``                     anyone                       malformed messages; MAXLEN
+``hb:<kind>:<id>``           key with TTL                 liveness of gateways and executors
+``engine:<scheduler>``       key with TTL                 `EngineStatus`: liveness, model, load
+``engines``                  sorted set                   scheduler ids seen (score: last beat)
 ===========================  ===========================  =======================================
 """
 
@@ -48,6 +50,11 @@ ENTRY_FIELD = b"m"
 STEPS_MAXLEN = 1_000
 RESULTS_MAXLEN = 2_000
 OUTPUTS_MAXLEN = 20_000
+# An outputs stream outlives its gateway by this long at most (every send refreshes it), so a dead
+# gateway's stream is removed by Redis itself.
+OUTPUTS_TTL_MS = 120_000
+# Engine registrations not refreshed for this long are dropped from the ``engines`` set.
+ENGINE_FORGET_S = 600.0
 
 
 def apply_edit(store: list[int], start: int, values: list[int]) -> None:
@@ -68,23 +75,20 @@ class Names:
     """Every stream and key name, under one namespace prefix."""
 
     namespace: str = "conveyor"
-    scheduler_group: str = "schedulers"
-
-    @property
-    def requests(self) -> str:
-        return f"{self.namespace}:requests"
-
-    @property
-    def control(self) -> str:
-        return f"{self.namespace}:control"
 
     @property
     def dead_letter(self) -> str:
         return f"{self.namespace}:dead"
 
     @property
-    def model_info(self) -> str:
-        return f"{self.namespace}:model"
+    def engines(self) -> str:
+        return f"{self.namespace}:engines"
+
+    def requests(self, scheduler_id: str) -> str:
+        return f"{self.namespace}:requests:{scheduler_id}"
+
+    def engine(self, scheduler_id: str) -> str:
+        return f"{self.namespace}:engine:{scheduler_id}"
 
     def steps(self, scheduler_id: str) -> str:
         return f"{self.namespace}:steps:{scheduler_id}"
@@ -95,14 +99,11 @@ class Names:
     def outputs(self, gateway_id: str) -> str:
         return f"{self.namespace}:outputs:{gateway_id}"
 
+    def journal(self, response_id: str) -> str:
+        return f"{self.namespace}:journal:{response_id}"
+
     def heartbeat(self, kind: str, process_id: str) -> str:
         return f"{self.namespace}:hb:{kind}:{process_id}"
-
-    def stats(self, scheduler_id: str) -> str:
-        return f"{self.namespace}:stats:{scheduler_id}"
-
-    def epoch(self, scheduler_id: str) -> str:
-        return f"{self.namespace}:epoch:{scheduler_id}"
 
 
 # -- packed columns ------------------------------------------------------------------------------
@@ -134,21 +135,44 @@ def unpack_array(code: str, data: bytes) -> list[Any]:
 # -- message types -------------------------------------------------------------------------------
 @dataclass(slots=True)
 class GenerateRequest:
-    """gateway -> scheduler: a validated request, owned by ``gateway_id``."""
+    """gateway -> one scheduler: a validated request, owned by ``gateway_id``.
+
+    ``incarnation`` names the scheduler process it is meant for: a restarted scheduler ignores
+    requests sent to its predecessor (their gateways migrate them). ``output_token_ids`` are
+    tokens already generated and streamed by an earlier attempt (a migrated request continues
+    after them; ``max_tokens`` and seeds count them). ``journal_id`` is set for a resumable
+    stream: if the gateway dies, the scheduler journals its outputs there until one adopts it.
+    """
 
     request_id: str
     gateway_id: str
+    scheduler_id: str
+    incarnation: str
     prompt_token_ids: list[int] = packed("i")
+    output_token_ids: list[int] = packed("i")
     sampling: dict[str, Any] = field(default_factory=dict)  # `SamplingParams` fields
     arrival_time: float = 0.0
+    journal_id: str = ""
 
 
 @dataclass(slots=True)
 class AbortRequests:
-    """gateway -> schedulers (control stream): stop these requests and free their blocks."""
+    """gateway -> one scheduler (its requests stream): stop these requests and free their blocks."""
 
     request_ids: list[str]
     reason: str = "abort"
+
+
+@dataclass(slots=True)
+class SyncRequest:
+    """gateway -> one scheduler: route ``request_id``'s outputs to ``gateway_id`` from now on, and
+    resend every output token from ``from_index`` (a gateway adopting an orphaned stream, or
+    catching up after outputs were lost). A scheduler that does not hold the request answers
+    with finish reason ``unknown``, and the gateway resubmits it."""
+
+    request_id: str
+    gateway_id: str
+    from_index: int
 
 
 @dataclass(slots=True)
@@ -245,29 +269,50 @@ class StepOutputs:
     lp_token_ids: list[int] = packed("i")
     lp_values: list[float] = packed("d")
 
+    def add(self, request_id: str, index: int, tokens: list[int], logprobs: list[dict[int, float] | None] | None,
+            finished: bool = False, finish_reason: str | None = None, error: str | None = None) -> None:
+        """Append one request's tokens (the first at output index ``index``)."""
+        self.request_ids.append(request_id)
+        self.token_index.append(index)
+        self.num_tokens.append(len(tokens))
+        self.token_ids.extend(tokens)
+        self.finished.append(finished)
+        self.finish_reasons.append(finish_reason)
+        self.errors.append(error)
+        if logprobs and any(lp is not None for lp in logprobs):
+            counts, ids, values = pack_logprobs(logprobs)
+        else:  # the common case: no logprobs requested
+            counts, ids, values = [-1] * len(tokens), [], []
+        self.lp_counts.extend(counts)
+        self.lp_token_ids.extend(ids)
+        self.lp_values.extend(values)
+
+    def sealed(self) -> StepOutputs:
+        """Ready to send: without logprob columns when no request asked for logprobs."""
+        if not self.lp_token_ids:
+            self.lp_counts.clear()  # the reader then skips unpacking
+        return self
+
 
 @dataclass(slots=True)
-class ModelInfo:
-    """Stored under ``model``: what the gateway needs to validate requests and find liveness keys."""
+class EngineStatus:
+    """Stored under ``engine:<scheduler>`` with a TTL: one engine's liveness, model and load.
 
+    Written by the scheduler every heartbeat interval (and sooner when its load changes); its
+    absence means the scheduler is gone, a new ``incarnation`` that it restarted. Model fields
+    are empty until an executor has bound; ``executor_id`` is empty while none is bound.
+    """
+
+    scheduler_id: str
+    incarnation: str
     model_name: str
     model_path: str
     max_model_len: int
     vocab_size: int
     block_size: int
     num_blocks: int
-    scheduler_id: str
     executor_id: str
     epoch: int
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Stored under ``stats:<scheduler>``: gauges for tests, benchmarks and operators."""
-
-    scheduler_id: str
-    epoch: int
-    num_blocks: int
     num_free_blocks: int
     num_running: int
     num_waiting: int
@@ -275,22 +320,50 @@ class SchedulerStats:
     num_preemptions: int
     num_dead_letters: int
     updated_at: float
-    # Step timing (moving sums since start): total step wall time and executor forward time.
+    # Step timing (sums since start): total step wall time and executor forward time.
     step_wall_s: float = 0.0
     step_forward_s: float = 0.0
     step_count: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@dataclass(slots=True)
+class JournalHeader:
+    """First entry of ``journal:<response>``: what a gateway needs to re-create the response."""
+
+    response_id: str
+    kind: str  # "completion" | "chat"
+    body: str  # the request's JSON
+    served_model: str
+    created: int
+    max_tokens: int
+    prompt_token_ids: list[int] = packed("i")
+    echo_text: str | None = None
+
+
+@dataclass(slots=True)
+class Route:
+    """Journal entry: the request now runs as ``request_id`` on scheduler ``scheduler_id``."""
+
+    request_id: str
+    scheduler_id: str
 
 
 MESSAGE_TYPES: dict[str, type] = {
     "req": GenerateRequest,
     "abort": AbortRequests,
+    "sync": SyncRequest,
     "hello": ExecutorHello,
     "bind": BindExecutor,
     "step": StepDelta,
     "result": StepResult,
     "out": StepOutputs,
-    "model": ModelInfo,
-    "stats": SchedulerStats,
+    "engine": EngineStatus,
+    "jhead": JournalHeader,
+    "route": Route,
 }
 _TAGS: dict[type, str] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
 

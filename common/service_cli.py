@@ -6,15 +6,17 @@ import argparse
 import logging
 import os
 
+from common.config import ServiceDefaults
+
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
     """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--log-level``."""
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", "conveyor"), help="prefix of every stream and key")
+    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url))
+    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", ServiceDefaults.namespace), help="prefix of every stream and key")
     p.add_argument("--model", default=env("CONVEYOR_MODEL"), help=model_help)
-    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", "3000")))
+    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms)))
     p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     return p
 

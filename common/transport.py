@@ -1,4 +1,4 @@
-"""Redis-stream transport: send, read (plain or consumer group), heartbeats, dead letters.
+"""Redis-stream transport: send, read, pipelined exchanges, heartbeats, dead letters.
 
 Two flavours with one behaviour: `Transport` on ``redis.asyncio`` for the gateway (an HTTP
 server on an event loop), and `SyncTransport` on plain redis-py for the scheduler and executor,
@@ -12,7 +12,8 @@ Why the settings below:
 - Connection errors are retried with exponential backoff (capped), forever for readers and
   writers of long-lived services; a Redis restart costs a pause, not a crashed service.
 - A message that fails `protocol.decode` is logged, copied to the dead-letter stream with the
-  reason, acknowledged, and skipped: one bad producer cannot wedge a consumer.
+  reason, and skipped: one bad producer cannot wedge a consumer. Wrong credentials are not
+  transient: they raise `RedisAuthFailed` at once with a message that says so.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.protocol import ENTRY_FIELD, MAX_MESSAGE_BYTES, Names, ProtocolError, decode, encode
@@ -43,6 +44,43 @@ CLIENT_OPTIONS: dict[str, Any] = dict(
     health_check_interval=30,
     max_connections=64,
 )
+
+
+class Outgoing(NamedTuple):
+    """One XADD of a pipelined exchange: trimmed to about ``maxlen`` entries, and the stream's
+    TTL refreshed to ``ttl_ms`` (streams whose reader may vanish, such as a gateway's outputs)."""
+
+    stream: str
+    data: bytes
+    maxlen: int | None = None
+    ttl_ms: int | None = None
+
+
+class RedisAuthFailed(RuntimeError):
+    """Redis refused our credentials: retrying cannot help, so the process says so and stops."""
+
+
+def _backoff_or_raise(owner: str, exc: BaseException, start: float, delay: float, deadline_s: float | None) -> float:
+    if isinstance(exc, AuthenticationError):
+        raise RedisAuthFailed(f"{owner}: Redis rejected the credentials in the Redis URL ({exc}); check the "
+                              "password (CONVEYOR_REDIS_URL)") from None
+    return _backoff(owner, exc, start, delay, deadline_s)
+
+
+def run_id_of(info: dict[str, Any]) -> str:
+    """The server's ``run_id`` from ``INFO server``: it changes when Redis restarts (or fails over),
+    which is how services learn that what they wrote may be gone."""
+    return str(info.get("run_id", ""))
+
+
+def _pipeline(client: Any, sends: list[Outgoing]) -> Any:
+    """A non-transactional pipeline holding the XADDs (and PEXPIREs) of ``sends``."""
+    pipe = client.pipeline(transaction=False)
+    for out in sends:
+        pipe.xadd(out.stream, {ENTRY_FIELD: out.data}, maxlen=out.maxlen, approximate=True)
+        if out.ttl_ms is not None:
+            pipe.pexpire(out.stream, out.ttl_ms)
+    return pipe
 
 
 def _decode_entry(entry: dict[bytes, bytes], expected: tuple[type, ...] | None, max_bytes: int) -> Any:
@@ -102,7 +140,7 @@ class Transport:
             try:
                 return await fn(*args, **kwargs)
             except TRANSIENT_ERRORS as exc:
-                await asyncio.sleep(_backoff(self.owner, exc, start, delay, deadline_s))
+                await asyncio.sleep(_backoff_or_raise(self.owner, exc, start, delay, deadline_s))
                 delay = min(delay * 2, 2.0)
 
     async def ping(self, deadline_s: float | None = None) -> None:
@@ -119,55 +157,15 @@ class Transport:
             self.redis.xadd, stream, {ENTRY_FIELD: data}, maxlen=maxlen, approximate=True, deadline_s=deadline_s
         )
 
+    async def send_many(self, sends: list[Outgoing], deadline_s: float | None = None) -> None:
+        """XADD every message (and refresh TTLs) in one pipelined round trip."""
+        if sends:
+            await self.call(_pipeline(self.redis, sends).execute, deadline_s=deadline_s)
+
+    async def run_id(self, deadline_s: float | None = None) -> str:
+        return run_id_of(await self.call(self.redis.info, "server", deadline_s=deadline_s))
+
     # -- receive -------------------------------------------------------------------------------
-    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
-        """Create ``group`` on ``stream`` (and the stream) unless it exists."""
-        try:
-            await self.call(self.redis.xgroup_create, stream, group, id=start_id, mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    async def read_group(
-        self,
-        stream: str,
-        group: str,
-        consumer: str,
-        *,
-        count: int = 256,
-        block_ms: int | None = 1000,
-        expected: tuple[type, ...] | None = None,
-        pending: bool = False,
-    ) -> list[tuple[bytes, Any]]:
-        """Take up to ``count`` new entries for ``consumer``; every entry is XACKed at once.
-
-        ``pending=True`` re-reads this consumer's own unacknowledged entries instead (after a
-        restart). Malformed entries go to the dead-letter stream and are not returned.
-        """
-        assert block_ms is None or block_ms <= MAX_BLOCK_MS
-        start = "0" if pending else ">"
-        try:
-            reply = await self.call(
-                self.redis.xreadgroup, group, consumer, {stream: start}, count=count, block=block_ms
-            )
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            # The stream or group vanished (Redis restarted without persistence): recreate.
-            await self.ensure_group(stream, group)
-            return []
-        out: list[tuple[bytes, Any]] = []
-        ids: list[bytes] = []
-        for _, entries in reply or []:
-            for entry_id, entry in entries:
-                ids.append(entry_id)
-                msg = await self._decode_entry(stream, entry_id, entry, expected)
-                if msg is not None:
-                    out.append((entry_id, msg))
-        if ids:
-            await self.call(self.redis.xack, stream, group, *ids)
-        return out
-
     async def read(
         self,
         cursors: dict[str, bytes | str],
@@ -221,8 +219,10 @@ class Transport:
     async def get(self, key: str, expected: tuple[type, ...] | None = None, deadline_s: float | None = None) -> Any:
         """The message stored at ``key``, or None if absent or malformed (logged)."""
         data = await self.call(self.redis.get, key, deadline_s=deadline_s)
-        if data is None:
-            return None
+        return None if data is None else self.decode_value(key, data, expected)
+
+    def decode_value(self, key: str, data: bytes, expected: tuple[type, ...] | None = None) -> Any:
+        """The message in a key's value, or None if malformed (logged)."""
         try:
             return decode(data, expected, self.max_message_bytes)
         except ProtocolError as exc:
@@ -263,7 +263,7 @@ class SyncTransport:
             try:
                 return fn(*args, **kwargs)
             except TRANSIENT_ERRORS as exc:
-                time.sleep(_backoff(self.owner, exc, start, delay, deadline_s))
+                time.sleep(_backoff_or_raise(self.owner, exc, start, delay, deadline_s))
                 delay = min(delay * 2, 2.0)
 
     def ping(self, deadline_s: float | None = None) -> None:
@@ -278,7 +278,7 @@ class SyncTransport:
 
     def exchange(
         self,
-        sends: list[tuple[str, bytes, int | None]],
+        sends: list[Outgoing],
         cursors: dict[str, bytes | str] | None = None,
         *,
         count: int = 256,
@@ -286,15 +286,13 @@ class SyncTransport:
         expected: tuple[type, ...] | None = None,
         deadline_s: float | None = None,
     ) -> list[tuple[str, bytes, Any]]:
-        """XADD every ``(stream, encoded message, maxlen)``, then XREAD ``cursors``: one round trip.
+        """XADD every message, then XREAD ``cursors``: one pipelined round trip.
 
         A transient error retries the whole exchange, so a message may be appended twice; every
         reader tolerates that (steps and results carry a step number, outputs a token index).
         """
         def run() -> Any:
-            pipe = self.redis.pipeline(transaction=False)
-            for stream, data, maxlen in sends:
-                pipe.xadd(stream, {ENTRY_FIELD: data}, maxlen=maxlen, approximate=True)
+            pipe = _pipeline(self.redis, sends)
             if cursors:
                 pipe.xread(dict(cursors), count=count, block=block_ms)
             return pipe.execute()
@@ -323,36 +321,12 @@ class SyncTransport:
                     out.append((stream, entry_id, msg))
         return out
 
-    def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
-        try:
-            self.call(self.redis.xgroup_create, stream, group, id=start_id, mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def trim_through(self, stream: str, entry_id: bytes | str) -> None:
+        """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""
+        self.call(self.redis.xtrim, stream, minid=entry_id, approximate=False)
 
-    def read_group(self, stream: str, group: str, consumer: str, *, count: int = 256, block_ms: int | None = 1000,
-                   expected: tuple[type, ...] | None = None, pending: bool = False) -> list[tuple[bytes, Any]]:
-        """Same contract as `Transport.read_group` (every entry XACKed at once)."""
-        assert block_ms is None or block_ms <= MAX_BLOCK_MS
-        try:
-            reply = self.call(self.redis.xreadgroup, group, consumer, {stream: "0" if pending else ">"}, count=count,
-                              block=block_ms)
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self.ensure_group(stream, group)
-            return []
-        out: list[tuple[bytes, Any]] = []
-        ids: list[bytes] = []
-        for _, entries in reply or []:
-            for entry_id, entry in entries:
-                ids.append(entry_id)
-                msg = self._decode(stream, entry_id, entry, expected)
-                if msg is not None:
-                    out.append((entry_id, msg))
-        if ids:
-            self.call(self.redis.xack, stream, group, *ids)
-        return out
+    def run_id(self, deadline_s: float | None = None) -> str:
+        return run_id_of(self.call(self.redis.info, "server", deadline_s=deadline_s))
 
     def last_id(self, stream: str) -> bytes:
         info = self.call(self.redis.xrevrange, stream, count=1)

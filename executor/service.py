@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from common.batch import Batch
-from common.config import CacheConfig, ModelConfig, ParallelConfig
+from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.protocol import (
     RESULTS_MAXLEN,
     BindExecutor,
@@ -31,7 +31,7 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from common.service_cli import service_parser, setup_logging
-from common.transport import Heartbeat, SyncTransport
+from common.transport import Heartbeat, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 
@@ -112,12 +112,12 @@ class RequestStates:
 class ExecutorServiceConfig:
     redis_url: str
     model: str
-    namespace: str = "conveyor"
+    namespace: str = ServiceDefaults.namespace
     scheduler_id: str = "0"
     executor_id: str = ""
     model_config: ModelConfig | None = None
     cache_config: CacheConfig = field(default_factory=CacheConfig)
-    heartbeat_ttl_ms: int = 3000
+    heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
 
 
 class ExecutorService:
@@ -148,21 +148,27 @@ class ExecutorService:
         t = self.transport
         t.ping()
         ttl = self.config.heartbeat_ttl_ms
-        heartbeat = Heartbeat(self.config.redis_url, self.names, "executor", self.eid, max(0.1, ttl / 6000), ttl).start()
+        heartbeat = Heartbeat(self.config.redis_url, self.names, "executor", self.eid, ServiceDefaults.heartbeat_interval_s(ttl),
+                              ttl).start()
         steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
         cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
-        sends: list[tuple[str, bytes, int | None]] = [(results, t.encode(self._hello()), RESULTS_MAXLEN)]
+        hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN)
+        sends: list[Outgoing] = [hello]
         last_activity = time.monotonic()
+        run_id = t.run_id()
         logger.info("executor %s up (%d blocks of %d); waiting for scheduler %s", self.eid, self.info.num_blocks,
                     self.info.block_size, self.config.scheduler_id)
         try:
             while True:
                 got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta))
                 sends = []
-                if not got and time.monotonic() - last_activity > HELLO_INTERVAL_S:
-                    # Idle: re-announce, so a scheduler that (re)started finds this executor.
-                    sends.append((results, t.encode(self._hello()), RESULTS_MAXLEN))
-                    last_activity = time.monotonic()
+                if not got:
+                    # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
+                    # executor, and at once when Redis restarted (the announcements were lost with it).
+                    restarted = run_id != (run_id := t.run_id())
+                    if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
+                        sends.append(hello)
+                        last_activity = time.monotonic()
                 for _, _, msg in got:
                     last_activity = time.monotonic()
                     if isinstance(msg, BindExecutor):
@@ -177,7 +183,7 @@ class ExecutorService:
                     elif msg.epoch == self.epoch and msg.step > self.last_step:
                         # (a step seen twice, from a retried send, is not executed twice)
                         self.last_step = msg.step
-                        sends.append((results, t.encode(self._step(msg)), RESULTS_MAXLEN))
+                        sends.append(Outgoing(results, t.encode(self._step(msg)), RESULTS_MAXLEN))
         finally:
             heartbeat.stop()
             t.close()
@@ -204,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = service_parser("conveyor executor", "Run the executor service (model + KV cache).",
                        "local Hugging Face model directory (required)")
-    p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"))
+    p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"),
+                   help="pairs this executor with the scheduler of the same id (one engine replica)")
     p.add_argument("--executor-id", default=env("CONVEYOR_EXECUTOR_ID", ""))
     p.add_argument("--dtype", default=env("CONVEYOR_DTYPE", "auto"))
     p.add_argument("--device", default=env("CONVEYOR_DEVICE", "auto"))

@@ -1,4 +1,12 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
+and ``GET /v1/streams/{id}``, which resumes a streaming response on any gateway.
+
+Resumable streams: every SSE event carries an ``id:`` (1, 2, ...). A streaming response is
+journaled in Redis (``journal:<response id>``: a `JournalHeader`, the `Route` of each attempt,
+then every engine output, written before the client sees what it produces), so the events are a
+pure function of the journal. Another gateway replays it, skips what the client has
+(``Last-Event-ID``), adopts the request in its engine (`SyncRequest`) and continues live.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.protocol import ModelInfo, Names
+from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling_to_dict
+from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece
 from gateway.openai_schema import ApiError, GenerationSpec, parse_chat, parse_completion
@@ -32,7 +41,7 @@ class Tokenizers:
         self.tokenizer: Any = None
         self._lock = asyncio.Lock()
 
-    async def get(self, info: ModelInfo) -> Any:
+    async def get(self, info: EngineStatus) -> Any:
         if self.tokenizer is None:
             async with self._lock:
                 if self.tokenizer is None:
@@ -64,7 +73,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     """Build the gateway app; its lifespan connects to Redis and starts the engine client."""
     gateway_id = config.gateway_id or uuid.uuid4().hex[:12]
     client = EngineClient(config.redis_url, Names(config.namespace), gateway_id,
-                          heartbeat_ttl_ms=config.heartbeat_ttl_ms, liveness_grace_s=config.liveness_grace_s)
+                          heartbeat_ttl_ms=config.heartbeat_ttl_ms, migration_limit=config.migration_limit,
+                          recovery_timeout_s=config.recovery_timeout_s, resume_window_s=config.resume_window_s)
     tokenizers = Tokenizers(config.model)
 
     @contextlib.asynccontextmanager
@@ -111,10 +121,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not hmac.compare_digest(given.encode(), config.api_key.encode()):
             raise ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
-    def served_name(info: ModelInfo) -> str:
+    def served_name(info: EngineStatus) -> str:
         return config.served_model_name or info.model_name
 
-    def ready_info() -> ModelInfo:
+    def ready_info() -> EngineStatus:
         info = client.model_info
         if info is None or client.down_reason is not None:
             raise ApiError(503, f"engine unavailable: {client.down_reason}", "server_error", code="engine_unavailable")
@@ -139,16 +149,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        spec = parse_completion(await read_json(request, config.max_body_bytes))
-        return await serve(request, spec)
+        body = await read_json(request, config.max_body_bytes)
+        return await serve(request, parse_completion(body), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        spec = parse_chat(await read_json(request, config.max_body_bytes))
-        return await serve(request, spec)
+        body = await read_json(request, config.max_body_bytes)
+        return await serve(request, parse_chat(body), body)
 
-    async def serve(request: Request, spec: GenerationSpec) -> Response:
+    async def serve(request: Request, spec: GenerationSpec, body: Any) -> Response:
         info = ready_info()
         name = served_name(info)
         if spec.model and spec.model not in (name, info.model_path):  # "" or absent: the served model
@@ -181,24 +191,60 @@ def create_app(config: GatewayConfig) -> FastAPI:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(client, tokenizer, request_id, prompt_ids, spec.sampling, spec.stop,
                          spec.include_stop_str_in_output, spec.skip_special_tokens)
-        await gen.start()
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
         fmt = ResponseFormatter(spec, request_id, name, tokenizer, n_prompt, echo)
-        if spec.stream:
-            return StreamingResponse(stream_events(gen, fmt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await collect(request, gen, fmt))
+        if not spec.stream:
+            await gen.start()
+            return JSONResponse(await collect(request, gen, fmt))
+        header = JournalHeader(request_id, spec.kind, json.dumps(body), name, fmt.created, max_tokens, prompt_ids, echo)
+        await gen.start([Outgoing(client.names.journal(request_id), encode(header), None, client.journal_ttl_ms)])
+        return event_stream(stream_events(gen, fmt, 0))
 
-    async def stream_events(gen: Generation, fmt: ResponseFormatter) -> AsyncIterator[str]:
+    @app.get("/v1/streams/{response_id}")
+    async def resume_stream(request: Request, response_id: str) -> Response:
+        """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
+        check_key(request)
+        last = request.headers.get("last-event-id", "0").strip()
+        if not last.isdigit() or len(last) > 9:
+            raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
+        header, route, outputs = await client.read_journal(response_id)
+        if header is None or route is None:
+            raise ApiError(404, f"no resumable stream {response_id!r} (unknown, or older than the resume window)",
+                           "not_found_error", code="stream_not_found")
+        info = ready_info()
+        tokenizer = await tokenizers.get(info)
+        spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
+        spec.sampling.max_tokens = header.max_tokens
+        gen = Generation(client, tokenizer, response_id, header.prompt_token_ids, spec.sampling, spec.stop,
+                         spec.include_stop_str_in_output, spec.skip_special_tokens)
+        fmt = ResponseFormatter(spec, response_id, header.served_model, tokenizer, len(header.prompt_token_ids),
+                                header.echo_text)
+        fmt.created = header.created
+        gen.handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route,
+                                        outputs)
+        return event_stream(stream_events(gen, fmt, int(last)))
+
+    def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_events(gen: Generation, fmt: ResponseFormatter, skip_through: int) -> AsyncIterator[str]:
+        """SSE events numbered from 1; those up to ``skip_through`` (the client has them) are not sent."""
+        number = 0
         try:
             for chunk in fmt.stream_start():
-                yield sse(chunk)
+                number += 1
+                if number > skip_through:
+                    yield sse(chunk, number)
             async for piece in gen.pieces():
                 for chunk in fmt.stream_piece(piece, gen.num_completion_tokens):
-                    yield sse(chunk)
+                    number += 1
+                    if number > skip_through:
+                        yield sse(chunk, number)
         except ApiError as exc:
-            yield sse(exc.body())
-        yield "data: [DONE]\n\n"
+            number += 1
+            yield sse(exc.body(), number)
+        yield f"id: {number + 1}\ndata: [DONE]\n\n"
 
     async def collect(request: Request, gen: Generation, fmt: ResponseFormatter) -> dict[str, Any]:
         pieces: list[Piece] = []
@@ -226,8 +272,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def sse(payload: dict[str, Any], number: int) -> str:
+    return f"id: {number}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 def tokenize(tokenizer: Any, spec: GenerationSpec) -> tuple[list[int], str | None]:

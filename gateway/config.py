@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.config import ServiceDefaults
+
 
 @dataclass(slots=True)
 class GatewayConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "conveyor"
+    redis_url: str = ServiceDefaults.redis_url
+    namespace: str = ServiceDefaults.namespace
     gateway_id: str = ""  # "" -> random per process (outputs stream and heartbeat key use it)
     host: str = "0.0.0.0"
     port: int = 8000
@@ -16,6 +18,8 @@ class GatewayConfig:
     served_model_name: str | None = None  # None -> the name the executor reported
     max_body_bytes: int = 8 * 1024 * 1024
     max_inflight: int = 4096  # admission bound: beyond it, 429 with Retry-After
-    heartbeat_ttl_ms: int = 3000
-    liveness_grace_s: float = 1.0
+    heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
+    migration_limit: int = ServiceDefaults.migration_limit
+    recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
+    resume_window_s: float = ServiceDefaults.resume_window_s
     api_key: str | None = None

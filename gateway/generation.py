@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from common.protocol import sampling_to_dict
 from common.sampling_params import SamplingParams
+from common.transport import Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.openai_schema import ApiError
 from gateway.router import EngineClient, EngineUnavailable, RequestHandle
@@ -44,10 +45,12 @@ class Generation:
         self.handle: RequestHandle | None = None
         self.finished = False
 
-    async def start(self) -> None:
-        """Submit to the engine; errors here become HTTP errors (nothing was streamed yet)."""
+    async def start(self, journal: list[Outgoing] | None = None) -> None:
+        """Submit to the engine (``journal``: a resumable stream's first entries, written first);
+        errors here become HTTP errors (nothing was streamed yet)."""
         try:
-            self.handle = await self.client.submit(self.request_id, self.prompt_token_ids, sampling_to_dict(self.sampling))
+            self.handle = await self.client.submit(self.request_id, self.prompt_token_ids,
+                                                   sampling_to_dict(self.sampling), journal)
         except EngineUnavailable as exc:
             raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
         except (ConnectionError, OSError, TimeoutError) as exc:

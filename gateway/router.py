@@ -1,11 +1,21 @@
-"""The gateway's side of the streams: submit requests, route outputs back, abort, watch liveness.
+"""The gateway's side of the streams: route requests to engines, route outputs back, recover.
 
-Each gateway has its own outputs stream (``outputs:<gateway id>``) with a single reader (this
-process), so outputs of other gateways never reach it. Per request, the token index in every
-output lets the reader drop duplicates and turn a gap into an error instead of wrong text.
-Aborts are queued without awaiting (they are often issued from a cancelled task) and sent in
-batches by a background task. A watcher fails every in-flight request with a clear error when the
-scheduler's or executor's heartbeat is gone, so no client waits forever on a dead engine.
+Engines (scheduler + executor pairs) publish `EngineStatus` keys; every 0.5 s this gateway reads
+them and sends each new request to the live engine with the least load (running + waiting, plus
+what this gateway sent it since). Each gateway has its own outputs stream with a single reader,
+so outputs of other gateways never reach it; the token index in every output lets it drop
+duplicates and ask for a resend (`SyncRequest`) when some were lost.
+
+Recovery, all driven from here because the gateway holds what a request needs to continue (its
+prompt, sampling parameters and the tokens already streamed to the client):
+- The engine of a request is gone (its status key expired) or restarted (a new incarnation), or
+  it answers ``unknown``: the request is *migrated*: resubmitted to a live engine as prompt +
+  tokens so far + the rest of its budget, under a new attempt id (``<id>~<n>``), at most
+  ``migration_limit`` times. Seeded sampling depends only on (seed, position), so a seeded or
+  greedy stream continues exactly as it would have.
+- Redis restarted (its ``run_id`` changed): every request asks its engine to resend what this
+  gateway has not seen; an engine that lost the request answers ``unknown`` and it migrates.
+- No engine at all: the request waits up to ``recovery_timeout_s`` for one, then fails.
 """
 
 from __future__ import annotations
@@ -14,9 +24,25 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from common.protocol import AbortRequests, GenerateRequest, ModelInfo, Names, StepOutputs, unpack_logprobs
-from common.transport import Heartbeat, Transport
+from common.config import ServiceDefaults
+from common.protocol import (
+    OUTPUTS_MAXLEN,
+    AbortRequests,
+    ENTRY_FIELD,
+    EngineStatus,
+    GenerateRequest,
+    JournalHeader,
+    Names,
+    Route,
+    StepOutputs,
+    SyncRequest,
+    decode,
+    encode,
+    unpack_logprobs,
+)
+from common.transport import Heartbeat, Outgoing, Transport
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -34,32 +60,59 @@ class EngineEvent:
 
 @dataclass(slots=True)
 class RequestHandle:
-    request_id: str
-    num_prompt_tokens: int
+    """One request in flight from this gateway, and what it takes to continue it elsewhere."""
+
+    request_id: str  # the response id the client sees
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    journal_id: str = ""
+    engine_request_id: str = ""  # the current attempt's id in the engine
+    scheduler_id: str = ""
+    incarnation: str = ""
+    attempts: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
     events: asyncio.Queue[EngineEvent] = field(default_factory=asyncio.Queue)
-    next_index: int = 0
     done: bool = False
+    unrouted_since: float | None = None  # waiting for a live engine to migrate to
+    sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
+
+    @property
+    def next_index(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class EngineUnavailable(RuntimeError):
-    """No live scheduler/executor to serve requests (answered as 503)."""
+    """No live engine to serve requests (answered as 503)."""
 
 
 class EngineClient:
-    """One gateway's connection to the engine."""
+    """One gateway's connection to the engines."""
 
-    def __init__(self, redis_url: str, names: Names, gateway_id: str, *, heartbeat_ttl_ms: int = 3000,
-                 liveness_grace_s: float = 1.0) -> None:
+    def __init__(self, redis_url: str, names: Names, gateway_id: str, *,
+                 heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms,
+                 migration_limit: int = ServiceDefaults.migration_limit,
+                 recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s,
+                 resume_window_s: float = ServiceDefaults.resume_window_s) -> None:
         self.names = names
         self.gateway_id = gateway_id
         self.transport = Transport(redis_url, names, owner=f"gateway {gateway_id}")
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
-        self.liveness_grace_s = liveness_grace_s
-        self.requests: dict[str, RequestHandle] = {}
-        self.model_info: ModelInfo | None = None
-        self.down_reason: str | None = "no scheduler has registered an executor yet"
-        self._down_since: float | None = None
-        self._aborts: list[str] = []
+        self.migration_limit = migration_limit
+        self.recovery_timeout_s = recovery_timeout_s
+        self.journal_ttl_ms = int(resume_window_s * 1000)
+        self.requests: dict[str, RequestHandle] = {}  # by response id
+        self.attempts: dict[str, RequestHandle] = {}  # by engine request id
+        self.engines: dict[str, EngineStatus] = {}  # live engines with a model
+        self.sent_since_refresh: dict[str, int] = {}
+        self.model_info: EngineStatus | None = None
+        self.down_reason: str | None = "no engine has registered yet"
+        self.run_id: str | None = None
+        self.num_migrations = 0
+        self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
         self._abort_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat: Heartbeat | None = None
@@ -71,15 +124,15 @@ class EngineClient:
         await self.transport.ping()
         await self.transport.beat("gateway", self.gateway_id, self.heartbeat_ttl_ms)
         cursor = await self.transport.last_id(self.outputs_stream)
-        await self._check_engine()
+        await self._refresh()
         # On a thread: a busy event loop (many streams on a loaded CPU) must not let the heartbeat
-        # lapse, or the scheduler aborts every request of this gateway.
+        # lapse, or the schedulers orphan every request of this gateway.
         self._heartbeat = Heartbeat(self.redis_url, self.names, "gateway", self.gateway_id,
-                                    max(0.1, self.heartbeat_ttl_ms / 6000), self.heartbeat_ttl_ms).start()
+                                    ServiceDefaults.heartbeat_interval_s(self.heartbeat_ttl_ms), self.heartbeat_ttl_ms).start()
         self._tasks = [
             asyncio.create_task(self._read_outputs(cursor)),
             asyncio.create_task(self._send_aborts()),
-            asyncio.create_task(self._watch_engine()),
+            asyncio.create_task(self._watch()),
         ]
 
     async def stop(self) -> None:
@@ -89,121 +142,275 @@ class EngineClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            if self.requests:
-                await self.transport.send(self.names.control, AbortRequests(list(self.requests), "gateway stopped"), deadline_s=2)
-            await self.transport.call(self.transport.redis.delete, self.outputs_stream, self.names.heartbeat("gateway", self.gateway_id), deadline_s=2)
+            for handle in list(self.requests.values()):
+                self.abort(handle.request_id)
+            await self._flush_aborts("gateway stopped", deadline_s=2)
+            await self.transport.call(self.transport.redis.delete, self.outputs_stream,
+                                      self.names.heartbeat("gateway", self.gateway_id), deadline_s=2)
         except Exception as exc:
             logger.warning("could not clean up on shutdown: %s", exc)
         await self.transport.close()
 
     # -- requests ------------------------------------------------------------------------------
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, object]) -> RequestHandle:
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+                     journal: list[Outgoing] | None = None) -> RequestHandle:
+        """Send a new request to the least-loaded live engine (``journal``: entries to write first)."""
         if self.down_reason is not None:
             raise EngineUnavailable(self.down_reason)
-        handle = RequestHandle(request_id, len(prompt_token_ids))
+        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id=request_id if journal else "")
         self.requests[request_id] = handle
-        msg = GenerateRequest(request_id, self.gateway_id, prompt_token_ids, sampling, time.time())
         try:
-            await self.transport.send(self.names.requests, msg, deadline_s=5)
+            if not await self._route(handle, journal or []):
+                raise EngineUnavailable("no live engine")
         except Exception:
-            self.requests.pop(request_id, None)
+            self._forget(handle)
             raise
         return handle
 
     def abort(self, request_id: str) -> None:
         """Stop ``request_id`` in the engine (no await: safe from a cancelled task)."""
-        handle = self.requests.pop(request_id, None)
-        if handle is not None and not handle.done:
-            handle.done = True
-            self._aborts.append(request_id)
-            self._abort_event.set()
+        handle = self.requests.get(request_id)
+        if handle is not None:
+            self._forget(handle)
+            if not handle.done:
+                handle.done = True
+                self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
+                self._abort_event.set()
 
     def release(self, request_id: str) -> None:
         """Forget a request that finished normally."""
-        self.requests.pop(request_id, None)
+        handle = self.requests.get(request_id)
+        if handle is not None:
+            self._forget(handle)
+
+    def _forget(self, handle: RequestHandle) -> None:
+        self.requests.pop(handle.request_id, None)
+        self.attempts.pop(handle.engine_request_id, None)
+
+    def pick_engine(self) -> EngineStatus | None:
+        """The live engine with the least load; with an executor bound if any has one."""
+        def key(status: EngineStatus) -> tuple[bool, int, int]:
+            load = status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
+            return (not status.executor_id, load, -status.num_free_blocks)
+
+        return min(self.engines.values(), key=key, default=None)
+
+    async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
+        """Submit ``handle``'s next attempt to the best engine; False if none is live."""
+        engine = self.pick_engine()
+        if engine is None:
+            return False
+        self.attempts.pop(handle.engine_request_id, None)
+        handle.engine_request_id = handle.request_id if handle.attempts == 0 else f"{handle.request_id}~{handle.attempts}"
+        handle.attempts += 1
+        handle.scheduler_id, handle.incarnation = engine.scheduler_id, engine.incarnation
+        handle.unrouted_since, handle.sync_from = None, -1
+        self.attempts[handle.engine_request_id] = handle
+        msg = GenerateRequest(handle.engine_request_id, self.gateway_id, engine.scheduler_id, engine.incarnation,
+                              handle.prompt_token_ids, list(handle.output_token_ids), handle.sampling, time.time(),
+                              handle.journal_id)
+        sends = list(extra)
+        if handle.journal_id:
+            route = Route(handle.engine_request_id, engine.scheduler_id)
+            sends.append(Outgoing(self.names.journal(handle.journal_id), encode(route), None, self.journal_ttl_ms))
+        sends.append(Outgoing(self.names.requests(engine.scheduler_id), encode(msg)))
+        await self.transport.send_many(sends, deadline_s=5)
+        self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
+        return True
+
+    async def _migrate(self, handle: RequestHandle, why: str) -> None:
+        """Resubmit ``handle`` elsewhere with the tokens it has (see the module docstring)."""
+        if handle.done:
+            return
+        if handle.unrouted_since is None:  # first try for this move: stop the old attempt, count it
+            logger.warning("request %s: %s; migrating (attempt %d)", handle.request_id, why, handle.attempts + 1)
+            self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
+            self._abort_event.set()
+            handle.unrouted_since = time.monotonic()
+            self.num_migrations += 1
+        if handle.attempts > self.migration_limit:
+            self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
+        elif len(handle.output_token_ids) >= int(handle.sampling.get("max_tokens", 0)):
+            self._deliver(handle, EngineEvent([], [], True, "length"))  # only its last output was lost
+        elif not await self._route(handle, []):
+            if time.monotonic() - handle.unrouted_since > self.recovery_timeout_s:
+                self._fail(handle, f"no live engine for {self.recovery_timeout_s:.0f}s ({why})")
+
+    # -- resuming a stream another gateway served ------------------------------------------------
+    async def read_journal(self, response_id: str) -> tuple[JournalHeader | None, Route | None, list[StepOutputs]]:
+        """A resumable stream's journal: its header, its current route, and its outputs in order."""
+        t = self.transport
+        entries = await t.call(t.redis.xrange, self.names.journal(response_id), deadline_s=5)
+        header, route, outputs = None, None, []
+        for _, entry in entries:
+            msg = decode(entry[ENTRY_FIELD], (JournalHeader, Route, StepOutputs))
+            if isinstance(msg, JournalHeader):
+                header = msg
+            elif isinstance(msg, Route):
+                route = msg
+            else:
+                outputs.append(msg)
+        return header, route, outputs
+
+    async def adopt(self, response_id: str, prompt_token_ids: list[int], sampling: dict[str, Any], route: Route,
+                    outputs: list[StepOutputs]) -> RequestHandle:
+        """A handle for a journaled stream: its journaled events first, then (unless it finished)
+        the live ones, once its engine routes the request here (`SyncRequest`)."""
+        _, tilde, number = route.request_id.rpartition("~")  # attempt n > 1 runs as "<id>~<n-1>"
+        handle = RequestHandle(response_id, prompt_token_ids, sampling, journal_id=response_id,
+                               engine_request_id=route.request_id, scheduler_id=route.scheduler_id,
+                               attempts=int(number) + 1 if tilde and number.isdigit() else 1)
+        for msg in outputs:  # as `_dispatch` would deliver them: in order, without duplicates
+            for i, index in enumerate(msg.token_index):
+                if index > handle.next_index:
+                    break  # a gap (outputs lost with the old gateway): the engine resends from here
+                start = sum(msg.num_tokens[:i])
+                lps = unpack_logprobs(msg.lp_counts, msg.lp_token_ids, msg.lp_values) if msg.lp_counts else None
+                skip = handle.next_index - index
+                tokens = msg.token_ids[start + skip : start + msg.num_tokens[i]]
+                handle.output_token_ids.extend(tokens)
+                self._deliver(handle, EngineEvent(tokens, lps[start + skip : start + msg.num_tokens[i]] if lps else
+                                                  [None] * len(tokens), msg.finished[i], msg.finish_reasons[i],
+                                                  msg.errors[i]))
+                if handle.done:
+                    return handle  # the whole stream is in the journal
+        status = self.engines.get(route.scheduler_id)
+        handle.incarnation = status.incarnation if status is not None else ""  # else: the watcher migrates it
+        self.requests[response_id] = self.attempts[route.request_id] = handle
+        await self._sync(handle)
+        return handle
 
     # -- background tasks ----------------------------------------------------------------------
     async def _send_aborts(self) -> None:
         while True:
             await self._abort_event.wait()
             self._abort_event.clear()
-            request_ids, self._aborts = self._aborts, []
-            if request_ids:
-                try:
-                    await self.transport.send(self.names.control, AbortRequests(request_ids, "client"))
-                except Exception:
-                    logger.exception("could not send aborts")
+            await self._flush_aborts("client")
+
+    async def _flush_aborts(self, reason: str, deadline_s: float | None = None) -> None:
+        aborts, self._aborts = self._aborts, {}
+        sends = [Outgoing(self.names.requests(sid), encode(AbortRequests(ids, reason)))
+                 for sid, ids in aborts.items() if sid]
+        try:
+            await self.transport.send_many(sends, deadline_s=deadline_s)
+        except Exception:
+            logger.exception("could not send aborts")
 
     async def _read_outputs(self, cursor: bytes) -> None:
         cursors: dict[str, bytes | str] = {self.outputs_stream: cursor}
         while True:
             try:
                 for _, _, msg in await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,)):
-                    self._dispatch(msg)
+                    await self._dispatch(msg)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("outputs reader failed; continuing")
                 await asyncio.sleep(0.2)
 
-    def _dispatch(self, msg: StepOutputs) -> None:
+    async def _dispatch(self, msg: StepOutputs) -> None:
+        """Deliver one step's outputs; resumable streams are journaled before their clients see them."""
         logprobs = unpack_logprobs(msg.lp_counts, msg.lp_token_ids, msg.lp_values) if msg.lp_counts else None
+        journal: list[Outgoing] = []
+        ready: list[tuple[RequestHandle, EngineEvent]] = []
+        migrate: list[RequestHandle] = []
+        syncs: list[RequestHandle] = []
         pos = 0
-        for i, request_id in enumerate(msg.request_ids):
+        for i, engine_request_id in enumerate(msg.request_ids):
             n = msg.num_tokens[i]
             tokens = msg.token_ids[pos : pos + n]
             lps = logprobs[pos : pos + n] if logprobs else [None] * n
             pos += n
-            handle = self.requests.get(request_id)
+            handle = self.attempts.get(engine_request_id)
             if handle is None or handle.done:
-                continue  # aborted or finished here already
+                continue  # aborted, finished, or an earlier attempt of a migrated request
+            if msg.finish_reasons[i] == "unknown":
+                migrate.append(handle)
+                continue
             index = msg.token_index[i]
             if index > handle.next_index:
-                self._fail(handle, f"lost output tokens {handle.next_index}..{index - 1} of request {request_id}")
+                if handle.sync_from != handle.next_index:
+                    syncs.append(handle)
                 continue
             skip = handle.next_index - index  # duplicates already delivered
             tokens, lps = tokens[skip:], lps[skip:]
-            handle.next_index += len(tokens)
+            if not tokens and not msg.finished[i] and n:
+                continue  # nothing new
+            handle.output_token_ids.extend(tokens)
             event = EngineEvent(tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i])
-            if event.finished:
-                handle.done = True
-            handle.events.put_nowait(event)
+            if handle.journal_id:
+                entry = StepOutputs()
+                entry.add(engine_request_id, handle.next_index - len(tokens), tokens, lps, event.finished,
+                          event.finish_reason, event.error)
+                journal.append(Outgoing(self.names.journal(handle.journal_id), encode(entry.sealed()), OUTPUTS_MAXLEN,
+                                        self.journal_ttl_ms))
+            ready.append((handle, event))
+        if journal:  # write-ahead: no client sees an event that another gateway could not replay
+            await self.transport.send_many(journal)
+        for handle, event in ready:
+            self._deliver(handle, event)
+        for handle in syncs:
+            await self._sync(handle)
+        for handle in migrate:
+            await self._migrate(handle, "its engine does not hold it")
+
+    def _deliver(self, handle: RequestHandle, event: EngineEvent) -> None:
+        if event.finished:
+            handle.done = True
+        handle.events.put_nowait(event)
+
+    async def _sync(self, handle: RequestHandle) -> None:
+        """Ask the engine to resend from what this gateway has (outputs were lost)."""
+        handle.sync_from = handle.next_index
+        msg = SyncRequest(handle.engine_request_id, self.gateway_id, handle.next_index)
+        await self.transport.send(self.names.requests(handle.scheduler_id), msg, deadline_s=5)
 
     def _fail(self, handle: RequestHandle, error: str) -> None:
-        handle.done = True
-        handle.events.put_nowait(EngineEvent([], [], True, "error", error))
-        self._aborts.append(handle.request_id)
+        logger.error("request %s failed: %s", handle.request_id, error)
+        self._deliver(handle, EngineEvent([], [], True, "error", error))
+        self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
         self._abort_event.set()
 
-    async def _check_engine(self) -> None:
-        """Refresh the model info and decide whether the engine is up (sets ``down_reason``)."""
+    async def _refresh(self) -> None:
+        """Re-read the live engines and decide whether this gateway can serve (``down_reason``)."""
         t = self.transport
-        info = await t.get(self.names.model_info, (ModelInfo,), deadline_s=2)
-        if info is not None:
-            self.model_info = info
-        reason: str | None = None
-        if info is None:
-            reason = "no scheduler has registered an executor yet"
-        elif not await t.alive("scheduler", info.scheduler_id, deadline_s=2):
-            reason = f"scheduler {info.scheduler_id} is not running (its heartbeat expired)"
-        elif not await t.alive("executor", info.executor_id, deadline_s=2):
-            reason = f"executor {info.executor_id} is not running (its heartbeat expired)"
-        self.down_reason = reason
+        run_id = await t.run_id(deadline_s=2)
+        restarted = self.run_id is not None and run_id != self.run_id
+        self.run_id = run_id
+        ids = [sid.decode() for sid in await t.call(t.redis.zrange, self.names.engines, 0, -1, deadline_s=2)]
+        values = await t.call(t.redis.mget, [self.names.engine(sid) for sid in ids], deadline_s=2) if ids else []
+        engines: dict[str, EngineStatus] = {}
+        for sid, value in zip(ids, values):
+            status = t.decode_value(self.names.engine(sid), value, (EngineStatus,)) if value is not None else None
+            if status is not None and status.model_name:
+                engines[sid] = status
+        self.engines, self.sent_since_refresh = engines, {}
+        if engines:
+            self.model_info = next(iter(engines.values()))
+        self.down_reason = None if engines else "no engine is running (no scheduler with an executor is alive)"
+        if restarted:
+            logger.warning("Redis restarted: asking the engines to resend what %d requests are missing", len(self.requests))
+            for handle in list(self.requests.values()):
+                if not handle.done and handle.unrouted_since is None:
+                    await self._sync(handle)
 
-    async def _watch_engine(self) -> None:
+    async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(ServiceDefaults.liveness_check_s)
             try:
-                await self._check_engine()
+                await self._refresh()
+                for handle in list(self.requests.values()):
+                    if handle.done:
+                        continue
+                    status = self.engines.get(handle.scheduler_id)
+                    if handle.unrouted_since is not None:
+                        await self._migrate(handle, "waiting for a live engine")
+                    elif status is None:
+                        await self._migrate(handle, f"engine {handle.scheduler_id} is gone")
+                    elif status.incarnation != handle.incarnation:
+                        await self._migrate(handle, f"engine {handle.scheduler_id} restarted")
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:
                 self.down_reason = f"cannot reach Redis: {exc}"
-            if self.down_reason is None:
-                self._down_since = None
-                continue
-            now = time.monotonic()
-            self._down_since = self._down_since or now
-            if now - self._down_since >= self.liveness_grace_s and self.requests:
-                logger.error("engine unavailable (%s): failing %d requests", self.down_reason, len(self.requests))
-                for handle in list(self.requests.values()):
-                    if not handle.done:
-                        self._fail(handle, f"engine unavailable: {self.down_reason}")
+                logger.warning("engine watch: %s", exc)

@@ -4,6 +4,11 @@ No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_token
 ``num_tokens``; running requests are served first, then waiting ones FCFS, all under one token
 budget, so a step freely mixes decodes with prefill chunks. When blocks run out, the most
 recently admitted running request is preempted by recompute.
+
+Faults: `reset_executor` moves every request to a new executor (all running ones preempted and
+recomputed there, so no token is lost or changed). After a step that failed, `isolate` runs the
+step's requests one at a time until each has passed a step alone; the one that fails alone is
+the culprit and is failed by the caller (``abort(id, "error")``), while the others go on.
 """
 
 from __future__ import annotations
@@ -42,7 +47,28 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        # Requests of a failed step, still to pass one step alone (in order); see `isolate`.
+        self.suspects: list[str] = []
         assert cache_manager.block_size == executor.info.block_size
+
+    def reset_executor(self, executor: Executor, cache_manager: CacheManager) -> None:
+        """Carry on with another executor and KV pool: running requests are preempted (recompute)."""
+        self.preempt_all()
+        assert cache_manager.block_size == executor.info.block_size
+        self.executor = executor
+        self.cache = cache_manager
+        self.max_model_len = executor.info.max_model_len
+        self.eos_token_ids = frozenset(executor.info.eos_token_ids)
+
+    def preempt_all(self) -> None:
+        """Preempt every running request (their KV is gone or untrusted); order is kept."""
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.running.clear()
+
+    def isolate(self, request_ids: list[str]) -> None:
+        """Run these requests (of a step that failed) one per step until each has passed alone."""
+        self.suspects = [r for r in request_ids if r in self.requests]
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -51,17 +77,19 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        if len(request.prompt_token_ids) > self.max_model_len:
+        if request.num_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len "
-                f"({self.max_model_len})"
+                f"prompt has {request.num_tokens} tokens (with any earlier output), more than "
+                f"max_model_len ({self.max_model_len})"
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> StepOutput | None:
-        """Finish ``request_id`` at once and free its blocks; None if it is unknown."""
+    def abort(self, request_id: str, reason: str = "abort") -> StepOutput | None:
+        """Finish ``request_id`` at once and free its blocks; None if it is unknown.
+
+        ``reason`` "error" fails a request that made a step fail alone (see `isolate`)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -69,8 +97,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, "abort")
-        return StepOutput(request_id, [], [], True, "abort", request.num_output_tokens)
+        self._finish(request, reason)
+        return StepOutput(request_id, [], [], True, reason, request.num_output_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -93,6 +121,9 @@ class Scheduler:
     # -- one engine step --------------------------------------------------------------------
     def decide(self) -> dict[str, int]:
         """Pick this step's ``{request_id: num_new_tokens}`` and allocate their blocks."""
+        self.suspects = [r for r in self.suspects if r in self.requests]
+        if self.suspects:
+            return self._decide_alone(self.requests[self.suspects[0]])
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted = False
@@ -125,6 +156,19 @@ class Scheduler:
             budget -= n
         return scheduled
 
+    def _decide_alone(self, request: Request) -> dict[str, int]:
+        """Schedule ``request`` alone; other running requests wait (keeping their blocks)."""
+        n = min(request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens)
+        while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            victim = next(r for r in reversed(self.running) if r is not request)  # the pool holds one max-length request
+            self.running.remove(victim)
+            self._preempt(victim)
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return {request.request_id: n}
+
     def build_batch(self, scheduled: dict[str, int]) -> Batch:
         """Flatten the scheduled requests into a `Batch` (plain lists; no tensors here)."""
         batch = Batch()
@@ -156,6 +200,8 @@ class Scheduler:
         batch = self.build_batch(scheduled)
         result = self.executor.execute_model(batch)
         self.num_steps += 1
+        if self.suspects and self.suspects[0] in scheduled:
+            self.suspects.pop(0)  # it passed a step alone
         return self.apply(batch, result)
 
     def apply(self, batch: Batch, result: ExecutorOutput) -> list[StepOutput]:

@@ -15,18 +15,28 @@ hand-off in the hot path (each one is a wake-up, which costs most on a busy CPU)
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo
 from common.protocol import STEPS_MAXLEN, StepDelta, StepResult, apply_edit, sampling_to_dict, unpack_logprobs
-from common.transport import SyncTransport
+from common.transport import Outgoing, SyncTransport
 
 logger = logging.getLogger(__name__)
 
 class ExecutorLost(RuntimeError):
-    """The executor died, stopped answering, or failed a step; in-flight requests are lost."""
+    """The executor died or stopped answering (or Redis restarted under the step): its KV state
+    is gone, so the scheduler preempts every running request and rebinds an executor."""
+
+
+class StepFailed(RuntimeError):
+    """The executor answered a step with an error (it has dropped its state for every request)."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 @dataclass(slots=True)
@@ -125,6 +135,7 @@ class StreamExecutor:
         results_cursor: bytes,
         result_timeout_s: float = 60.0,
         liveness_check_s: float = 0.5,
+        redis_restarted: threading.Event | None = None,
     ) -> None:
         self.info = info
         self.transport = transport
@@ -134,16 +145,21 @@ class StreamExecutor:
         self.results_cursor = results_cursor
         self.result_timeout_s = result_timeout_s
         self.liveness_check_s = liveness_check_s
+        self.redis_restarted = redis_restarted or threading.Event()
         self.encoder = DeltaEncoder(info.block_size)
         self.step = 0
         self.last_forward_s = 0.0
         self.total_forward_s = 0.0
-        self.outbox: list[tuple[str, bytes, int | None]] = []  # (stream, encoded message, maxlen)
+        self.outbox: list[Outgoing] = []  # messages that ride with the next step
         self._steps_stream = transport.names.steps(scheduler_id)
         self._results_stream = transport.names.results(scheduler_id)
 
     def release(self, request_ids: list[str]) -> None:
         self.encoder.release(request_ids)
+
+    def forget_all(self) -> None:
+        """The executor dropped every request (after a failed step): resend everything from now on."""
+        self.encoder = DeltaEncoder(self.info.block_size)
 
     def flush(self) -> None:
         """Send the queued messages now (no step is coming to carry them)."""
@@ -156,8 +172,10 @@ class StreamExecutor:
         self.step += 1
         delta = self.encoder.encode(batch, self.epoch, self.step)
         sends, self.outbox = self.outbox, []
-        sends.append((self._steps_stream, self.transport.encode(delta), STEPS_MAXLEN))
+        sends.append(Outgoing(self._steps_stream, self.transport.encode(delta), STEPS_MAXLEN))
         result = self._round_trip(sends, delta.step)
+        if result.error is not None:
+            raise StepFailed(f"executor {self.executor_id} failed step {delta.step}: {result.error}", list(batch.request_ids))
         if len(result.token_ids) != batch.num_seqs:
             raise ExecutorLost(f"executor returned {len(result.token_ids)} tokens for {batch.num_seqs} sequences")
         self.last_forward_s = result.forward_s
@@ -167,7 +185,7 @@ class StreamExecutor:
         logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values)
         return ExecutorOutput(token_ids=result.token_ids, logprobs=logprobs)
 
-    def _round_trip(self, sends: list[tuple[str, bytes, int | None]], step: int) -> StepResult:
+    def _round_trip(self, sends: list[Outgoing], step: int) -> StepResult:
         cursors: dict[str, bytes | str] = {self._results_stream: self.results_cursor}
         block_ms = int(self.liveness_check_s * 1000)
         start = last_check = time.monotonic()
@@ -176,14 +194,16 @@ class StreamExecutor:
             while True:
                 for _, _, msg in got:
                     if isinstance(msg, StepResult) and msg.epoch == self.epoch and msg.step == step:
-                        if msg.error is not None:
-                            raise ExecutorLost(f"executor {self.executor_id} failed step {step}: {msg.error}")
                         return msg
                 now = time.monotonic()
                 if now - start > self.result_timeout_s:
                     raise ExecutorLost(
                         f"executor {self.executor_id} sent no result for step {step} within {self.result_timeout_s:.0f}s"
                     )
+                if self.redis_restarted.is_set():
+                    # The step or its result may have been lost with Redis: start over with a new epoch.
+                    self.redis_restarted.clear()
+                    raise ExecutorLost(f"Redis restarted during step {step}")
                 if now - last_check >= self.liveness_check_s:
                     last_check = now
                     if not self.transport.alive("executor", self.executor_id):

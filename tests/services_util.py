@@ -1,4 +1,4 @@
-"""Start a real service stack for tests and benchmarks: Redis, executor, scheduler, N gateways.
+"""Start a real service stack for tests and benchmarks: Redis, N engines, N gateways.
 
 Redis comes from ``CONVEYOR_REDIS_URL``, else 127.0.0.1:6379 when reachable, else a private
 ``redis-server`` on a free port. Every stack gets its own namespace, so parallel runs sharing one
@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from common.launcher import free_port, start_redis, stop_all, wait_healthy
-from common.protocol import ModelInfo, Names, SchedulerStats, decode
+from common.protocol import EngineStatus, Names, decode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,11 +36,12 @@ def find_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
 
 
 class Stack:
-    """Executor + scheduler + gateways as separate processes under one fresh namespace."""
+    """Engines (executor ``executor<i>`` + scheduler ``scheduler<i>``) and gateways (``gateway<i>``)
+    as separate processes under one fresh namespace."""
 
-    def __init__(self, model: str | Path, workdir: Path, *, gateways: int = 1, executor_args: tuple[str, ...] = (),
-                 scheduler_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = (),
-                 heartbeat_ttl_ms: int = 1500) -> None:
+    def __init__(self, model: str | Path, workdir: Path, *, gateways: int = 1, engines: int = 1,
+                 executor_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
+                 gateway_args: tuple[str, ...] = (), heartbeat_ttl_ms: int = 1500) -> None:
         self.model = str(model)
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
@@ -48,6 +49,7 @@ class Stack:
         self.redis_url, self.redis_proc = find_redis(workdir)
         self.redis = redis.Redis.from_url(self.redis_url)
         self.num_gateways = gateways
+        self.num_engines = engines
         self.executor_args, self.scheduler_args, self.gateway_args = executor_args, scheduler_args, gateway_args
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -59,6 +61,7 @@ class Stack:
                 "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start (or restart) process ``name`` as ``conveyor <args>``, logging to ``<name>.log``."""
         log = open(self.workdir / f"{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], env=self._env(), cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -67,35 +70,57 @@ class Stack:
 
     def start(self, timeout_s: float = 120) -> Stack:
         try:
-            self.spawn("executor", "executor", *self.executor_args)
-            self.spawn("scheduler", "scheduler", *self.scheduler_args)
+            for i in range(self.num_engines):
+                self.spawn_executor(i)
+                self.spawn_scheduler(i)
             for i in range(self.num_gateways):
-                port = free_port()
-                self.ports.append(port)
-                self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(port), *self.gateway_args)
+                self.ports.append(free_port())
+                self.spawn_gateway(i)
             for url in self.urls:
                 wait_healthy(f"{url}/health", timeout_s, list(self.procs.values()))
+            deadline = time.monotonic() + timeout_s
+            while len(self.engines()) < self.num_engines and time.monotonic() < deadline:
+                time.sleep(0.1)
         except Exception:
             print(self.logs(), file=sys.stderr)
             self.stop()
             raise
         return self
 
+    def spawn_executor(self, i: int) -> subprocess.Popen[bytes]:
+        return self.spawn(f"executor{i}", "executor", "--scheduler-id", str(i), *self.executor_args)
+
+    def spawn_scheduler(self, i: int) -> subprocess.Popen[bytes]:
+        return self.spawn(f"scheduler{i}", "scheduler", "--scheduler-id", str(i), *self.scheduler_args)
+
+    def spawn_gateway(self, i: int) -> subprocess.Popen[bytes]:
+        return self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(self.ports[i]),
+                          *self.gateway_args)
+
     @property
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for port in self.ports]
 
-    def model_info(self) -> ModelInfo:
-        return decode(self.redis.get(self.names.model_info), (ModelInfo,))
+    def engines(self) -> dict[str, EngineStatus]:
+        """The live engines with a bound executor, by scheduler id."""
+        out = {}
+        for sid in self.redis.zrange(self.names.engines, 0, -1):
+            value = self.redis.get(self.names.engine(sid.decode()))
+            status = decode(value, (EngineStatus,)) if value else None
+            if status is not None and status.executor_id:
+                out[status.scheduler_id] = status
+        return out
 
-    def stats(self) -> SchedulerStats:
-        return decode(self.redis.get(self.names.stats(self.model_info().scheduler_id)), (SchedulerStats,))
+    def stats(self, scheduler_id: str = "0") -> EngineStatus:
+        value = self.redis.get(self.names.engine(scheduler_id))
+        assert value is not None, f"engine {scheduler_id} is not registered"
+        return decode(value, (EngineStatus,))
 
-    def wait_stats(self, predicate, timeout_s: float) -> SchedulerStats:  # type: ignore[no-untyped-def]
-        """Poll the scheduler's stats until ``predicate(stats)`` holds; returns the last stats."""
+    def wait_stats(self, predicate, timeout_s: float, scheduler_id: str = "0") -> EngineStatus:  # type: ignore[no-untyped-def]
+        """Poll an engine's status until ``predicate(status)`` holds; returns the last one."""
         deadline = time.monotonic() + timeout_s
         while True:
-            stats = self.stats()
+            stats = self.stats(scheduler_id)
             if predicate(stats) or time.monotonic() > deadline:
                 return stats
             time.sleep(0.02)

@@ -1,0 +1,78 @@
+"""`EngineBeat`: the scheduler's heartbeat, which also publishes its `EngineStatus`.
+
+Gateways route by it (which engines are alive, their model, their load) and detect a restarted
+scheduler by its ``incarnation``. It beats on its own thread (a long step must not let it lapse),
+every interval and at once when poked (after aborts, so freed blocks show without delay). It also
+watches Redis's ``run_id``: a new one means Redis restarted and lost what it held, and the
+scheduler must re-create its side (it rebinds its executor; the key itself is rewritten here).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import redis
+
+from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
+from common.transport import CLIENT_OPTIONS, run_id_of
+
+logger = logging.getLogger(__name__)
+
+
+class EngineBeat:
+    """Writes ``engine:<id>`` (TTL) and the ``engines`` set from ``snapshot()`` on a daemon thread."""
+
+    def __init__(self, url: str, names: Names, scheduler_id: str, interval_s: float, ttl_ms: int,
+                 snapshot: Callable[[], EngineStatus], on_redis_restart: Callable[[], None]) -> None:
+        self.names = names
+        self.scheduler_id = scheduler_id
+        self.interval_s = interval_s
+        self.ttl_ms = ttl_ms
+        self.snapshot = snapshot
+        self.on_redis_restart = on_redis_restart
+        self.redis = redis.Redis.from_url(url, **{**CLIENT_OPTIONS, "socket_timeout": max(1.0, ttl_ms / 1000)})
+        self.run_id: str | None = None
+        self._poke = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-beat", daemon=True)
+
+    def beat(self) -> None:
+        now = time.time()
+        run_id = run_id_of(self.redis.info("server"))
+        if self.run_id is not None and run_id != self.run_id:
+            logger.warning("Redis restarted (run_id %s -> %s): re-registering", self.run_id[:8], run_id[:8])
+            self.on_redis_restart()
+        self.run_id = run_id
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.names.engine(self.scheduler_id), encode(self.snapshot()), px=self.ttl_ms)
+        pipe.zadd(self.names.engines, {self.scheduler_id: now})
+        pipe.zremrangebyscore(self.names.engines, "-inf", now - ENGINE_FORGET_S)
+        pipe.execute()
+
+    def poke(self) -> None:
+        """Publish soon (the load changed in a way a reader is waiting for)."""
+        self._poke.set()
+
+    def start(self) -> EngineBeat:
+        self.beat()  # visible before serving; a failure here (Redis down, bad password) is fatal
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._poke.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poke.wait(self.interval_s)
+            self._poke.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.beat()
+            except Exception as exc:  # keep beating whatever happens; Redis may be restarting
+                logger.warning("engine status not published: %s", exc)
+                time.sleep(min(self.interval_s, 0.2))

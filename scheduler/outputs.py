@@ -1,0 +1,135 @@
+"""`OutputRouter`: where each request's output tokens go, and what happens when a gateway dies.
+
+Every request is owned by the gateway that submitted it, and its outputs go to that gateway's
+stream, one `StepOutputs` per gateway per step. When a gateway's heartbeat expires, a resumable
+request (a streaming response with a journal) is *orphaned*: it keeps generating and its outputs
+are appended to its journal, where the gateway that resumes the stream reads them, until a
+`SyncRequest` adopts it or the resume window ends (then it is aborted). A request that cannot be
+resumed is aborted at once: nobody is left to read it.
+
+Pure bookkeeping: it returns the messages to send (`Outgoing`) and the requests to abort; the
+service sends and aborts. Owned by the engine thread alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, Names, StepOutputs, encode
+from common.transport import Outgoing
+from scheduler.request import Request, StepOutput
+
+
+@dataclass(slots=True)
+class _Route:
+    gateway_id: str  # "" while orphaned
+    journal_id: str  # "" when the request cannot be resumed
+    orphaned_until: float = 0.0
+    orphaned_from: str = ""  # the gateway that was declared dead (it may only have been late)
+
+
+class OutputRouter:
+    """Per request: its gateway, its journal, and the orphan deadline."""
+
+    def __init__(self, names: Names, resume_window_s: float, max_message_bytes: int) -> None:
+        self.names = names
+        self.resume_window_s = resume_window_s
+        self.max_message_bytes = max_message_bytes
+        self.routes: dict[str, _Route] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.routes
+
+    def __len__(self) -> int:
+        return len(self.routes)
+
+    def add(self, request_id: str, gateway_id: str, journal_id: str) -> None:
+        self.routes[request_id] = _Route(gateway_id, journal_id)
+
+    def forget(self, request_id: str) -> None:
+        self.routes.pop(request_id, None)
+
+    def gateways(self) -> tuple[set[str], set[str]]:
+        """The gateways that own requests, and those declared dead that orphans came from."""
+        routes = list(self.routes.values())  # a copy: the watcher thread calls this
+        return {r.gateway_id for r in routes if r.gateway_id}, {r.orphaned_from for r in routes if not r.gateway_id}
+
+    def orphans_of(self, gateway_id: str) -> list[str]:
+        return [r for r, route in self.routes.items() if not route.gateway_id and route.orphaned_from == gateway_id]
+
+    def _out(self, stream: str, msg: StepOutputs, ttl_ms: int) -> Outgoing:
+        return Outgoing(stream, encode(msg.sealed(), self.max_message_bytes), OUTPUTS_MAXLEN, ttl_ms)
+
+    # -- outputs --------------------------------------------------------------------------------
+    def route(self, outputs: list[StepOutput]) -> list[Outgoing]:
+        """One message per gateway (and per orphan's journal) for one step's outputs."""
+        by_stream: dict[str, StepOutputs] = {}
+        for out in outputs:
+            route = self.routes.get(out.request_id)
+            if route is None:
+                continue
+            stream = self.names.outputs(route.gateway_id) if route.gateway_id else self.names.journal(route.journal_id)
+            by_stream.setdefault(stream, StepOutputs()).add(
+                out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_logprobs,
+                out.finished, out.finish_reason)
+            if out.finished:
+                del self.routes[out.request_id]
+        return [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
+
+    def _ttl_ms(self, stream: str) -> int:
+        # A journal lives as long as its stream may still be resumed; an outputs stream a while longer.
+        return int(self.resume_window_s * 1000) if stream.startswith(self.names.journal("")) else OUTPUTS_TTL_MS
+
+    def errors(self, request_ids: list[str], error: str, reason: str = "error") -> list[Outgoing]:
+        """Final error outputs for these requests (which are forgotten)."""
+        by_stream: dict[str, StepOutputs] = {}
+        for request_id in request_ids:
+            route = self.routes.pop(request_id, None)
+            if route is None:
+                continue
+            if route.gateway_id:
+                stream = self.names.outputs(route.gateway_id)
+            else:
+                stream = self.names.journal(route.journal_id)
+            by_stream.setdefault(stream, StepOutputs()).add(request_id, 0, [], None, True, reason, error)
+        return [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
+
+    def reject(self, request_id: str, gateway_id: str, error: str) -> Outgoing:
+        """The answer to a request that was never admitted (bad parameters: an HTTP 400)."""
+        msg = StepOutputs()
+        msg.add(request_id, 0, [], None, True, "rejected", error)
+        return self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS)
+
+    # -- gateways come and go -------------------------------------------------------------------
+    def adopt(self, request: Request | None, request_id: str, gateway_id: str, from_index: int) -> Outgoing:
+        """Route ``request_id`` to ``gateway_id`` and resend its tokens from ``from_index``.
+
+        ``request`` None: not held here (finished, or never arrived); the answer says ``unknown``.
+        """
+        msg = StepOutputs()
+        if request is None or request_id not in self.routes:
+            msg.add(request_id, 0, [], None, True, "unknown", "the scheduler does not hold this request")
+        else:
+            route = self.routes[request_id]
+            route.gateway_id, route.orphaned_until = gateway_id, 0.0
+            start = max(0, min(from_index, request.num_output_tokens))
+            msg.add(request_id, start, request.output_token_ids[start:], request.output_logprobs[start:],
+                    False, None, None)
+        return self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS)
+
+    def gateway_died(self, gateway_id: str, now: float) -> list[str]:
+        """Orphan the resumable requests of ``gateway_id``; returns the others (to abort)."""
+        doomed: list[str] = []
+        for request_id, route in self.routes.items():
+            if route.gateway_id != gateway_id:
+                continue
+            if route.journal_id:
+                route.gateway_id, route.orphaned_from = "", gateway_id
+                route.orphaned_until = now + self.resume_window_s
+            else:
+                doomed.append(request_id)
+        return doomed
+
+    def expired_orphans(self, now: float) -> list[str]:
+        """Orphans nobody resumed within the window (to abort)."""
+        return [r for r, route in self.routes.items() if not route.gateway_id and route.orphaned_until < now]

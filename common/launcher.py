@@ -22,6 +22,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from common.redact import redact_url
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen([*cli, "gateway", "--host", args.host, "--port", str(args.port)], env=env))
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         wait_healthy(f"http://{health_host}:{args.port}/health", 600, procs)
-        print(f"conveyor: serving {model} at http://{health_host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+        print(f"conveyor: serving {model} at http://{health_host}:{args.port}/v1 (Redis {redact_url(redis_url)}; "
+              "Ctrl-C stops)", file=sys.stderr)
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         failed = [proc for proc in procs if proc.poll() is not None]

@@ -53,6 +53,8 @@ OUTPUTS_MAXLEN = 20_000
 # An outputs stream outlives its gateway by this long at most (every send refreshes it), so a dead
 # gateway's stream is removed by Redis itself.
 OUTPUTS_TTL_MS = 120_000
+# The engine streams (steps, results) outlive their engine by this long at most.
+ENGINE_STREAMS_TTL_MS = 3_600_000
 # Engine registrations not refreshed for this long are dropped from the ``engines`` set.
 ENGINE_FORGET_S = 600.0
 
@@ -327,7 +329,9 @@ class EngineStatus:
 
     @property
     def load(self) -> int:
-        return self.num_running + self.num_waiting
+        """Routing cost: a waiting request weighs more (it still needs its prefill); vLLM's DP
+        balancer uses the same ``4 x waiting + running``."""
+        return 4 * self.num_waiting + self.num_running
 
 
 @dataclass(slots=True)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+from typing import Iterable
 
 from common.config import ServiceDefaults
+from common.redact import RedactingFilter
 
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
@@ -21,5 +24,20 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     return p
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, secrets: Iterable[str | None] = ()) -> None:
+    """Log to stderr, with URL passwords and ``secrets`` (an API key...) redacted from every record."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redacting = RedactingFilter(secrets)
+    for handler in logging.getLogger().handlers:
+        # One filter per handler: a second call (tests) replaces the first rather than stacking.
+        for old in [f for f in handler.filters if isinstance(f, RedactingFilter)]:
+            handler.removeFilter(old)
+        handler.addFilter(redacting)
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM stop the process like Ctrl-C, so ``finally`` blocks clean up what it owns."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)

@@ -67,10 +67,13 @@ def _backoff_or_raise(owner: str, exc: BaseException, start: float, delay: float
     return _backoff(owner, exc, start, delay, deadline_s)
 
 
-def run_id_of(info: dict[str, Any]) -> str:
-    """The server's ``run_id`` from ``INFO server``: it changes when Redis restarts (or fails over),
-    which is how services learn that what they wrote may be gone."""
-    return str(info.get("run_id", ""))
+def server_run_id(client: redis.Redis) -> str:
+    """The server's ``run_id``: it changes when Redis restarts (or fails over), which is how
+    services learn that what they wrote may be gone. "" where the server has no INFO (fakeredis)."""
+    try:
+        return str(client.info("server").get("run_id", ""))
+    except redis.ResponseError:
+        return ""
 
 
 def _pipeline(client: Any, sends: list[Outgoing]) -> Any:
@@ -159,11 +162,19 @@ class Transport:
 
     async def send_many(self, sends: list[Outgoing], deadline_s: float | None = None) -> None:
         """XADD every message (and refresh TTLs) in one pipelined round trip."""
+        async def run() -> Any:  # a new pipeline per try: a failed execute() leaves its own empty
+            return await _pipeline(self.redis, sends).execute()
+
         if sends:
-            await self.call(_pipeline(self.redis, sends).execute, deadline_s=deadline_s)
+            await self.call(run, deadline_s=deadline_s)
 
     async def run_id(self, deadline_s: float | None = None) -> str:
-        return run_id_of(await self.call(self.redis.info, "server", deadline_s=deadline_s))
+        """See `server_run_id`."""
+        try:
+            info = await self.call(self.redis.info, "server", deadline_s=deadline_s)
+        except redis.ResponseError:
+            return ""
+        return str(info.get("run_id", ""))
 
     # -- receive -------------------------------------------------------------------------------
     async def read(
@@ -326,7 +337,7 @@ class SyncTransport:
         self.call(self.redis.xtrim, stream, minid=entry_id, approximate=False)
 
     def run_id(self, deadline_s: float | None = None) -> str:
-        return run_id_of(self.call(self.redis.info, "server", deadline_s=deadline_s))
+        return str(self.call(server_run_id, self.redis, deadline_s=deadline_s))
 
     def last_id(self, stream: str) -> bytes:
         info = self.call(self.redis.xrevrange, stream, count=1)
@@ -391,5 +402,5 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
-            except Exception:  # keep beating whatever happens; the loop is the liveness signal
-                logger.exception("heartbeat %s failed", self.key)
+            except Exception as exc:  # keep beating whatever happens; the loop is the liveness signal
+                logger.warning("heartbeat %s failed: %s", self.key, exc)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.protocol import (
+    ENGINE_STREAMS_TTL_MS,
     RESULTS_MAXLEN,
     BindExecutor,
     ExecutorHello,
@@ -30,8 +31,8 @@ from common.protocol import (
     pack_logprobs,
 )
 from common.sampling_params import SamplingParams
-from common.service_cli import service_parser, setup_logging
-from common.transport import Heartbeat, Outgoing, SyncTransport
+from common.service_cli import service_parser, setup_logging, stop_on_sigterm
+from common.transport import Heartbeat, Outgoing, RedisAuthFailed, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 
@@ -152,7 +153,7 @@ class ExecutorService:
                               ttl).start()
         steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
         cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
-        hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN)
+        hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS)
         sends: list[Outgoing] = [hello]
         last_activity = time.monotonic()
         run_id = t.run_id()
@@ -183,7 +184,7 @@ class ExecutorService:
                     elif msg.epoch == self.epoch and msg.step > self.last_step:
                         # (a step seen twice, from a retried send, is not executed twice)
                         self.last_step = msg.step
-                        sends.append(Outgoing(results, t.encode(self._step(msg)), RESULTS_MAXLEN))
+                        sends.append(Outgoing(results, t.encode(self._step(msg)), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
         finally:
             heartbeat.stop()
             t.close()
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         parser.error("--model (or CONVEYOR_MODEL) is required")
     setup_logging(args.log_level)
+    stop_on_sigterm()
     from executor.model_executor import ModelExecutor  # heavy (torch): only here
 
     model_config = ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -246,4 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         ExecutorService(config, model_executor).run()
     except KeyboardInterrupt:
         pass
+    except RedisAuthFailed as exc:
+        logger.error("%s", exc)
+        return 2
     return 0

@@ -12,25 +12,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
+import threading
 import uuid
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece
-from gateway.openai_schema import ApiError, GenerationSpec, parse_chat, parse_completion
+from gateway.openai_schema import ApiError, GenerationSpec, fit_context, parse_chat, parse_completion, parse_json
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient
 
 logger = logging.getLogger("conveyor.gateway")
+
+T = TypeVar("T")
+# Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
+# huge requests then queue behind each other instead of taking every worker thread from the rest.
+LARGE_INPUT_BYTES = 64 * 1024
+_LARGE_INPUTS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-large-input")
+
+
+async def off_loop(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread (the large-input pool if ``large``): the event loop keeps
+    answering other requests, and ``/health``, meanwhile."""
+    if large:
+        return await asyncio.get_running_loop().run_in_executor(_LARGE_INPUTS, functools.partial(fn, *args))
+    return await asyncio.to_thread(fn, *args)
 
 
 class Tokenizers:
@@ -53,9 +71,11 @@ class Tokenizers:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (checked while reading), 400 if not JSON."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    """The body as JSON (a 400 unless `parse_json` accepts it); 413 past ``limit`` bytes (checked
+    while reading). A large body is parsed off the event loop."""
+    declared = request.headers.get("content-length", "")
+    # ASCII digits only ("²".isdigit() is true), and few enough for int() to be cheap and safe.
+    if declared.isascii() and declared.isdigit() and len(declared) <= 18 and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit", code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -63,10 +83,10 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(413, f"request body is over the {limit}-byte limit", code="request_too_large")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    data = b"".join(chunks)
+    if len(data) > LARGE_INPUT_BYTES:
+        return await off_loop(True, parse_json, data, True)
+    return parse_json(data)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -107,12 +127,39 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code,
+                            headers=exc.headers)  # e.g. a 405's Allow
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(ApiError(500, f"internal error: {exc}", "server_error").body(), status_code=500)
+        logger.error("unhandled error", exc_info=exc)
+        # Not the exception's text: it is for the log, not for clients.
+        return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); see the gateway log",
+                                     "server_error").body(), status_code=500)
+
+    def answer_unhandled(inner: ASGIApp) -> ASGIApp:
+        """Answer an unexpected exception with the JSON 500 here, and let it go no further:
+        Starlette's outermost handler answers and then re-raises, and uvicorn closes the
+        connection of a request that raised. A 500 need not cost the client its connection."""
+
+        async def call(scope: Scope, receive: Receive, send: Send) -> None:
+            started = False
+
+            async def watch(message: Message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await inner(scope, receive, watch)
+            except Exception as exc:
+                if started or scope["type"] != "http":
+                    raise  # a response is half sent: closing the connection is all that is left
+                await (await internal_error(Request(scope), exc))(scope, receive, send)
+
+        return call
+
+    app.add_middleware(answer_unhandled)
 
     def check_key(request: Request) -> None:
         if config.api_key is None:
@@ -165,23 +212,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(404, f"The model `{spec.model}` does not exist (this server serves `{name}`).",
                            "not_found_error", "model", "model_not_found")
         tokenizer = await tokenizers.get(info)
-        prompt_ids, prompt_text = tokenize(tokenizer, spec)
-        if any(t >= info.vocab_size for t in prompt_ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
-        n_prompt, limit = len(prompt_ids), info.max_model_len
-        max_tokens = spec.max_tokens if spec.max_tokens is not None else limit - n_prompt
-        if n_prompt + max(max_tokens, 1) > limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the prompt or max_tokens.",
-                param="max_tokens" if n_prompt < limit else ("messages" if spec.kind == "chat" else "prompt"),
-                code="context_length_exceeded",
-            )
+        prompt_ids, prompt_text, max_tokens = await off_loop(spec.input_size() > LARGE_INPUT_BYTES, tokenize,
+                                                             tokenizer, spec, info)
+        n_prompt = len(prompt_ids)
         spec.sampling.max_tokens = max_tokens
         try:
-            spec.sampling.validate()
+            spec.sampling.validate(info.vocab_size)
         except ValueError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
         if len(client.requests) >= config.max_inflight:
@@ -198,7 +234,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return JSONResponse(await collect(request, gen, fmt))
         header = JournalHeader(request_id, spec.kind, json.dumps(body), name, fmt.created, max_tokens, prompt_ids, echo)
         await gen.start([Outgoing(client.names.journal(request_id), encode(header), None, client.journal_ttl_ms)])
-        return event_stream(stream_events(gen, fmt, 0))
+        return event_stream(stream_events(gen, fmt, 0), request_id)
 
     @app.get("/v1/streams/{response_id}")
     async def resume_stream(request: Request, response_id: str) -> Response:
@@ -222,11 +258,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         fmt.created = header.created
         gen.handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route,
                                         outputs)
-        return event_stream(stream_events(gen, fmt, int(last)))
+        return event_stream(stream_events(gen, fmt, int(last)), response_id)
 
-    def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    def event_stream(events: AsyncIterator[str], response_id: str) -> StreamingResponse:
+        # The id in a header too: a client whose gateway dies before the first event can still resume.
         return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          "X-Request-Id": response_id})
 
     async def stream_events(gen: Generation, fmt: ResponseFormatter, skip_through: int) -> AsyncIterator[str]:
         """SSE events numbered from 1; those up to ``skip_through`` (the client has them) are not sent."""
@@ -276,18 +314,62 @@ def sse(payload: dict[str, Any], number: int) -> str:
     return f"id: {number}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def tokenize(tokenizer: Any, spec: GenerationSpec) -> tuple[list[int], str | None]:
-    """Prompt token ids (and text, when the prompt was text) for a completion or chat request."""
+def tokenize(tokenizer: Any, spec: GenerationSpec, info: EngineStatus) -> tuple[list[int], str | None, int]:
+    """Prompt token ids, prompt text and ``max_tokens`` (`fit_context`) of a completion or chat
+    request; a 400 for token ids outside the vocabulary or a prompt past the context.
+
+    Runs in a worker thread (`off_loop`): a long prompt takes seconds to tokenize. A prompt of
+    token ids has text only for ``echo`` (decoded here, once the ids are known to fit).
+    """
+    param = "messages" if spec.kind == "chat" else "prompt"
+    text = spec.prompt
     if spec.kind == "chat":
         assert spec.messages is not None
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
+            from jinja2 import TemplateError
+
+            try:
+                text = tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
+            except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
+                raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param=param) from None
         else:  # a checkpoint without a template: a plain, documented fallback
             text = "".join(f"{m['role']}: {m['content']}\n" for m in spec.messages) + "assistant:"
-        ids = list(tokenizer(text, add_special_tokens=spec.add_special_tokens)["input_ids"])
-        return ids, text
-    if spec.prompt_token_ids is not None:
-        return spec.prompt_token_ids, None
-    assert spec.prompt is not None
-    return list(tokenizer(spec.prompt, add_special_tokens=spec.add_special_tokens)["input_ids"]), spec.prompt
+    if text is None:
+        assert spec.prompt_token_ids is not None
+        ids = spec.prompt_token_ids
+        check_vocab(ids, info.vocab_size, param)
+        max_tokens = fit_context(spec, len(ids), info.max_model_len)
+        return ids, (tokenizer.decode(ids) if spec.echo else None), max_tokens
+    count, get_ids = encode_text(tokenizer, text, spec.add_special_tokens)
+    # Before the ids become a Python list: a prompt of megabytes is millions of tokens.
+    max_tokens = fit_context(spec, count, info.max_model_len)
+    ids = get_ids()
+    check_vocab(ids, info.vocab_size, param)
+    return ids, text, max_tokens
 
+
+def check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+    if ids and max(ids) >= vocab_size:
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param=param)
+
+
+# The transformers call mutates the backend's settings as it goes, which the backend refuses
+# ("Already borrowed") while another thread is encoding; so those calls take turns.
+_TRANSFORMERS_CALL = threading.Lock()
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> tuple[int, Callable[[], list[int]]]:
+    """The number of tokens of ``text``, and a function that lists them.
+
+    A fast tokenizer's backend is called directly: its ``encode_batch`` releases the GIL while it
+    works (``encode`` and the transformers wrapper around it hold it for seconds on a long
+    prompt), and the length is known before millions of ids are turned into Python ints.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # With truncation or padding configured in the backend, transformers' own handling applies.
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return len(encoding), lambda: encoding.ids
+    with _TRANSFORMERS_CALL:
+        ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return len(ids), lambda: ids

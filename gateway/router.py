@@ -111,6 +111,8 @@ class EngineClient:
         self.model_info: EngineStatus | None = None
         self.down_reason: str | None = "no engine has registered yet"
         self.run_id: str | None = None
+        # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
+        self.settle_until = 0.0
         self.num_migrations = 0
         self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
         self._abort_event = asyncio.Event()
@@ -389,6 +391,7 @@ class EngineClient:
             self.model_info = next(iter(engines.values()))
         self.down_reason = None if engines else "no engine is running (no scheduler with an executor is alive)"
         if restarted:
+            self.settle_until = time.monotonic() + self.heartbeat_ttl_ms / 1000
             logger.warning("Redis restarted: asking the engines to resend what %d requests are missing", len(self.requests))
             for handle in list(self.requests.values()):
                 if not handle.done and handle.unrouted_since is None:
@@ -405,9 +408,9 @@ class EngineClient:
                     status = self.engines.get(handle.scheduler_id)
                     if handle.unrouted_since is not None:
                         await self._migrate(handle, "waiting for a live engine")
-                    elif status is None:
+                    elif status is None and time.monotonic() > self.settle_until:
                         await self._migrate(handle, f"engine {handle.scheduler_id} is gone")
-                    elif status.incarnation != handle.incarnation:
+                    elif status is not None and status.incarnation != handle.incarnation:
                         await self._migrate(handle, f"engine {handle.scheduler_id} restarted")
             except asyncio.CancelledError:
                 raise

@@ -7,7 +7,8 @@ import os
 import socket
 
 from common.config import SchedulerConfig, ServiceDefaults
-from common.service_cli import service_parser, setup_logging
+from common.service_cli import service_parser, setup_logging, stop_on_sigterm
+from common.transport import RedisAuthFailed
 from scheduler.service import SchedulerService, SchedulerServiceConfig, logger
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    stop_on_sigterm()
     config = SchedulerServiceConfig(
         redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -44,4 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         SchedulerService(config).run()
     except KeyboardInterrupt:
         pass
+    except RedisAuthFailed as exc:
+        logger.error("%s", exc)
+        return 2
     return 0

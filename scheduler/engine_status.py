@@ -17,7 +17,7 @@ from typing import Callable
 import redis
 
 from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
-from common.transport import CLIENT_OPTIONS, run_id_of
+from common.transport import CLIENT_OPTIONS, server_run_id
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class EngineBeat:
 
     def beat(self) -> None:
         now = time.time()
-        run_id = run_id_of(self.redis.info("server"))
+        run_id = server_run_id(self.redis)
         if self.run_id is not None and run_id != self.run_id:
             logger.warning("Redis restarted (run_id %s -> %s): re-registering", self.run_id[:8], run_id[:8])
             self.on_redis_restart()

@@ -41,6 +41,7 @@ from common.protocol import (
     GenerateRequest,
     Names,
     ProtocolError,
+    StepResult,
     SyncRequest,
     decode,
 )
@@ -103,6 +104,7 @@ class SchedulerService:
         self.hello: ExecutorHello | None = None  # of the executor bound last
         self.epoch = 0
         self.lost_since: float | None = None  # when the executor was lost (None: bound)
+        self.settle_until = 0.0  # after a Redis restart, no gateway is declared dead before this
         self.beat: EngineBeat | None = None
         self.last_poke = 0.0
         self.step_wall_s = 0.0
@@ -145,7 +147,7 @@ class SchedulerService:
                 self.executor, self.lost_since = None, time.monotonic()
         finally:
             self.stopping.set()
-            self.beat.stop()
+            self.beat.stop()  # type: ignore[union-attr]
             # Gone at once rather than at the TTL: gateways migrate this engine's requests now.
             t.call(t.redis.delete, self.names.engine(self.sid), deadline_s=2)
             t.close()
@@ -166,6 +168,7 @@ class SchedulerService:
         )
 
     def _on_redis_restart(self) -> None:
+        self.settle_until = time.monotonic() + self.config.heartbeat_ttl_ms / 1000
         self.redis_restarted.set()
         self.wakeup.set()
 
@@ -189,8 +192,9 @@ class SchedulerService:
                 if t.alive("executor", hello.executor_id):
                     return self._bind(hello, cursor)
             cursors: dict[str, bytes | str] = {results: cursor}
-            got = t.read(cursors, block_ms=500, expected=(ExecutorHello,))
-            candidates = [msg for _, _, msg in reversed(got)]
+            # (late results of a lost executor may still arrive: skipped, they are no fault)
+            got = t.read(cursors, block_ms=500, expected=(ExecutorHello, StepResult))
+            candidates = [msg for _, _, msg in reversed(got) if isinstance(msg, ExecutorHello)]
             cursor = cursors[results]  # type: ignore[assignment]
             self.redis_restarted.clear()  # nothing in flight: nothing to redo
             self._serve_inbox(None)
@@ -244,13 +248,24 @@ class SchedulerService:
                 time.sleep(0.5)
 
     def _watch_gateways(self) -> None:
-        """Report gateways whose heartbeat expired to the engine thread (see `OutputRouter`)."""
+        """Report gateways whose heartbeat expired to the engine thread (see `OutputRouter`).
+
+        A gateway is dead once its key has been missing for half a TTL more (one slow beat is not
+        death), and none is declared dead within a TTL of a Redis restart (they re-beat first).
+        """
+        grace_s = self.config.heartbeat_ttl_ms / 2000
+        missing_since: dict[str, float] = {}
         while not self.stopping.wait(ServiceDefaults.liveness_check_s):
             try:
                 owners, origins = self.router.gateways()
+                now = time.monotonic()
                 for gateway_id in owners | origins:
                     alive = self.transport.alive("gateway", gateway_id)
-                    if gateway_id in owners and not alive:
+                    if alive or now < self.settle_until:
+                        missing_since.pop(gateway_id, None)
+                    else:
+                        missing_since.setdefault(gateway_id, now)
+                    if gateway_id in owners and not alive and now - missing_since.get(gateway_id, now) >= grace_s:
                         self.dead_gateways.append(gateway_id)
                         self.wakeup.set()
                     elif gateway_id in origins and alive:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo
-from common.protocol import STEPS_MAXLEN, StepDelta, StepResult, apply_edit, sampling_to_dict, unpack_logprobs
+from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, StepDelta, StepResult, apply_edit, sampling_to_dict, unpack_logprobs
 from common.transport import Outgoing, SyncTransport
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class StreamExecutor:
         self.step += 1
         delta = self.encoder.encode(batch, self.epoch, self.step)
         sends, self.outbox = self.outbox, []
-        sends.append(Outgoing(self._steps_stream, self.transport.encode(delta), STEPS_MAXLEN))
+        sends.append(Outgoing(self._steps_stream, self.transport.encode(delta), STEPS_MAXLEN, ENGINE_STREAMS_TTL_MS))
         result = self._round_trip(sends, delta.step)
         if result.error is not None:
             raise StepFailed(f"executor {self.executor_id} failed step {delta.step}: {result.error}", list(batch.request_ids))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from common.launcher import free_port, start_redis, stop_all, wait_healthy
+from common.launcher import free_port, start_redis, stop_all, wait_for_port, wait_healthy
 from common.protocol import EngineStatus, Names, decode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,12 +41,13 @@ class Stack:
 
     def __init__(self, model: str | Path, workdir: Path, *, gateways: int = 1, engines: int = 1,
                  executor_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
-                 gateway_args: tuple[str, ...] = (), heartbeat_ttl_ms: int = 1500) -> None:
+                 gateway_args: tuple[str, ...] = (), heartbeat_ttl_ms: int = 1500, private_redis: bool = False) -> None:
         self.model = str(model)
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
         self.names = Names(self.namespace)
-        self.redis_url, self.redis_proc = find_redis(workdir)
+        # A private redis-server when the test restarts it (never the shared one).
+        self.redis_url, self.redis_proc = start_redis(workdir) if private_redis else find_redis(workdir)
         self.redis = redis.Redis.from_url(self.redis_url)
         self.num_gateways = gateways
         self.num_engines = engines
@@ -86,6 +87,18 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def restart_redis(self, down_s: float = 1.0) -> None:
+        """Kill this stack's private Redis and start an empty one on the same port."""
+        assert self.redis_proc is not None, "restart_redis needs private_redis=True"
+        cmd = list(self.redis_proc.args)  # type: ignore[arg-type]
+        self.redis_proc.kill()
+        self.redis_proc.wait()
+        time.sleep(down_s)
+        self.redis_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        port = int(cmd[cmd.index("--port") + 1])
+        wait_for_port("127.0.0.1", port, 15, self.redis_proc)
 
     def spawn_executor(self, i: int) -> subprocess.Popen[bytes]:
         return self.spawn(f"executor{i}", "executor", "--scheduler-id", str(i), *self.executor_args)

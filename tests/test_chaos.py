@@ -1,0 +1,191 @@
+"""Chaos: kill, freeze and restart real processes under a load of streams; nothing may be lost.
+
+One stack (private redis-server, two engines, two gateways, tiny checkpoint, 1.5 s heartbeats)
+serves every test. A no-fault run of the same load is the reference: after each fault, every
+stream's text must equal it, and no client may see an error. The clients are raw SSE readers
+(httpx) because a client whose gateway dies resumes on the other one (``GET /v1/streams/{id}``
+with ``Last-Event-ID``), which no OpenAI client does by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.services_util import Stack
+
+pytestmark = pytest.mark.slow
+
+NUM_STREAMS = 10
+MAX_TOKENS = 48
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    errors: list[str] = field(default_factory=list)
+    resumes: int = 0
+    events: int = 0
+    notes: list[str] = field(default_factory=list)  # why a stream had to resume
+
+
+def _body(i: int) -> dict[str, Any]:
+    """Half greedy, half seeded sampling; fixed lengths (EOS ignored)."""
+    sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": 1000 + i}
+    return {"prompt": f"def task_{i}(x):", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True, **sampling}
+
+
+async def _stream(urls: list[str], i: int, progress: list[int]) -> StreamResult:
+    """One streaming completion; if its gateway dies, resume it on the next one."""
+    result = StreamResult()
+    response_id: str | None = None
+    last_event = 0
+    gateway = i % len(urls)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=5)) as client:
+        for _attempt in range(6):
+            if response_id is None:
+                request = client.stream("POST", f"{urls[gateway]}/v1/completions", json=_body(i))
+            else:
+                request = client.stream("GET", f"{urls[gateway]}/v1/streams/{response_id}",
+                                        headers={"Last-Event-ID": str(last_event)})
+            try:
+                async with request as r:
+                    if r.status_code != 200:
+                        result.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                        return result
+                    response_id = r.headers.get("x-request-id", response_id)
+                    event_id = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("id: "):
+                            event_id = int(line[4:])
+                        elif line.startswith("data: "):
+                            data = line[6:]
+                            if data == "[DONE]":
+                                return result
+                            payload = json.loads(data)
+                            if "error" in payload:
+                                result.errors.append(payload["error"]["message"])
+                                continue
+                            result.text += payload["choices"][0]["text"]
+                            result.events += 1
+                            last_event = event_id
+                            progress[0] += 1
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                if response_id is None:
+                    result.errors.append(f"connection lost before the response id was known: {exc!r}")
+                    return result
+                result.resumes += 1
+                result.notes.append(f"{urls[gateway]}: {exc!r}")
+                gateway = (gateway + 1) % len(urls)
+                await asyncio.sleep(0.2)
+        result.errors.append("stream never completed")
+    return result
+
+
+def run_load(stack: Stack, fault: Callable[[], None] | None = None, after_events: int = 0,
+             urls: list[str] | None = None) -> list[StreamResult]:
+    """Run NUM_STREAMS streams; call ``fault()`` (on a thread) once ``after_events`` events arrived."""
+    async def main() -> list[StreamResult]:
+        progress = [0]
+        tasks = [asyncio.create_task(_stream(urls or stack.urls, i, progress)) for i in range(NUM_STREAMS)]
+        if fault is not None:
+            while progress[0] < after_events and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            assert not all(t.done() for t in tasks), "the load finished before the fault"
+            await asyncio.to_thread(fault)
+        return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("chaos")), gateways=2, engines=2, private_redis=True,
+              executor_args=("--num-blocks", "256"), scheduler_args=("--recovery-timeout", "60"))
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(stack: Stack) -> list[str]:
+    results = run_load(stack)
+    assert all(not r.errors for r in results), [r.errors for r in results]
+    assert all(r.text for r in results)
+    return [r.text for r in results]
+
+
+def _check(stack: Stack, results: list[StreamResult], reference: list[str]) -> None:
+    errors = [(i, r.errors, r.notes) for i, r in enumerate(results) if r.errors]
+    assert not errors, f"{errors}\n{stack.logs(30)}"
+    wrong = [i for i, (r, want) in enumerate(zip(results, reference)) if r.text != want]
+    assert not wrong, f"streams {wrong} differ from the no-fault run\n{stack.logs(30)}"
+    # Every engine and gateway is back for the next fault.
+    deadline = time.monotonic() + 60
+    while len(stack.engines()) < stack.num_engines and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for url in stack.urls:
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+
+def _kill(stack: Stack, name: str) -> None:
+    proc = stack.procs[name]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_executor_killed_and_restarted(stack: Stack, reference: list[str]) -> None:
+    def fault() -> None:
+        _kill(stack, "executor0")
+        stack.spawn_executor(0)
+
+    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference)
+
+
+def test_scheduler_killed_requests_migrate(stack: Stack, reference: list[str]) -> None:
+    def fault() -> None:
+        _kill(stack, "scheduler0")
+        stack.spawn_scheduler(0)
+
+    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference)
+
+
+def test_gateway_killed_streams_resume_elsewhere(stack: Stack, reference: list[str]) -> None:
+    resumed: list[int] = []
+
+    def fault() -> None:
+        _kill(stack, "gateway0")
+
+    results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
+    resumed = [i for i, r in enumerate(results) if r.resumes]
+    stack.spawn_gateway(0)
+    assert resumed, "no stream was on the killed gateway"
+    _check(stack, results, reference)
+
+
+def test_redis_restarted(stack: Stack, reference: list[str]) -> None:
+    _check(stack, run_load(stack, lambda: stack.restart_redis(1.0), after_events=NUM_STREAMS * 4), reference)
+
+
+def test_executor_frozen_for_10s(stack: Stack, reference: list[str]) -> None:
+    def fault() -> None:
+        proc = stack.procs["executor1"]
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(10)
+        proc.send_signal(signal.SIGCONT)
+
+    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference)

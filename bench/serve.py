@@ -69,14 +69,14 @@ async def http_load(url: str, prompts: list[list[int]], outs: list[int], concurr
             "itl_p99_ms": 1e3 * sorted(itl)[int(0.99 * (len(itl) - 1))] if itl else 0.0}
 
 
-def read_stats(redis_url: str, namespace: str) -> Any:
+def read_stats(redis_url: str, namespace: str, scheduler_id: str = "0") -> Any:
+    """The `EngineStatus` of one engine (its step timing sums)."""
     import redis
 
-    from common.protocol import ModelInfo, Names, SchedulerStats, decode
+    from common.protocol import EngineStatus, Names, decode
 
     r, names = redis.Redis.from_url(redis_url), Names(namespace)
-    info = decode(r.get(names.model_info), (ModelInfo,))
-    return decode(r.get(names.stats(info.scheduler_id)), (SchedulerStats,))
+    return decode(r.get(names.engine(scheduler_id)), (EngineStatus,))
 
 
 def offline_breakdown(model: str, prompts: list[list[int]], outs: list[int], engine_kw: dict[str, Any],

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
+from common.config import ServiceDefaults
+from common.redact import redact_url
 from common.service_cli import service_parser, setup_logging
 from gateway.config import GatewayConfig
+
+logger = logging.getLogger("conveyor.gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,13 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-id", default=env("CONVEYOR_GATEWAY_ID", ""), help="default: random per process")
     p.add_argument("--max-body-bytes", type=int, default=int(env("CONVEYOR_MAX_BODY_BYTES", str(8 * 1024 * 1024))))
     p.add_argument("--max-inflight", type=int, default=int(env("CONVEYOR_MAX_INFLIGHT", "4096")))
-    p.add_argument("--api-key", default=env("CONVEYOR_API_KEY"))
+    p.add_argument("--migration-limit", type=int, default=int(env("CONVEYOR_MIGRATION_LIMIT", ServiceDefaults.migration_limit)),
+                   help="times one request may move to another engine when its engine dies")
+    p.add_argument("--recovery-timeout", type=float,
+                   default=float(env("CONVEYOR_RECOVERY_TIMEOUT", ServiceDefaults.recovery_timeout_s)),
+                   help="seconds a request waits for a live engine before failing")
+    p.add_argument("--resume-window", type=float, default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)),
+                   help="seconds a stream's journal is kept for resuming it on another gateway")
+    p.add_argument("--api-key", default=env("CONVEYOR_API_KEY"),
+                   help="require this bearer token (prefer CONVEYOR_API_KEY: a flag shows in the process list)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, secrets=[args.api_key])  # the key never reaches a log, whoever logs it
+    logger.info("gateway: Redis %s, namespace %r, API key %s", redact_url(args.redis_url), args.namespace,
+                "required" if args.api_key else "not required")
     import uvicorn
 
     from gateway.app import create_app
@@ -34,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url, namespace=args.namespace, gateway_id=args.gateway_id, host=args.host,
         port=args.port, model=args.model, served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight, api_key=args.api_key,
-        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms, migration_limit=args.migration_limit,
+        recovery_timeout_s=args.recovery_timeout, resume_window_s=args.resume_window,
     )
+    # log_config=None: uvicorn's records go to the root handler too, through its redaction filter.
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=3)
+                log_config=None, access_log=False, timeout_graceful_shutdown=3)
     return 0

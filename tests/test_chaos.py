@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class StreamResult:
     resumes: int = 0
     events: int = 0
     notes: list[str] = field(default_factory=list)  # why a stream had to resume
+    max_gap_s: float = 0.0  # the longest wait between two events: the pause a fault caused
 
 
 def _body(i: int) -> dict[str, Any]:
@@ -49,6 +51,7 @@ async def _stream(urls: list[str], i: int, progress: list[int]) -> StreamResult:
     response_id: str | None = None
     last_event = 0
     gateway = i % len(urls)
+    last_time = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=5)) as client:
         for _attempt in range(6):
             if response_id is None:
@@ -76,6 +79,9 @@ async def _stream(urls: list[str], i: int, progress: list[int]) -> StreamResult:
                                 continue
                             result.text += payload["choices"][0]["text"]
                             result.events += 1
+                            now = time.monotonic()
+                            result.max_gap_s = max(result.max_gap_s, now - last_time)
+                            last_time = now
                             last_event = event_id
                             progress[0] += 1
             except (httpx.TransportError, httpx.StreamError) as exc:
@@ -120,10 +126,23 @@ def reference(stack: Stack) -> list[str]:
     results = run_load(stack)
     assert all(not r.errors for r in results), [r.errors for r in results]
     assert all(r.text for r in results)
+    _report(results, [r.text for r in results], "none (the reference run)")
     return [r.text for r in results]
 
 
-def _check(stack: Stack, results: list[StreamResult], reference: list[str]) -> None:
+def _report(results: list[StreamResult], reference: list[str], fault: str) -> None:
+    """With CONVEYOR_CHAOS_REPORT=<file>, append one JSON line per fault (docs/reliability.md)."""
+    report = os.environ.get("CONVEYOR_CHAOS_REPORT")
+    if report:
+        lost = sum(1 for r, want in zip(results, reference) if r.errors or r.text != want)
+        line = {"fault": fault, "in_flight": len(results), "lost": lost, "resumed": sum(r.resumes > 0 for r in results),
+                "max_pause_s": round(max(r.max_gap_s for r in results), 2)}
+        with open(report, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _check(stack: Stack, results: list[StreamResult], reference: list[str], fault: str) -> None:
+    _report(results, reference, fault)
     errors = [(i, r.errors, r.notes) for i, r in enumerate(results) if r.errors]
     assert not errors, f"{errors}\n{stack.logs(30)}"
     wrong = [i for i, (r, want) in enumerate(zip(results, reference)) if r.text != want]
@@ -153,7 +172,7 @@ def test_executor_killed_and_restarted(stack: Stack, reference: list[str]) -> No
         _kill(stack, "executor0")
         stack.spawn_executor(0)
 
-    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference)
+    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference, "executor kill -9 + restart")
 
 
 def test_scheduler_killed_requests_migrate(stack: Stack, reference: list[str]) -> None:
@@ -161,7 +180,7 @@ def test_scheduler_killed_requests_migrate(stack: Stack, reference: list[str]) -
         _kill(stack, "scheduler0")
         stack.spawn_scheduler(0)
 
-    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference)
+    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference, "scheduler kill -9 (1 of 2 engines)")
 
 
 def test_gateway_killed_streams_resume_elsewhere(stack: Stack, reference: list[str]) -> None:
@@ -174,11 +193,12 @@ def test_gateway_killed_streams_resume_elsewhere(stack: Stack, reference: list[s
     resumed = [i for i, r in enumerate(results) if r.resumes]
     stack.spawn_gateway(0)
     assert resumed, "no stream was on the killed gateway"
-    _check(stack, results, reference)
+    _check(stack, results, reference, "gateway kill -9 (1 of 2), streams resumed")
 
 
 def test_redis_restarted(stack: Stack, reference: list[str]) -> None:
-    _check(stack, run_load(stack, lambda: stack.restart_redis(1.0), after_events=NUM_STREAMS * 4), reference)
+    _check(stack, run_load(stack, lambda: stack.restart_redis(1.0), after_events=NUM_STREAMS * 4), reference,
+           "Redis restart (1 s down)")
 
 
 def test_executor_frozen_for_10s(stack: Stack, reference: list[str]) -> None:
@@ -188,4 +208,4 @@ def test_executor_frozen_for_10s(stack: Stack, reference: list[str]) -> None:
         time.sleep(10)
         proc.send_signal(signal.SIGCONT)
 
-    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference)
+    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference, "executor SIGSTOP 10 s")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ class ExecutorService:
         self.transport = SyncTransport(config.redis_url, self.names, owner=f"executor {self.eid}")
         self.states = RequestStates(self.info.block_size)
         self.epoch: int | None = None
+        self.stopping = threading.Event()  # `run` returns once set (and its read times out)
         self.last_step = 0  # of the current epoch
 
     def _hello(self) -> ExecutorHello:
@@ -160,7 +162,7 @@ class ExecutorService:
         logger.info("executor %s up (%d blocks of %d); waiting for scheduler %s", self.eid, self.info.num_blocks,
                     self.info.block_size, self.config.scheduler_id)
         try:
-            while True:
+            while not self.stopping.is_set():
                 got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta))
                 sends = []
                 if not got:

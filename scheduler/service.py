@@ -124,8 +124,10 @@ class SchedulerService:
         threading.Thread(target=self._watch_gateways, name="gateways", daemon=True).start()
         logger.info("scheduler %s up (incarnation %s)", self.sid, self.incarnation)
         try:
-            while True:
+            while not self.stopping.is_set():
                 executor = self._bind_executor()
+                if executor is None:
+                    break
                 cache = CacheManager(executor.info.num_blocks, executor.info.block_size)
                 if self.engine is None:
                     config = SchedulerConfig(self.config.max_num_batched_tokens, self.config.max_num_seqs)
@@ -173,8 +175,8 @@ class SchedulerService:
         self.wakeup.set()
 
     # -- executor binding ----------------------------------------------------------------------
-    def _bind_executor(self) -> StreamExecutor:
-        """Wait for a live executor (the last one first), bind it with a new epoch."""
+    def _bind_executor(self) -> StreamExecutor | None:
+        """Wait for a live executor (the last one first), bind it with a new epoch (None: stopping)."""
         results = self.names.results(self.sid)
         t = self.transport
         cursor = t.last_id(results)
@@ -188,6 +190,8 @@ class SchedulerService:
                 candidates.append(msg)
         logger.info("waiting for an executor on %s", results)
         while True:
+            if self.stopping.is_set():
+                return None  # `stop` was called
             for hello in candidates:  # the last bound, then newest first
                 if t.alive("executor", hello.executor_id):
                     return self._bind(hello, cursor)
@@ -275,8 +279,13 @@ class SchedulerService:
                 logger.exception("gateway watch failed; continuing")
 
     # -- engine loop ---------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Make `run` return (from another thread); it cleans up on the way out."""
+        self.stopping.set()
+        self.wakeup.set()
+
     def _engine_loop(self, engine: Scheduler, executor: StreamExecutor) -> None:
-        while True:
+        while not self.stopping.is_set():
             if not engine.has_unfinished() and not self.inbox and not self.dead_gateways and not self.revived_gateways:
                 self._flush(executor)
                 woke = self.wakeup.wait(timeout=1.0)

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 
 from common.protocol import sampling_to_dict
 from common.sampling_params import SamplingParams
-from common.transport import Outgoing
+from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.openai_schema import ApiError
 from gateway.router import EngineClient, EngineUnavailable, RequestHandle
@@ -53,7 +53,7 @@ class Generation:
                                                    sampling_to_dict(self.sampling), journal)
         except EngineUnavailable as exc:
             raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
-        except (ConnectionError, OSError, TimeoutError) as exc:
+        except TRANSIENT_ERRORS as exc:
             raise ApiError(503, f"cannot reach the engine's Redis: {exc}", "server_error") from None
 
     async def pieces(self) -> AsyncIterator[Piece]:

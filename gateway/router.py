@@ -42,7 +42,7 @@ from common.protocol import (
     encode,
     unpack_logprobs,
 )
-from common.transport import Heartbeat, Outgoing, Transport
+from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -123,16 +123,19 @@ class EngineClient:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.transport.ping()
-        await self.transport.beat("gateway", self.gateway_id, self.heartbeat_ttl_ms)
-        cursor = await self.transport.last_id(self.outputs_stream)
-        await self._refresh()
+        """Start the background work. Redis being down does not hold the start up (the gateway
+        answers 503 until it is reachable, and stops on SIGTERM meanwhile); wrong credentials do:
+        `RedisAuthFailed` propagates and the server exits with the message."""
+        try:
+            await self.transport.ping(deadline_s=2)
+        except TRANSIENT_ERRORS as exc:
+            logger.warning("Redis is not reachable yet (%s); answering 503 until it is", exc)
         # On a thread: a busy event loop (many streams on a loaded CPU) must not let the heartbeat
         # lapse, or the schedulers orphan every request of this gateway.
         self._heartbeat = Heartbeat(self.redis_url, self.names, "gateway", self.gateway_id,
                                     ServiceDefaults.heartbeat_interval_s(self.heartbeat_ttl_ms), self.heartbeat_ttl_ms).start()
         self._tasks = [
-            asyncio.create_task(self._read_outputs(cursor)),
+            asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._send_aborts()),
             asyncio.create_task(self._watch()),
         ]
@@ -298,8 +301,8 @@ class EngineClient:
         except Exception:
             logger.exception("could not send aborts")
 
-    async def _read_outputs(self, cursor: bytes) -> None:
-        cursors: dict[str, bytes | str] = {self.outputs_stream: cursor}
+    async def _read_outputs(self) -> None:
+        cursors: dict[str, bytes | str] = {self.outputs_stream: await self.transport.last_id(self.outputs_stream)}
         while True:
             try:
                 for _, _, msg in await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,)):
@@ -399,7 +402,6 @@ class EngineClient:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(ServiceDefaults.liveness_check_s)
             try:
                 await self._refresh()
                 for handle in list(self.requests.values()):
@@ -417,3 +419,4 @@ class EngineClient:
             except Exception as exc:
                 self.down_reason = f"cannot reach Redis: {exc}"
                 logger.warning("engine watch: %s", exc)
+            await asyncio.sleep(ServiceDefaults.liveness_check_s)

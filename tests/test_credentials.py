@@ -1,0 +1,59 @@
+"""Redis credentials and shutdown: a wrong password stops a service with a clear message that never
+shows the secret; a service waiting for an unreachable Redis still stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from common.launcher import free_port, wait_for_port
+from tests.services_util import REPO
+
+SECRET = "hunter2-not-this-one"
+
+
+@pytest.fixture(scope="module")
+def redis_with_password(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("authredis")
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir), "--requirepass", "the-right-one"], stdout=subprocess.DEVNULL)
+    wait_for_port("127.0.0.1", port, 15, proc)
+    yield f"redis://:{SECRET}@127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()
+
+
+def _run(args: list[str], redis_url: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "common.cli", *args], env=env, cwd=REPO,
+                            stdout=open(tmp_path / "out.log", "wb"), stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("args", [["scheduler"], ["gateway", "--port", "0"]])
+def test_wrong_password_stops_with_a_clear_message(redis_with_password: str, tmp_path: Path, args: list[str]) -> None:
+    proc = _run(args, redis_with_password, tmp_path)
+    assert proc.wait(timeout=60) != 0
+    log = (tmp_path / "out.log").read_text()
+    assert "rejected the credentials" in log, log[-2000:]
+    assert SECRET not in log
+
+
+@pytest.mark.parametrize("args", [["scheduler"], ["gateway", "--port", "0"]])
+def test_sigterm_stops_a_service_waiting_for_redis(tmp_path: Path, args: list[str]) -> None:
+    proc = _run(args, f"redis://127.0.0.1:{free_port()}/0", tmp_path)  # nothing listens there
+    time.sleep(4)
+    assert proc.poll() is None, "it should keep retrying, not exit"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) is not None

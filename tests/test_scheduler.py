@@ -181,3 +181,199 @@ def test_rejects_bad_requests() -> None:
     sched.add_request(Request("ok", [1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
     with pytest.raises(ValueError, match="duplicate"):
         sched.add_request(Request("ok", [1], SamplingParams()))
+
+
+# -- faults: a new executor, and isolating the request that fails a step ---------------------------
+def step_plans(ex: ScriptedExecutor, start: int = 0) -> list[dict[str, int]]:
+    return [dict(zip(bt.request_ids, bt.query_lens)) for bt in ex.batches[start:]]
+
+
+def collect(sched: Scheduler, got: dict[str, list[int]], steps: int | None = None) -> None:
+    """Run ``steps`` steps (None: to the end), appending each request's new tokens to ``got``."""
+    n = 0
+    while sched.has_unfinished() and (steps is None or n < steps):
+        for o in sched.schedule():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert o.num_output_tokens == len(got[o.request_id])
+        sched.cache.check_invariants()
+        n += 1
+
+
+def test_reset_executor_moves_everything_and_continues_identically() -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6], "c": [5, 3, 5, 8, 9, 7, 9], "d": [2, 7]}
+    sched, old_ex = make(num_blocks=64, budget=32, max_seqs=3)
+    old_cache = sched.cache
+    reqs = {rid: Request(rid, p, params) for rid, p in prompts.items()}
+    for r in reqs.values():
+        sched.add_request(r)
+    got: dict[str, list[int]] = {}
+    collect(sched, got, steps=3)
+    running = [r.request_id for r in sched.running]
+    waiting = [r.request_id for r in sched.waiting]
+    assert running == ["a", "b", "c"] and waiting == ["d"]
+    assert all(reqs[r].num_computed_tokens > 0 for r in running)
+    assert old_cache.get_num_free_blocks() < 64
+    preemptions = sched.num_preemptions
+
+    new_ex = ScriptedExecutor(32, max_model_len=48)
+    new_cache = CacheManager(32, 4)
+    sched.reset_executor(new_ex, new_cache)
+
+    # Everything waits, running requests first and in their order, with nothing computed.
+    assert sched.running == [] and [r.request_id for r in sched.waiting] == running + waiting
+    assert all(r.num_computed_tokens == 0 for r in reqs.values())
+    assert all(reqs[r].num_preemptions == 1 for r in running) and reqs["d"].num_preemptions == 0
+    assert sched.num_preemptions == preemptions + len(running)
+    # The old pool got every block back; the new one is untouched until the next step.
+    assert old_cache.get_num_free_blocks() == 64 and old_cache.block_tables == {}
+    old_cache.check_invariants()
+    assert sched.cache is new_cache and sched.executor is new_ex and new_cache.get_num_free_blocks() == 32
+    assert sched.max_model_len == 48
+    # Tokens generated so far are kept: the first new step recomputes prompt + output from 0.
+    kept = {r: list(reqs[r].output_token_ids) for r in prompts}
+    assert kept == {r: got.get(r, []) for r in prompts}
+    n_old_batches = len(old_ex.batches)
+    collect(sched, got)
+    assert len(old_ex.batches) == n_old_batches  # the old executor is never called again
+    first = new_ex.batches[0]
+    for rid in running:
+        i = first.request_ids.index(rid)
+        assert first.positions[sum(first.query_lens[:i])] == 0
+    # And generation goes on exactly as without the fault.
+    for rid, prompt in prompts.items():
+        assert got[rid] == expected_output(prompt, params)
+        assert reqs[rid].finish_reason == "length"
+    assert new_cache.get_num_free_blocks() == 32 and old_cache.get_num_free_blocks() == 64
+
+
+def test_preempt_all_keeps_order_ahead_of_waiting() -> None:
+    sched, _ = make(budget=64, max_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for rid in "xyz":
+        sched.add_request(Request(rid, [1, 2, 3], params))
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == ["x", "y"]
+    sched.preempt_all()
+    assert sched.running == [] and [r.request_id for r in sched.waiting] == ["x", "y", "z"]
+    assert sched.cache.get_num_free_blocks() == 64
+    sched.cache.check_invariants()
+
+
+def test_isolate_runs_one_suspect_per_step_until_each_passed() -> None:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9], "d": [3, 3, 3]}
+    sched, ex = make(budget=64)
+    for rid, p in prompts.items():
+        sched.add_request(Request(rid, p, params))
+    got: dict[str, list[int]] = {}
+    collect(sched, got, steps=2)
+    # A step with a, b, c, d failed: the executor dropped its state, so everything is recomputed.
+    sched.preempt_all()
+    sched.isolate(["c", "ghost", "a", "b"])  # unknown ids are ignored; d is not a suspect
+    assert sched.suspects == ["c", "a", "b"]
+    mark = len(ex.batches)
+    collect(sched, got, steps=3)
+    # One suspect per step, in the order given, each recomputed from scratch.
+    assert step_plans(ex, mark) == [{"c": len(prompts["c"]) + 2}, {"a": len(prompts["a"]) + 2},
+                                    {"b": len(prompts["b"]) + 2}]
+    assert sched.suspects == []
+    # Then normal batching again: everyone in one step.
+    collect(sched, got, steps=1)
+    assert set(step_plans(ex, mark + 3)[0]) == {"a", "b", "c", "d"}
+    collect(sched, got)
+    for rid, p in prompts.items():
+        assert got[rid] == expected_output(p, params)
+
+
+def test_isolate_a_running_request_leaves_the_others_their_blocks() -> None:
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sched, ex = make(budget=64)
+    for rid in "ab":
+        sched.add_request(Request(rid, [1, 2, 3, 4, 5], params))
+    got: dict[str, list[int]] = {}
+    collect(sched, got, steps=2)
+    table_a = list(sched.cache.get_block_table("a"))
+    sched.isolate(["b"])
+    collect(sched, got, steps=1)
+    assert step_plans(ex)[-1] == {"b": 1}  # a decode, alone
+    assert sched.cache.get_block_table("a") == table_a and sched.requests["a"].num_computed_tokens == 6
+    collect(sched, got, steps=1)
+    assert step_plans(ex)[-1] == {"a": 1, "b": 1}
+    collect(sched, got)
+    assert got["a"] == got["b"] == expected_output([1, 2, 3, 4, 5], params)
+
+
+class FailingExecutor(ScriptedExecutor):
+    """Fails every step that includes the request ``bad``."""
+
+    def execute_model(self, batch: Batch) -> ExecutorOutput:
+        if "bad" in batch.request_ids:
+            self.batches.append(batch)
+            raise RuntimeError("illegal memory access")
+        return super().execute_model(batch)
+
+
+def test_isolation_finds_the_culprit_which_fails_with_error() -> None:
+    """What the scheduler service does on a failed step, with a request that always breaks it."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = {"a": [1, 2, 3], "bad": [4, 5], "c": [6, 7, 8, 9]}
+    ex = FailingExecutor(64)
+    sched = Scheduler(SchedulerConfig(64, 8), CacheManager(64, 4), ex)
+    for rid, p in prompts.items():
+        sched.add_request(Request(rid, p, params))
+    got: dict[str, list[int]] = {}
+    finished: dict[str, str | None] = {}
+    failures = 0
+    while sched.has_unfinished():
+        try:
+            outputs = sched.schedule()
+        except RuntimeError:
+            failures += 1
+            ids = ex.batches[-1].request_ids
+            sched.preempt_all()
+            if len(ids) == 1:
+                out = sched.abort(ids[0], "error")
+                assert out is not None and out.finished and out.finish_reason == "error"
+                finished[ids[0]] = out.finish_reason
+            else:
+                sched.isolate(ids)
+            sched.cache.check_invariants()
+            continue
+        for o in outputs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+    assert failures == 2  # the batch, then "bad" alone
+    assert step_plans(ex)[:3] == [{"a": 3, "bad": 2, "c": 4}, {"a": 3}, {"bad": 2}]
+    assert finished == {"a": "length", "bad": "error", "c": "length"}
+    assert "bad" not in got and got["a"] == expected_output(prompts["a"], params)
+    assert got["c"] == expected_output(prompts["c"], params)
+    assert sched.cache.get_num_free_blocks() == 64 and not sched.suspects
+
+
+def test_abort_with_error_reason() -> None:
+    sched, _ = make(budget=8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    r = Request("x", [1] * 6, params)
+    w = Request("w", [2] * 20, params)
+    z = Request("z", [3] * 4, params)
+    for req in (r, w, z):
+        sched.add_request(req)
+    for _ in range(3):
+        sched.schedule()
+    assert r.num_output_tokens == 3 and w.num_output_tokens == 0 and w.num_computed_tokens == 16
+    assert [q.request_id for q in sched.waiting] == ["z"]  # no budget left for it
+    sched.isolate(["x", "w", "z"])
+    out = sched.abort("x", "error")
+    assert out is not None
+    assert (out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.num_output_tokens) == (
+        "x", [], True, "error", 3)
+    assert r.finish_reason == "error" and "x" not in sched.requests and sched.cache.get_block_table("x") == []
+    out = sched.abort("w", "error")  # one still in its prefill too
+    assert out is not None and out.finish_reason == "error" and w.finish_reason == "error"
+    out = sched.abort("z", "error")  # and a waiting one
+    assert out is not None and out.finish_reason == "error" and out.num_output_tokens == 0 and not sched.waiting
+    assert sched.decide() == {} and sched.suspects == []  # aborted suspects are dropped
+    assert sched.cache.get_num_free_blocks() == 64
+    sched.cache.check_invariants()

@@ -1,0 +1,367 @@
+"""`EngineClient` (the gateway's side of the streams) on fakeredis: engine choice, output dispatch
+(duplicates, gaps, write-ahead journaling), migration of requests an engine does not hold, and
+adoption of a journaled stream. Background tasks are not started: each test drives the methods."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any, Awaitable, Callable
+
+import fakeredis
+import pytest
+
+from common.protocol import (
+    ENTRY_FIELD,
+    AbortRequests,
+    EngineStatus,
+    GenerateRequest,
+    JournalHeader,
+    Names,
+    Route,
+    StepOutputs,
+    SyncRequest,
+    decode,
+    encode,
+    unpack_logprobs,
+)
+from common.transport import Outgoing
+from gateway.router import EngineClient, EngineEvent, EngineUnavailable, RequestHandle
+
+NAMES = Names("t-client")
+SAMPLING = {"temperature": 0.0, "max_tokens": 10}
+
+
+def async_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(fn(*args, **kwargs))
+    return wrapper
+
+
+def engine(sid: str, *, running: int = 0, waiting: int = 0, free: int = 100, executor: str = "e",
+           model: str = "tiny", incarnation: str | None = None) -> EngineStatus:
+    return EngineStatus(scheduler_id=sid, incarnation=incarnation or f"inc-{sid}", model_name=model, model_path="/m",
+                        max_model_len=256, vocab_size=100, block_size=16, num_blocks=100,
+                        executor_id=executor, epoch=1, num_free_blocks=free, num_running=running,
+                        num_waiting=waiting, num_steps=0, num_preemptions=0, num_dead_letters=0, updated_at=0.0)
+
+
+def make_client(gateway_id: str = "g1", server: fakeredis.FakeServer | None = None, **kwargs: Any) -> EngineClient:
+    client = EngineClient("redis://unused", NAMES, gateway_id, **kwargs)
+    client.transport.redis = fakeredis.FakeAsyncRedis(server=server or fakeredis.FakeServer())
+    return client
+
+
+async def publish(client: EngineClient, *statuses: EngineStatus) -> None:
+    """Write the engines' status keys as `EngineBeat` does, and let the client read them."""
+    r = client.transport.redis
+    for status in statuses:
+        await r.set(NAMES.engine(status.scheduler_id), encode(status))
+        await r.zadd(NAMES.engines, {status.scheduler_id: 1.0})
+    await client._refresh()
+
+
+async def sent(client: EngineClient, sid: str) -> list[Any]:
+    """Every message on ``requests:<sid>``, in order."""
+    return [decode(f[ENTRY_FIELD]) for _, f in await client.transport.redis.xrange(NAMES.requests(sid))]
+
+
+async def journal(client: EngineClient, response_id: str) -> list[Any]:
+    return [decode(f[ENTRY_FIELD]) for _, f in await client.transport.redis.xrange(NAMES.journal(response_id))]
+
+
+def outputs(*rows: tuple[Any, ...]) -> StepOutputs:
+    """``(request id, first index, tokens[, finished, reason, error])`` per row, as a gateway reads it."""
+    msg = StepOutputs()
+    for rid, index, tokens, *rest in rows:
+        finished, reason, error = (list(rest) + [False, None, None][len(rest):])
+        msg.add(rid, index, tokens, None, finished, reason, error)
+    return decode(encode(msg.sealed()))
+
+
+def drain(handle: RequestHandle) -> list[EngineEvent]:
+    events = []
+    while not handle.events.empty():
+        events.append(handle.events.get_nowait())
+    return events
+
+
+def tokens_of(events: list[EngineEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+# -- choosing an engine ------------------------------------------------------------------------------
+@async_test
+async def test_pick_engine_prefers_executor_then_least_load() -> None:
+    client = make_client()
+    assert client.pick_engine() is None
+    with pytest.raises(EngineUnavailable):
+        await client.submit("r0", [1], SAMPLING)
+    await publish(client,
+                  engine("idle-no-executor", executor=""),          # no executor: last resort
+                  engine("busy", waiting=1, free=50),               # load 4
+                  engine("light", running=2),                        # load 2
+                  engine("starting", model=""))                      # no model yet: not an engine
+    assert set(client.engines) == {"idle-no-executor", "busy", "light"} and client.down_reason is None
+    assert client.pick_engine().scheduler_id == "light"
+    # What this gateway sent since the last refresh counts too (one each): light at 2, 3, then a
+    # tie with busy at 4 (more free blocks wins), then busy at 4 against light at 5, then a tie at 5.
+    handles = [await client.submit(f"r{i}", [1, 2], SAMPLING) for i in range(1, 6)]
+    assert [h.scheduler_id for h in handles] == ["light", "light", "light", "busy", "light"]
+    assert client.sent_since_refresh == {"light": 4, "busy": 1}
+    # Each request went to its engine's own stream, addressed to that engine's incarnation.
+    msgs = await sent(client, "light")
+    assert [m.request_id for m in msgs] == ["r1", "r2", "r3", "r5"]
+    assert [m.request_id for m in await sent(client, "busy")] == ["r4"]
+    assert msgs[0] == GenerateRequest("r1", "g1", "light", "inc-light", [1, 2], [], SAMPLING, msgs[0].arrival_time, "")
+    assert await sent(client, "idle-no-executor") == []
+    # A refresh starts counting anew.
+    await client._refresh()
+    assert client.sent_since_refresh == {} and client.pick_engine().scheduler_id == "light"
+
+
+@async_test
+async def test_pick_engine_load_and_free_blocks() -> None:
+    client = make_client()
+    await publish(client, engine("a", running=2, free=10), engine("b", running=2, free=50), engine("c", waiting=1))
+    assert client.pick_engine().scheduler_id == "b"  # equal load: more free blocks wins
+    client.sent_since_refresh["b"] = 1
+    assert client.pick_engine().scheduler_id == "a"
+    client.sent_since_refresh["a"] = 3
+    assert client.pick_engine().scheduler_id == "b"  # b: 3, a: 5, c: 4
+    client.sent_since_refresh["b"] = 3
+    assert client.pick_engine().scheduler_id == "c"
+    # Without any executor bound, the least loaded one still serves (it will get one).
+    client2 = make_client()
+    await publish(client2, engine("x", executor="", running=5), engine("y", executor="", running=1))
+    assert client2.pick_engine().scheduler_id == "y"
+
+
+# -- dispatching outputs -------------------------------------------------------------------------------
+@async_test
+async def test_dispatch_drops_duplicate_token_indices() -> None:
+    client = make_client()
+    await publish(client, engine("s0"))
+    h = await client.submit("r", [1, 2, 3], SAMPLING)
+    other = await client.submit("q", [4], SAMPLING)
+    await client._dispatch(outputs(("r", 0, [5, 6]), ("q", 0, [9])))
+    await client._dispatch(outputs(("r", 1, [6, 7])))   # overlaps by one
+    await client._dispatch(outputs(("r", 0, [5, 6])))   # a whole duplicate (a retried exchange)
+    await client._dispatch(outputs(("r", 3, [8]), ("ghost", 0, [1])))
+    events = drain(h)
+    assert [e.token_ids for e in events] == [[5, 6], [7], [8]]
+    assert h.output_token_ids == [5, 6, 7, 8] and not h.done
+    assert tokens_of(drain(other)) == [9]
+    # The final output (a duplicate index, with no new token) still ends the request, once.
+    await client._dispatch(outputs(("r", 3, [8], True, "length")))
+    [last] = drain(h)
+    assert last.token_ids == [] and last.finished and last.finish_reason == "length" and h.done
+    await client._dispatch(outputs(("r", 4, [1], True, "length")))
+    assert drain(h) == [] and h.output_token_ids == [5, 6, 7, 8]
+    assert [type(m) for m in await sent(client, "s0")] == [GenerateRequest, GenerateRequest]  # no sync asked
+
+
+@async_test
+async def test_dispatch_gap_asks_for_one_resend() -> None:
+    client = make_client()
+    await publish(client, engine("s0"))
+    h = await client.submit("r", [1, 2, 3], SAMPLING)
+    await client._dispatch(outputs(("r", 0, [5, 6, 7])))
+    await client._dispatch(outputs(("r", 5, [9])))   # 3 and 4 were lost
+    await client._dispatch(outputs(("r", 6, [10])))  # still missing: no second request
+    assert tokens_of(drain(h)) == [5, 6, 7] and h.sync_from == 3
+    syncs = [m for m in await sent(client, "s0") if isinstance(m, SyncRequest)]
+    assert syncs == [SyncRequest("r", "g1", 3)]
+    # The engine resends from 3; what arrives after is contiguous again.
+    await client._dispatch(outputs(("r", 3, [7, 8, 9, 10])))
+    await client._dispatch(outputs(("r", 7, [11])))
+    assert tokens_of(drain(h)) == [7, 8, 9, 10, 11] and h.output_token_ids == [5, 6, 7, 7, 8, 9, 10, 11]
+    # A new gap (at a new index) is a new request.
+    await client._dispatch(outputs(("r", 9, [1])))
+    await client._dispatch(outputs(("r", 9, [1])))
+    syncs = [m for m in await sent(client, "s0") if isinstance(m, SyncRequest)]
+    assert syncs == [SyncRequest("r", "g1", 3), SyncRequest("r", "g1", 8)]
+
+
+@async_test
+async def test_dispatch_journals_resumable_events_before_delivering_them() -> None:
+    client = make_client(resume_window_s=30.0)
+    await publish(client, engine("s0"))
+    header = JournalHeader("resp", "chat", "{}", "tiny", 1, 10, [1, 2, 3], None)
+    h = await client.submit("resp", [1, 2, 3], SAMPLING,
+                            journal=[Outgoing(NAMES.journal("resp"), encode(header), None, client.journal_ttl_ms)])
+    plain = await client.submit("plain", [1], SAMPLING)
+    assert h.journal_id == "resp" and plain.journal_id == ""
+    assert await journal(client, "resp") == [header, Route("resp", "s0")]
+    assert (await sent(client, "s0"))[0].journal_id == "resp"
+
+    writes: list[tuple[list[str], int]] = []  # (streams written, events the client had by then)
+    real_send_many = client.transport.send_many
+
+    async def spy(sends: list[Outgoing], deadline_s: float | None = None) -> None:
+        writes.append(([s.stream for s in sends], h.events.qsize()))
+        await real_send_many(sends, deadline_s=deadline_s)
+
+    client.transport.send_many = spy  # type: ignore[method-assign]
+    logprobs_msg = StepOutputs()
+    logprobs_msg.add("resp", 0, [5, 6], [{5: -0.5}, {6: -0.25, 1: -3.0}])
+    logprobs_msg.add("plain", 0, [7], None)
+    await client._dispatch(decode(encode(logprobs_msg.sealed())))
+    assert writes == [([NAMES.journal("resp")], 0)]  # written while the client had seen nothing
+    await client._dispatch(outputs(("resp", 1, [6, 8]), ("plain", 1, [9])))  # one duplicate token
+    await client._dispatch(outputs(("resp", 3, [9], True, "stop")))
+    assert [w[1] for w in writes] == [0, 1, 2]
+    events = drain(h)
+    assert [e.token_ids for e in events] == [[5, 6], [8], [9]] and events[0].logprobs == [{5: -0.5}, {6: -0.25, 1: -3.0}]
+    entries = await journal(client, "resp")
+    assert entries[:2] == [header, Route("resp", "s0")]
+    replay = [(m.request_ids, m.token_index, m.token_ids, m.finished, m.finish_reasons) for m in entries[2:]]
+    assert replay == [(["resp"], [0], [5, 6], [False], [None]), (["resp"], [2], [8], [False], [None]),
+                      (["resp"], [3], [9], [True], ["stop"])]
+    assert unpack_logprobs(entries[2].lp_counts, entries[2].lp_token_ids, entries[2].lp_values) == [
+        {5: -0.5}, {6: -0.25, 1: -3.0}]
+    assert 0 < await client.transport.redis.pttl(NAMES.journal("resp")) <= 30_000
+    assert tokens_of(drain(plain)) == [7, 9]  # not journaled: only resp's stream exists
+    assert await client.transport.redis.exists(NAMES.journal("plain")) == 0
+
+    # A journal write that fails delivers nothing: no client sees an event that cannot be replayed.
+    h2 = await client.submit("resp2", [1], SAMPLING, journal=[Outgoing(NAMES.journal("resp2"), encode(header))])
+
+    async def broken(sends: list[Outgoing], deadline_s: float | None = None) -> None:
+        raise ConnectionError("redis down")
+
+    client.transport.send_many = broken  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await client._dispatch(outputs(("resp2", 0, [4])))
+    assert drain(h2) == []
+
+
+# -- migration ---------------------------------------------------------------------------------------
+@async_test
+async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
+    client = make_client()
+    await publish(client, engine("s0"), engine("s1", running=1))
+    h = await client.submit("resp", [1, 2, 3], SAMPLING,
+                            journal=[Outgoing(NAMES.journal("resp"), encode(JournalHeader("resp", "completion", "{}",
+                                                                                          "tiny", 1, 10, [1, 2, 3])))])
+    assert h.scheduler_id == "s0" and h.engine_request_id == "resp" and h.attempts == 1
+    await client._dispatch(outputs(("resp", 0, [5, 6])))
+    # s0 restarted and lost it (and is now busy); s2 appeared and is the least loaded.
+    await publish(client, engine("s0", waiting=3, incarnation="inc-s0-b"), engine("s1", running=1), engine("s2"))
+    await client._dispatch(outputs(("resp", 0, [], True, "unknown", "the scheduler does not hold this request")))
+    events = drain(h)  # the two tokens only: "unknown" is not shown to the client
+    assert [e.token_ids for e in events] == [[5, 6]] and not any(e.finished for e in events) and not h.done
+    assert h.output_token_ids == [5, 6]
+    assert (h.engine_request_id, h.scheduler_id, h.incarnation, h.attempts) == ("resp~1", "s2", "inc-s2", 2)
+    assert client.num_migrations == 1 and h.unrouted_since is None
+    assert set(client.attempts) == {"resp~1"} and client.requests["resp"] is h
+    [moved] = await sent(client, "s2")
+    assert moved == GenerateRequest("resp~1", "g1", "s2", "inc-s2", [1, 2, 3], [5, 6], SAMPLING, moved.arrival_time,
+                                    "resp")
+    assert (await journal(client, "resp"))[-1] == Route("resp~1", "s2")
+    # The old attempt is stopped on the old engine.
+    await client._flush_aborts("client")
+    assert [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)] == [AbortRequests(["resp"], "client")]
+    assert await sent(client, "s1") == []
+    # Late outputs of the old attempt are ignored; the new attempt continues at index 2.
+    await client._dispatch(outputs(("resp", 2, [99])))
+    await client._dispatch(outputs(("resp~1", 2, [7], True, "stop")))
+    events = drain(h)
+    assert tokens_of(events) == [7] and events[-1].finish_reason == "stop" and h.done
+
+
+@async_test
+async def test_migration_limit_fails_the_request() -> None:
+    client = make_client(migration_limit=1)
+    await publish(client, engine("s0"))
+    h = await client.submit("r", [1], SAMPLING)
+    await client._dispatch(outputs(("r", 0, [4])))
+    await client._dispatch(outputs(("r", 0, [], True, "unknown")))
+    assert h.engine_request_id == "r~1" and h.attempts == 2 and not h.done
+    await client._dispatch(outputs(("r~1", 1, [], True, "unknown")))
+    events = drain(h)
+    assert tokens_of(events) == [4]
+    last = events[-1]
+    assert last.finished and last.finish_reason == "error" and "giving up" in (last.error or "") and h.done
+    reqs = [m for m in await sent(client, "s0") if isinstance(m, GenerateRequest)]
+    assert [m.request_id for m in reqs] == ["r", "r~1"]  # no third attempt
+    await client._flush_aborts("client")
+    aborts = [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)]
+    assert len(aborts) == 1 and set(aborts[0].request_ids) == {"r", "r~1"}
+    # Nothing more happens for it.
+    await client._dispatch(outputs(("r~1", 1, [5])))
+    assert drain(h) == []
+
+
+@async_test
+async def test_unknown_request_with_all_tokens_finishes_with_length() -> None:
+    client = make_client()
+    await publish(client, engine("s0"))
+    h = await client.submit("r", [1], {"temperature": 0.0, "max_tokens": 2})
+    await client._dispatch(outputs(("r", 0, [4, 5])))
+    await client._dispatch(outputs(("r", 0, [], True, "unknown")))  # the final output was lost
+    events = drain(h)
+    assert tokens_of(events) == [4, 5] and events[-1].finished and events[-1].finish_reason == "length"
+    assert [type(m) for m in await sent(client, "s0")] == [GenerateRequest]  # not resubmitted
+
+
+# -- adopting a journaled stream -------------------------------------------------------------------------
+@async_test
+async def test_adopt_replays_journal_in_order_stops_at_gap_and_syncs() -> None:
+    client = make_client("g2")
+    await publish(client, engine("s1"))
+    journaled = [
+        outputs(("resp", 0, [5, 6])),
+        outputs(("resp", 1, [6, 7])),       # overlap: 6 is a duplicate
+        outputs(("resp~1", 3, [8, 9])),     # the next attempt
+        outputs(("resp~1", 7, [12])),       # a gap: 5 and 6 were lost with the old gateway
+        outputs(("resp~1", 8, [13])),
+    ]
+    h = await client.adopt("resp", [1, 2], SAMPLING, Route("resp~1", "s1"), journaled)
+    events = drain(h)
+    assert tokens_of(events) == [5, 6, 7, 8, 9] and h.output_token_ids == [5, 6, 7, 8, 9]
+    assert not any(e.finished for e in events)
+    assert (h.engine_request_id, h.scheduler_id, h.incarnation, h.attempts, h.journal_id) == (
+        "resp~1", "s1", "inc-s1", 2, "resp")
+    assert client.requests["resp"] is h and client.attempts["resp~1"] is h
+    assert await sent(client, "s1") == [SyncRequest("resp~1", "g2", 5)]
+    # The resend arrives: it continues the stream without duplicates.
+    await client._dispatch(outputs(("resp~1", 5, [10, 11, 12])))
+    assert tokens_of(drain(h)) == [10, 11, 12]
+
+
+@async_test
+async def test_adopt_a_finished_journal_without_registering() -> None:
+    client = make_client("g2")
+    await publish(client, engine("s0"))
+    journaled = [outputs(("resp", 0, [5, 6])), outputs(("resp", 2, [7], True, "stop"))]
+    h = await client.adopt("resp", [1, 2], SAMPLING, Route("resp", "s0"), journaled)
+    events = drain(h)
+    assert tokens_of(events) == [5, 6, 7] and events[-1].finished and events[-1].finish_reason == "stop" and h.done
+    assert client.requests == {} and client.attempts == {}
+    assert await sent(client, "s0") == []
+
+
+@async_test
+async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
+    server = fakeredis.FakeServer()
+    g1, g2 = make_client("g1", server), make_client("g2", server)
+    await publish(g1, engine("s0"))
+    await g2._refresh()
+    header = JournalHeader("resp", "completion", '{"prompt": "hi"}', "tiny", 7, 10, [1, 2], "hi")
+    h1 = await g1.submit("resp", [1, 2], SAMPLING, journal=[Outgoing(NAMES.journal("resp"), encode(header))])
+    await g1._dispatch(outputs(("resp", 0, [5, 6])))
+    await g1._dispatch(outputs(("resp", 2, [7])))
+    assert tokens_of(drain(h1)) == [5, 6, 7]
+    # g1 dies; the client reconnects to g2, which reads the journal and takes the stream over.
+    got_header, route, journaled = await g2.read_journal("resp")
+    assert got_header == header and route == Route("resp", "s0")
+    h2 = await g2.adopt("resp", got_header.prompt_token_ids, SAMPLING, route, journaled)
+    assert tokens_of(drain(h2)) == [5, 6, 7]
+    assert [m for m in await sent(g2, "s0") if isinstance(m, SyncRequest)] == [SyncRequest("resp", "g2", 3)]
+    # g2 journals what it delivers from now on, so a third gateway could resume it too.
+    await g2._dispatch(outputs(("resp", 3, [8], True, "length")))
+    assert tokens_of(drain(h2)) == [8] and h2.done
+    _, _, journaled = await g2.read_journal("resp")
+    assert [t for m in journaled for t in m.token_ids] == [5, 6, 7, 8] and journaled[-1].finished == [True]

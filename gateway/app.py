@@ -30,7 +30,8 @@ from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece
-from gateway.openai_schema import ApiError, GenerationSpec, fit_context, parse_chat, parse_completion, parse_json
+from gateway.openai_schema import (ApiError, GenerationSpec, check_token_ids, fit_context, parse_chat,
+                                   parse_completion, parse_json)
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient
 
@@ -337,39 +338,65 @@ def tokenize(tokenizer: Any, spec: GenerationSpec, info: EngineStatus) -> tuple[
     if text is None:
         assert spec.prompt_token_ids is not None
         ids = spec.prompt_token_ids
-        check_vocab(ids, info.vocab_size, param)
-        max_tokens = fit_context(spec, len(ids), info.max_model_len)
+        max_tokens = fit_context(spec, len(ids), info.max_model_len)  # first: it need not look at every id
+        check_token_ids(ids, info.vocab_size, param)
         return ids, (tokenizer.decode(ids) if spec.echo else None), max_tokens
-    count, get_ids = encode_text(tokenizer, text, spec.add_special_tokens)
-    # Before the ids become a Python list: a prompt of megabytes is millions of tokens.
-    max_tokens = fit_context(spec, count, info.max_model_len)
-    ids = get_ids()
-    check_vocab(ids, info.vocab_size, param)
+    count, ids = encode_text(tokenizer, text, spec.add_special_tokens, info.max_model_len)
+    max_tokens = fit_context(spec, count, info.max_model_len, at_least=ids is None)
+    assert ids is not None  # fit_context rejects every prompt longer than max_model_len
+    check_token_ids(ids, info.vocab_size, param)
     return ids, text, max_tokens
 
 
-def check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
-    if ids and max(ids) >= vocab_size:
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param=param)
-
-
+# Freeing an encoding of millions of tokens holds the GIL for up to seconds, wherever it happens,
+# so a text longer than this (which may have that many) is first counted in windows of this size.
+COUNT_WINDOW_CHARS = 1 << 16
+# How many tokens more than its share a window counted on its own may give at a cut (a word or a
+# special token cut in two): the windowed count is only trusted past this much per cut.
+CUT_OVERCOUNT = 16
 # The transformers call mutates the backend's settings as it goes, which the backend refuses
 # ("Already borrowed") while another thread is encoding; so those calls take turns.
 _TRANSFORMERS_CALL = threading.Lock()
 
 
-def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> tuple[int, Callable[[], list[int]]]:
-    """The number of tokens of ``text``, and a function that lists them.
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool, max_len: int) -> tuple[int, list[int] | None]:
+    """The tokens of ``text`` and their number; or, past ``max_len`` tokens, only a lower bound
+    on their number (and None).
 
     A fast tokenizer's backend is called directly: its ``encode_batch`` releases the GIL while it
     works (``encode`` and the transformers wrapper around it hold it for seconds on a long
-    prompt), and the length is known before millions of ids are turned into Python ints.
+    prompt), the length is known before the ids become Python ints, and every encoding is freed
+    here, in this worker thread, before an exception could carry it to the event loop.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     # With truncation or padding configured in the backend, transformers' own handling applies.
     if backend is not None and backend.truncation is None and backend.padding is None:
+        if len(text) > COUNT_WINDOW_CHARS:
+            at_least = _count_past(backend, text, add_special_tokens, max_len)
+            if at_least is not None:
+                return at_least, None
         encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        return len(encoding), lambda: encoding.ids
+        count = len(encoding)
+        return count, (encoding.ids if count <= max_len else None)
     with _TRANSFORMERS_CALL:
         ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    return len(ids), lambda: ids
+    return len(ids), (ids if len(ids) <= max_len else None)
+
+
+def _count_past(backend: Any, text: str, add_special_tokens: bool, limit: int) -> int | None:
+    """A lower bound on the number of tokens of ``text`` if that is surely over ``limit``, else None.
+
+    Windows are encoded a few at a time (the backend spreads them over cores), freed one by one
+    (the GIL can change hands in between), and counting stops once the limit is surely passed:
+    a prompt of megabytes costs a fraction of its full tokenization.
+    """
+    windows = [text[i : i + COUNT_WINDOW_CHARS] for i in range(0, len(text), COUNT_WINDOW_CHARS)]
+    slack = CUT_OVERCOUNT * (len(windows) - 1)
+    count = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+    for start in range(0, len(windows), 4):
+        encodings = backend.encode_batch(windows[start : start + 4], add_special_tokens=False)
+        while encodings:
+            count += len(encodings.pop())
+        if count - slack > limit:
+            return count - slack
+    return None

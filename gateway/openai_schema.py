@@ -4,16 +4,31 @@ Parsing is by hand rather than with pydantic models so every rejection carries O
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
 values we cannot honour (``n > 1``, penalties, ``logit_bias``, tools...) are rejected.
+
+No input gets past here as a 500 or as work that would slow other requests: the body must be
+JSON (no ``NaN``), nested at most `MAX_JSON_DEPTH` levels, with every string valid Unicode;
+integers are range-checked (`SamplingParams.validate`), and lists are bounded or checked with
+builtins rather than a Python loop per item, since parsing runs on the event loop.
 """
 
 from __future__ import annotations
 
+import json
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
+# Stop strings are matched (and partial matches held back) on every streamed token; the cost of
+# holding back grows with the square of a stop string's length.
+MAX_STOP_STRING_CHARS = 256
+# Deeper JSON is never a real request; the limit also keeps the parser far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+# Messages and content parts are checked one by one on the event loop, so their number is bounded.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096
 
 
 class ApiError(Exception):
@@ -36,6 +51,77 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, "invalid_request_error", param, code)
 
 
+# -- the body ----------------------------------------------------------------------------------
+def parse_json(data: bytes, cooperative: bool = False) -> Any:
+    """A request body as JSON, or a 400: not JSON (``NaN`` and ``Infinity`` are not JSON either),
+    nested deeper than `MAX_JSON_DEPTH`, or holding a string that is not valid Unicode (a lone
+    surrogate such as ``"\\ud800"``, which neither tokenizers nor UTF-8 encoders accept).
+
+    ``cooperative``: for a worker thread parsing a large body. The C parser holds the GIL for the
+    whole parse, which for a long array of numbers is long enough to stall the event loop; through
+    a Python-level ``parse_int`` the interpreter can switch threads while it parses.
+    """
+    try:
+        body = json.loads(data, parse_constant=_not_json, parse_int=_parse_int if cooperative else None)
+    except RecursionError:  # far deeper than MAX_JSON_DEPTH
+        raise _too_deep(None) from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise bad(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    _check_tree(body)
+    return body
+
+
+def _parse_int(digits: str) -> int:
+    return int(digits)  # Python code on purpose: see `parse_json`
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _too_deep(param: str | None) -> ApiError:
+    return bad(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", param, "invalid_json")
+
+
+def _check_tree(body: Any) -> None:
+    """Reject nesting past `MAX_JSON_DEPTH` and invalid strings; errors name the top-level field."""
+    if isinstance(body, str):
+        _check_text(body, None)
+    if not isinstance(body, (dict, list)):
+        return
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(where)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                name = key[:64] if where is None else where
+                if isinstance(item, str):
+                    _check_text(item, name)
+                elif isinstance(item, (dict, list)):
+                    stack.append((item, depth + 1, name))
+        else:
+            for item in value:
+                if isinstance(item, str):
+                    _check_text(item, where)
+                elif isinstance(item, (dict, list)):
+                    stack.append((item, depth + 1, where))
+
+
+def _check_text(text: str, where: str | None) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # The message names the code point but never holds it: it could not be encoded either.
+        raise bad(f"{f'{where!r}' if where else 'request body'} holds a string that is not valid Unicode "
+                  f"(lone surrogate \\u{ord(text[exc.start]):04x} at index {exc.start})", where,
+                  "invalid_string") from None
+
+
 @dataclass(slots=True)
 class GenerationSpec:
     """A validated completion or chat request, before tokenization."""
@@ -45,7 +131,7 @@ class GenerationSpec:
     sampling: SamplingParams
     max_tokens: int | None  # None: fill the context (chat default)
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # checked with the model's vocabulary: `check_token_ids`
     messages: list[dict[str, str]] | None = None
     stream: bool = False
     include_usage: bool = False
@@ -55,6 +141,11 @@ class GenerationSpec:
     add_special_tokens: bool = True
     echo: bool = False
     logprobs: int | None = None  # top-N per token; None: no logprobs
+
+    def input_size(self) -> int:
+        """About how many bytes the prompt is (4 per token id), to tell large inputs apart."""
+        return (len(self.prompt or "") + 4 * len(self.prompt_token_ids or ())
+                + sum(len(m["content"]) for m in self.messages or ()))
 
 
 # -- typed getters -----------------------------------------------------------------------------
@@ -66,9 +157,24 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _all_ints(values: list[Any]) -> bool:
+    """Every item an integer (not a boolean); builtins, not a Python loop."""
+    return set(map(type, values)) <= {int}
+
+
 def _typename(v: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", float: "number",
             int: "integer"}.get(type(v), type(v).__name__)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 40
+_REPR.maxlist = _REPR.maxdict = 4
+
+
+def _preview(value: Any) -> str:
+    """A short rendering of a value from the body, whatever its size, for an error message."""
+    return _REPR.repr(value)
 
 
 def _get(body: dict[str, Any], name: str, check: Any, want: str, default: Any) -> Any:
@@ -76,7 +182,7 @@ def _get(body: dict[str, Any], name: str, check: Any, want: str, default: Any) -
     if value is None:
         return default
     if not check(value):
-        raise bad(f"'{name}' must be {want}, got {_typename(value)} {str(value)[:40]!r}", name)
+        raise bad(f"'{name}' must be {want}, got {_typename(value)} {_preview(value)}", name)
     return value
 
 
@@ -95,7 +201,7 @@ def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
 def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
     value = body.get(name)
     if value is not None and value != neutral:
-        raise bad(f"'{name}' = {str(value)[:40]} is not supported by this server (only {neutral!r})", name)
+        raise bad(f"'{name}' = {_preview(value)} is not supported by this server (only {neutral!r})", name)
 
 
 # -- shared parameters -------------------------------------------------------------------------
@@ -119,14 +225,19 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+    elif not isinstance(stop, list):
         raise bad(f"'stop' must be a string or an array of strings, got {_typename(stop)}", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if not all(isinstance(s, str) for s in stop):
+        raise bad("'stop' must be a string or an array of strings", "stop")
     if any(s == "" for s in stop):
         raise bad("'stop' strings must not be empty", "stop")
-    stop_token_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
-                          "an array of integers", [])
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise bad(f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters long", "stop")
+    most = SamplingParams.MAX_STOP_TOKEN_IDS
+    stop_token_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and len(v) <= most and _all_ints(v),
+                          f"an array of at most {most} integers", [])
     sampling = SamplingParams(
         temperature=_num(body, "temperature", 1.0),
         top_p=_num(body, "top_p", 1.0),
@@ -184,13 +295,13 @@ def parse_completion(body: Any) -> GenerationSpec:
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
         spec.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise bad("'prompt' token ids must be non-negative", "prompt")
-        spec.prompt_token_ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and _is_int(prompt[0]):
+        # Token ids. Every one is checked later, by `check_token_ids` off the event loop: a body
+        # of megabytes holds millions of them.
+        spec.prompt_token_ids = prompt
     elif prompt is None:
         raise bad("'prompt' is required", "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+    elif isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
         raise bad("only one prompt per request is supported", "prompt")
     else:
         raise bad("'prompt' must be a non-empty string or a non-empty array of token ids", "prompt")
@@ -219,15 +330,21 @@ def parse_chat(body: Any) -> GenerationSpec:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad(f"'messages' may hold at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     parsed: list[dict[str, str]] = []
+    num_parts = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad(f"messages[{i}] must be an object, got {_typename(message)}", "messages")
         role = message.get("role")
         if role not in _ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {_preview(role)}", "messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is supported
+            num_parts += len(content)
+            if num_parts > MAX_CONTENT_PARTS:
+                raise bad(f"messages may hold at most {MAX_CONTENT_PARTS} content parts in all", "messages")
             texts = []
             for part in content:
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -241,3 +358,40 @@ def parse_chat(body: Any) -> GenerationSpec:
         parsed.append({"role": role, "content": content})
     spec.messages = parsed
     return spec
+
+
+# -- after tokenization ------------------------------------------------------------------------
+# Items per builtin call over a long list: a call holds the GIL until it returns, and between
+# calls the event loop's thread can take it.
+_CHUNK = 1 << 15
+
+
+def check_token_ids(ids: list[Any], vocab_size: int, param: str) -> None:
+    """A 400 unless every id is an integer in ``[0, vocab_size)``; for a worker thread."""
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        if not _all_ints(chunk):
+            raise bad(f"'{param}' must be a non-empty string or a non-empty array of token ids (integers)", param)
+        if min(chunk) < 0:
+            raise bad(f"'{param}' token ids must be non-negative", param)
+        if max(chunk) >= vocab_size:
+            raise bad(f"prompt token ids must be in [0, {vocab_size})", param)
+
+
+def fit_context(spec: GenerationSpec, num_prompt_tokens: int, max_model_len: int, at_least: bool = False) -> int:
+    """The request's ``max_tokens`` (default: the rest of the context); a 400 naming both counts
+    and the limit when prompt and completion do not fit. ``at_least``: the prompt was not
+    counted to the end (it was far too long), and ``num_prompt_tokens`` is a lower bound."""
+    n_prompt, limit = num_prompt_tokens, max_model_len
+    max_tokens = spec.max_tokens if spec.max_tokens is not None else limit - n_prompt
+    if n_prompt + max(max_tokens, 1) > limit:
+        some = "at least " if at_least else ""
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested {some}"
+            f"{n_prompt + max_tokens} tokens ({some}{n_prompt} in the prompt, {max_tokens} in the completion). "
+            f"Please reduce the prompt or max_tokens.",
+            param="max_tokens" if n_prompt < limit else ("messages" if spec.kind == "chat" else "prompt"),
+            code="context_length_exceeded",
+        )
+    return max_tokens

@@ -339,8 +339,8 @@ class EngineClient:
                 continue
             skip = handle.next_index - index  # duplicates already delivered
             tokens, lps = tokens[skip:], lps[skip:]
-            if not tokens and not msg.finished[i] and n:
-                continue  # nothing new
+            if not tokens and not msg.finished[i]:
+                continue  # nothing new (duplicates, or a resend with nothing after its index)
             handle.output_token_ids.extend(tokens)
             event = EngineEvent(tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i])
             if handle.journal_id:

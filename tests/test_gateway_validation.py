@@ -1,8 +1,8 @@
 """Gateway request validation and error format, against real Redis with no engine behind it.
 
-The engine side is played by the test: a `ModelInfo` key and heartbeat keys make the gateway
-believe a scheduler and executor are up; for the one request that gets through, a thread reads
-the requests stream and writes `StepOutputs` back, as the scheduler would.
+The engine side is played by the test: an `EngineStatus` key (`register_engine`) makes the
+gateway believe a scheduler with an executor is up; for the one request that gets through, a
+thread reads the engine's requests stream and writes `StepOutputs` back, as the scheduler would.
 """
 
 from __future__ import annotations
@@ -17,12 +17,22 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
-from common.protocol import AbortRequests, GenerateRequest, ModelInfo, Names, StepOutputs, decode, encode
+from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tests.services_util import find_redis
 
 MAX_MODEL_LEN = 2048
+VOCAB_SIZE = 1024
+ENGINE = "s0"  # the scheduler id the test plays
+
+
+def register_engine(r: redis.Redis, names: Names, model: str | Path, max_model_len: int = MAX_MODEL_LEN) -> None:
+    """Make gateways see one live engine (scheduler ``ENGINE`` with an executor) serving ``model``."""
+    status = EngineStatus(ENGINE, "i0", "tiny", str(model), max_model_len, VOCAB_SIZE, 16, 64, "e0", 1, 64, 0, 0, 0, 0, 0,
+                          time.time())
+    r.zadd(names.engines, {ENGINE: time.time()})
+    r.set(names.engine(ENGINE), encode(status), px=600_000)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +42,10 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
     url, proc = find_redis(workdir)
     r = redis.Redis.from_url(url)
     names = Names(f"test-gw-{time.time_ns()}")
-    r.set(names.model_info, encode(ModelInfo("tiny", str(model), MAX_MODEL_LEN, 1024, 16, 64, "s0", "e0", 1)))
-    r.set(names.heartbeat("scheduler", "s0"), "1", px=600_000)
-    r.set(names.heartbeat("executor", "e0"), "1", px=600_000)
+    register_engine(r, names, model)
     config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id="gw0", max_body_bytes=20000)
     with TestClient(create_app(config)) as client:
-        yield {"client": client, "redis": r, "names": names}
+        yield {"client": client, "redis": r, "names": names, "model": model}
     for key in r.scan_iter(match=f"{names.namespace}:*"):
         r.delete(key)
     if proc is not None:
@@ -121,7 +129,7 @@ def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path:
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
 
     def run() -> None:
-        reply = r.xread({names.requests: "0"}, block=10_000, count=1)
+        reply = r.xread({names.requests(ENGINE): "0"}, block=10_000, count=1)
         req = decode(reply[0][1][0][1][b"m"], (GenerateRequest,))
         index = 0
         for i, text in enumerate(texts):
@@ -140,9 +148,8 @@ def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path:
 
 def test_stream_stop_string_aborts_in_engine(env: dict[str, Any]) -> None:
     c, r, names = env["client"], env["redis"], env["names"]
-    info = decode(r.get(names.model_info), (ModelInfo,))
-    control_before = r.xlen(names.control)
-    thread = _fake_engine(r, names, ["Hello wor", "ld! END", " of", " text"], info.model_path)
+    requests_before = r.xlen(names.requests(ENGINE))
+    thread = _fake_engine(r, names, ["Hello wor", "ld! END", " of", " text"], str(env["model"]))
     body = {"prompt": "hi", "max_tokens": 50, "stream": True, "stop": ["END"], "stream_options": {"include_usage": True}}
     with c.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -154,21 +161,21 @@ def test_stream_stop_string_aborts_in_engine(env: dict[str, Any]) -> None:
     assert text == "Hello world! "
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] > 0
-    # The gateway told the scheduler to stop generating.
+    # The gateway told the scheduler to stop generating (on its requests stream, after the request).
     deadline = time.time() + 2
-    while r.xlen(names.control) == control_before and time.time() < deadline:
+    while r.xlen(names.requests(ENGINE)) <= requests_before + 1 and time.time() < deadline:
         time.sleep(0.02)
-    entries = r.xrange(names.control)
-    aborts = [decode(e[b"m"], (AbortRequests,)) for _, e in entries]
+    entries = r.xrange(names.requests(ENGINE))
+    aborts = [decode(e[b"m"], (AbortRequests,)) for _, e in entries[requests_before + 1 :]]
     assert any(chunks[0]["id"] in a.request_ids for a in aborts)
 
 
 def test_engine_down_gives_503(env: dict[str, Any]) -> None:
     c, r, names = env["client"], env["redis"], env["names"]
-    r.delete(names.heartbeat("executor", "e0"))
+    r.delete(names.engine(ENGINE))
     deadline = time.time() + 3
     while c.get("/health").status_code == 200 and time.time() < deadline:
         time.sleep(0.1)
-    _error(c.get("/health"), 503, "executor e0")
+    _error(c.get("/health"), 503, "no engine")
     _error(c.post("/v1/completions", json={"prompt": "hi"}), 503, "engine unavailable")
-    r.set(names.heartbeat("executor", "e0"), "1", px=600_000)
+    register_engine(r, names, env["model"])

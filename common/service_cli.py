@@ -24,6 +24,21 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     return p
 
 
+def add_engine_id(p: argparse.ArgumentParser, role: str, pair: str) -> None:
+    """``--scheduler-id``: a scheduler and an executor with the same id form one engine replica."""
+    p.add_argument("--scheduler-id", default=os.environ.get("CONVEYOR_SCHEDULER_ID", "0"),
+                   help=f"pairs this {role} with the {pair} of the same id (one engine replica)")
+
+
+def add_recovery_flags(p: argparse.ArgumentParser, recovery_help: str, resume_help: str) -> None:
+    """``--recovery-timeout`` and ``--resume-window`` (see `ServiceDefaults`), read by gateways and schedulers."""
+    env = os.environ.get
+    p.add_argument("--recovery-timeout", type=float,
+                   default=float(env("CONVEYOR_RECOVERY_TIMEOUT", ServiceDefaults.recovery_timeout_s)), help=recovery_help)
+    p.add_argument("--resume-window", type=float,
+                   default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)), help=resume_help)
+
+
 def setup_logging(level: str, secrets: Iterable[str | None] = ()) -> None:
     """Log to stderr, with URL passwords and ``secrets`` (an API key...) redacted from every record."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -32,7 +32,7 @@ from common.protocol import (
     pack_logprobs,
 )
 from common.sampling_params import SamplingParams
-from common.service_cli import service_parser, setup_logging, stop_on_sigterm
+from common.service_cli import add_engine_id, service_parser, setup_logging, stop_on_sigterm
 from common.transport import Heartbeat, Outgoing, RedisAuthFailed, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
@@ -213,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = service_parser("conveyor executor", "Run the executor service (model + KV cache).",
                        "local Hugging Face model directory (required)")
-    p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"),
-                   help="pairs this executor with the scheduler of the same id (one engine replica)")
+    add_engine_id(p, "executor", "scheduler")
     p.add_argument("--executor-id", default=env("CONVEYOR_EXECUTOR_ID", ""))
     p.add_argument("--dtype", default=env("CONVEYOR_DTYPE", "auto"))
     p.add_argument("--device", default=env("CONVEYOR_DEVICE", "auto"))

@@ -8,7 +8,7 @@ import os
 
 from common.config import ServiceDefaults
 from common.redact import redact_url
-from common.service_cli import service_parser, setup_logging
+from common.service_cli import add_recovery_flags, service_parser, setup_logging
 from gateway.config import GatewayConfig
 
 logger = logging.getLogger("conveyor.gateway")
@@ -26,11 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, default=int(env("CONVEYOR_MAX_INFLIGHT", "4096")))
     p.add_argument("--migration-limit", type=int, default=int(env("CONVEYOR_MIGRATION_LIMIT", ServiceDefaults.migration_limit)),
                    help="times one request may move to another engine when its engine dies")
-    p.add_argument("--recovery-timeout", type=float,
-                   default=float(env("CONVEYOR_RECOVERY_TIMEOUT", ServiceDefaults.recovery_timeout_s)),
-                   help="seconds a request waits for a live engine before failing")
-    p.add_argument("--resume-window", type=float, default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)),
-                   help="seconds a stream's journal is kept for resuming it on another gateway")
+    add_recovery_flags(p, "seconds a request waits for a live engine before failing",
+                       "seconds a stream's journal is kept for resuming it on another gateway")
     p.add_argument("--api-key", default=env("CONVEYOR_API_KEY"),
                    help="require this bearer token (prefer CONVEYOR_API_KEY: a flag shows in the process list)")
     return p

@@ -73,7 +73,7 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
         ids = self.stop_token_ids
-        if not isinstance(ids, list) or len(ids) > self.MAX_STOP_TOKEN_IDS:
+        if not isinstance(ids, (list, tuple)) or len(ids) > self.MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids must be a list of at most {self.MAX_STOP_TOKEN_IDS} token ids")
         if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {_preview(ids)}")

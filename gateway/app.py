@@ -30,8 +30,15 @@ from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece
-from gateway.openai_schema import (ApiError, GenerationSpec, check_token_ids, fit_context, parse_chat,
-                                   parse_completion, parse_json)
+from gateway.openai_schema import (
+    ApiError,
+    GenerationSpec,
+    check_token_ids,
+    fit_context,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient
 
@@ -210,7 +217,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = ready_info()
         name = served_name(info)
         if spec.model and spec.model not in (name, info.model_path):  # "" or absent: the served model
-            raise ApiError(404, f"The model `{spec.model}` does not exist (this server serves `{name}`).",
+            raise ApiError(404, f"The model `{spec.model[:200]}` does not exist (this server serves `{name}`).",
                            "not_found_error", "model", "model_not_found")
         tokenizer = await tokenizers.get(info)
         prompt_ids, prompt_text, max_tokens = await off_loop(spec.input_size() > LARGE_INPUT_BYTES, tokenize,
@@ -341,15 +348,16 @@ def tokenize(tokenizer: Any, spec: GenerationSpec, info: EngineStatus) -> tuple[
         max_tokens = fit_context(spec, len(ids), info.max_model_len)  # first: it need not look at every id
         check_token_ids(ids, info.vocab_size, param)
         return ids, (tokenizer.decode(ids) if spec.echo else None), max_tokens
-    count, ids = encode_text(tokenizer, text, spec.add_special_tokens, info.max_model_len)
-    max_tokens = fit_context(spec, count, info.max_model_len, at_least=ids is None)
+    count, exact, ids = encode_text(tokenizer, text, spec.add_special_tokens, info.max_model_len)
+    max_tokens = fit_context(spec, count, info.max_model_len, at_least=not exact)
     assert ids is not None  # fit_context rejects every prompt longer than max_model_len
     check_token_ids(ids, info.vocab_size, param)
     return ids, text, max_tokens
 
 
 # Freeing an encoding of millions of tokens holds the GIL for up to seconds, wherever it happens,
-# so a text longer than this (which may have that many) is first counted in windows of this size.
+# so a text longer than this (which may have that many) is first counted in windows of this size;
+# only a text that may fit the context is then encoded whole, for its exact tokens.
 COUNT_WINDOW_CHARS = 1 << 16
 # How many tokens more than its share a window counted on its own may give at a cut (a word or a
 # special token cut in two): the windowed count is only trusted past this much per cut.
@@ -359,9 +367,10 @@ CUT_OVERCOUNT = 16
 _TRANSFORMERS_CALL = threading.Lock()
 
 
-def encode_text(tokenizer: Any, text: str, add_special_tokens: bool, max_len: int) -> tuple[int, list[int] | None]:
-    """The tokens of ``text`` and their number; or, past ``max_len`` tokens, only a lower bound
-    on their number (and None).
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool,
+                max_len: int) -> tuple[int, bool, list[int] | None]:
+    """``(count, exact, ids)``: the number of tokens of ``text`` (``exact``, or else a lower bound
+    when it is surely past ``max_len``), and the tokens themselves unless they are past ``max_len``.
 
     A fast tokenizer's backend is called directly: its ``encode_batch`` releases the GIL while it
     works (``encode`` and the transformers wrapper around it hold it for seconds on a long
@@ -374,29 +383,28 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool, max_len: in
         if len(text) > COUNT_WINDOW_CHARS:
             at_least = _count_past(backend, text, add_special_tokens, max_len)
             if at_least is not None:
-                return at_least, None
+                return at_least, False, None
         encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         count = len(encoding)
-        return count, (encoding.ids if count <= max_len else None)
+        return count, True, (encoding.ids if count <= max_len else None)
     with _TRANSFORMERS_CALL:
         ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    return len(ids), (ids if len(ids) <= max_len else None)
+    return len(ids), True, (ids if len(ids) <= max_len else None)
 
 
 def _count_past(backend: Any, text: str, add_special_tokens: bool, limit: int) -> int | None:
     """A lower bound on the number of tokens of ``text`` if that is surely over ``limit``, else None.
 
-    Windows are encoded a few at a time (the backend spreads them over cores), freed one by one
-    (the GIL can change hands in between), and counting stops once the limit is surely passed:
-    a prompt of megabytes costs a fraction of its full tokenization.
+    One window at a time, on one core (a request must not take them all), each encoding freed
+    before the next; counting stops once the limit is surely passed, so a prompt of megabytes
+    costs a fraction of its full tokenization.
     """
-    windows = [text[i : i + COUNT_WINDOW_CHARS] for i in range(0, len(text), COUNT_WINDOW_CHARS)]
-    slack = CUT_OVERCOUNT * (len(windows) - 1)
+    num_windows = -(-len(text) // COUNT_WINDOW_CHARS)
+    slack = CUT_OVERCOUNT * (num_windows - 1)
     count = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
-    for start in range(0, len(windows), 4):
-        encodings = backend.encode_batch(windows[start : start + 4], add_special_tokens=False)
-        while encodings:
-            count += len(encodings.pop())
+    for start in range(0, len(text), COUNT_WINDOW_CHARS):
+        window = text[start : start + COUNT_WINDOW_CHARS]
+        count += len(backend.encode_batch([window], add_special_tokens=False)[0])
         if count - slack > limit:
             return count - slack
     return None

@@ -7,8 +7,8 @@ values we cannot honour (``n > 1``, penalties, ``logit_bias``, tools...) are rej
 
 No input gets past here as a 500 or as work that would slow other requests: the body must be
 JSON (no ``NaN``), nested at most `MAX_JSON_DEPTH` levels, with every string valid Unicode;
-integers are range-checked (`SamplingParams.validate`), and lists are bounded or checked with
-builtins rather than a Python loop per item, since parsing runs on the event loop.
+integers are range-checked (`SamplingParams.validate`); lists are bounded, since parsing runs on
+the event loop, except prompt token ids, which `check_token_ids` checks later in a worker thread.
 """
 
 from __future__ import annotations

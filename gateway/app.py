@@ -240,7 +240,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not spec.stream:
             await gen.start()
             return JSONResponse(await collect(request, gen, fmt))
-        header = JournalHeader(request_id, spec.kind, json.dumps(body), name, fmt.created, max_tokens, prompt_ids, echo)
+        header = JournalHeader(request_id, spec.kind, journal_body(body, spec.kind), name, fmt.created, max_tokens,
+                               prompt_ids, echo)
         await gen.start([Outgoing(client.names.journal(request_id), encode(header), None, client.journal_ttl_ms)])
         return event_stream(stream_events(gen, fmt, 0), request_id)
 
@@ -249,7 +250,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
         check_key(request)
         last = request.headers.get("last-event-id", "0").strip()
-        if not last.isdigit() or len(last) > 9:
+        if not (last.isascii() and last.isdigit()) or len(last) > 9:
             raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
         header, route, outputs = await client.read_journal(response_id)
         if header is None or route is None:
@@ -316,6 +317,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return fmt.full_response(pieces, gen.num_completion_tokens)
 
     return app
+
+
+def journal_body(body: dict[str, Any], kind: str) -> str:
+    """The request's JSON for a journal, without its prompt: the prompt travels as token ids (and
+    echo text) beside it, and the parsers only need a valid stand-in to rebuild the parameters."""
+    stand_in = {"prompt": [0]} if kind == "completion" else {"messages": [{"role": "user", "content": ""}]}
+    return json.dumps({**body, **stand_in})
 
 
 def sse(payload: dict[str, Any], number: int) -> str:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
 
 
 @dataclass(slots=True)
 class GatewayConfig:
-    redis_url: str = ServiceDefaults.redis_url
+    redis_url: str = field(default=ServiceDefaults.redis_url, repr=False)  # may hold a password
     namespace: str = ServiceDefaults.namespace
     gateway_id: str = ""  # "" -> random per process (outputs stream and heartbeat key use it)
     host: str = "0.0.0.0"
@@ -22,4 +22,4 @@ class GatewayConfig:
     migration_limit: int = ServiceDefaults.migration_limit
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)

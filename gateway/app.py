@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
 import logging
-import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,44 +38,12 @@ from gateway.openai_schema import (
 )
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient
+from gateway.tokenization import LARGE_INPUT_BYTES, InputWorkers, Tokenizers, tokenize
 
 logger = logging.getLogger("conveyor.gateway")
 
-T = TypeVar("T")
-# Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
-# huge requests then queue behind each other instead of taking every worker thread from the rest.
-LARGE_INPUT_BYTES = 64 * 1024
-_LARGE_INPUTS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-large-input")
 
-
-async def off_loop(large: bool, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread (the large-input pool if ``large``): the event loop keeps
-    answering other requests, and ``/health``, meanwhile."""
-    if large:
-        return await asyncio.get_running_loop().run_in_executor(_LARGE_INPUTS, functools.partial(fn, *args))
-    return await asyncio.to_thread(fn, *args)
-
-
-class Tokenizers:
-    """The tokenizer of the served model, loaded once (off the event loop)."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.tokenizer: Any = None
-        self._lock = asyncio.Lock()
-
-    async def get(self, info: EngineStatus) -> Any:
-        if self.tokenizer is None:
-            async with self._lock:
-                if self.tokenizer is None:
-                    from transformers import AutoTokenizer
-
-                    path = self.path or info.model_path
-                    self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
-        return self.tokenizer
-
-
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:
     """The body as JSON (a 400 unless `parse_json` accepts it); 413 past ``limit`` bytes (checked
     while reading). A large body is parsed off the event loop."""
     declared = request.headers.get("content-length", "")
@@ -93,7 +58,7 @@ async def read_json(request: Request, limit: int) -> Any:
         chunks.append(chunk)
     data = b"".join(chunks)
     if len(data) > LARGE_INPUT_BYTES:
-        return await off_loop(True, parse_json, data, True)
+        return await workers.run(True, parse_json, data, True)
     return parse_json(data)
 
 
@@ -104,6 +69,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                           heartbeat_ttl_ms=config.heartbeat_ttl_ms, migration_limit=config.migration_limit,
                           recovery_timeout_s=config.recovery_timeout_s, resume_window_s=config.resume_window_s)
     tokenizers = Tokenizers(config.model)
+    workers = InputWorkers()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,6 +88,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         yield
         warm_task.cancel()
         await client.stop()
+        workers.close()
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
     app.state.client = client
@@ -204,13 +171,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        body = await read_json(request, config.max_body_bytes)
+        body = await read_json(request, config.max_body_bytes, workers)
         return await serve(request, parse_completion(body), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        body = await read_json(request, config.max_body_bytes)
+        body = await read_json(request, config.max_body_bytes, workers)
         return await serve(request, parse_chat(body), body)
 
     async def serve(request: Request, spec: GenerationSpec, body: Any) -> Response:
@@ -220,8 +187,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(404, f"The model `{spec.model[:200]}` does not exist (this server serves `{name}`).",
                            "not_found_error", "model", "model_not_found")
         tokenizer = await tokenizers.get(info)
-        prompt_ids, prompt_text, max_tokens = await off_loop(spec.input_size() > LARGE_INPUT_BYTES, tokenize,
-                                                             tokenizer, spec, info)
+        prompt_ids, prompt_text, max_tokens = await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize,
+                                                                tokenizer, tokenizers.call_lock, spec, info)
         n_prompt = len(prompt_ids)
         spec.sampling.max_tokens = max_tokens
         try:
@@ -328,91 +295,3 @@ def journal_body(body: dict[str, Any], kind: str) -> str:
 
 def sse(payload: dict[str, Any], number: int) -> str:
     return f"id: {number}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-def tokenize(tokenizer: Any, spec: GenerationSpec, info: EngineStatus) -> tuple[list[int], str | None, int]:
-    """Prompt token ids, prompt text and ``max_tokens`` (`fit_context`) of a completion or chat
-    request; a 400 for token ids outside the vocabulary or a prompt past the context.
-
-    Runs in a worker thread (`off_loop`): a long prompt takes seconds to tokenize. A prompt of
-    token ids has text only for ``echo`` (decoded here, once the ids are known to fit).
-    """
-    param = "messages" if spec.kind == "chat" else "prompt"
-    text = spec.prompt
-    if spec.kind == "chat":
-        assert spec.messages is not None
-        if getattr(tokenizer, "chat_template", None):
-            from jinja2 import TemplateError
-
-            try:
-                text = tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
-            except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
-                raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param=param) from None
-        else:  # a checkpoint without a template: a plain, documented fallback
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in spec.messages) + "assistant:"
-    if text is None:
-        assert spec.prompt_token_ids is not None
-        ids = spec.prompt_token_ids
-        max_tokens = fit_context(spec, len(ids), info.max_model_len)  # first: it need not look at every id
-        check_token_ids(ids, info.vocab_size, param)
-        return ids, (tokenizer.decode(ids) if spec.echo else None), max_tokens
-    count, exact, ids = encode_text(tokenizer, text, spec.add_special_tokens, info.max_model_len)
-    max_tokens = fit_context(spec, count, info.max_model_len, at_least=not exact)
-    assert ids is not None  # fit_context rejects every prompt longer than max_model_len
-    check_token_ids(ids, info.vocab_size, param)
-    return ids, text, max_tokens
-
-
-# Freeing an encoding of millions of tokens holds the GIL for up to seconds, wherever it happens,
-# so a text longer than this (which may have that many) is first counted in windows of this size;
-# only a text that may fit the context is then encoded whole, for its exact tokens.
-COUNT_WINDOW_CHARS = 1 << 16
-# How many tokens more than its share a window counted on its own may give at a cut (a word or a
-# special token cut in two): the windowed count is only trusted past this much per cut.
-CUT_OVERCOUNT = 16
-# The transformers call mutates the backend's settings as it goes, which the backend refuses
-# ("Already borrowed") while another thread is encoding; so those calls take turns.
-_TRANSFORMERS_CALL = threading.Lock()
-
-
-def encode_text(tokenizer: Any, text: str, add_special_tokens: bool,
-                max_len: int) -> tuple[int, bool, list[int] | None]:
-    """``(count, exact, ids)``: the number of tokens of ``text`` (``exact``, or else a lower bound
-    when it is surely past ``max_len``), and the tokens themselves unless they are past ``max_len``.
-
-    A fast tokenizer's backend is called directly: its ``encode_batch`` releases the GIL while it
-    works (``encode`` and the transformers wrapper around it hold it for seconds on a long
-    prompt), the length is known before the ids become Python ints, and every encoding is freed
-    here, in this worker thread, before an exception could carry it to the event loop.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    # With truncation or padding configured in the backend, transformers' own handling applies.
-    if backend is not None and backend.truncation is None and backend.padding is None:
-        if len(text) > COUNT_WINDOW_CHARS:
-            at_least = _count_past(backend, text, add_special_tokens, max_len)
-            if at_least is not None:
-                return at_least, False, None
-        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        count = len(encoding)
-        return count, True, (encoding.ids if count <= max_len else None)
-    with _TRANSFORMERS_CALL:
-        ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    return len(ids), True, (ids if len(ids) <= max_len else None)
-
-
-def _count_past(backend: Any, text: str, add_special_tokens: bool, limit: int) -> int | None:
-    """A lower bound on the number of tokens of ``text`` if that is surely over ``limit``, else None.
-
-    One window at a time, on one core (a request must not take them all), each encoding freed
-    before the next; counting stops once the limit is surely passed, so a prompt of megabytes
-    costs a fraction of its full tokenization.
-    """
-    num_windows = -(-len(text) // COUNT_WINDOW_CHARS)
-    slack = CUT_OVERCOUNT * (num_windows - 1)
-    count = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
-    for start in range(0, len(text), COUNT_WINDOW_CHARS):
-        window = text[start : start + COUNT_WINDOW_CHARS]
-        count += len(backend.encode_batch([window], add_special_tokens=False)[0])
-        if count - slack > limit:
-            return count - slack
-    return None

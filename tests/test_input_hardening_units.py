@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -11,7 +12,6 @@ import pytest
 
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
-from gateway.app import COUNT_WINDOW_CHARS, _count_past, encode_text, tokenize
 from gateway.openai_schema import (
     _CHUNK,
     MAX_JSON_DEPTH,
@@ -21,6 +21,7 @@ from gateway.openai_schema import (
     parse_completion,
     parse_json,
 )
+from gateway.tokenization import COUNT_WINDOW_CHARS, _count_past, encode_text, tokenize
 
 
 def _nested(depth: int) -> bytes:
@@ -149,10 +150,10 @@ def test_encode_text_gives_what_transformers_gives(tokenizers_to_test: list[Any]
         for text in _texts():
             for special in (True, False):
                 expected = list(tok(text, add_special_tokens=special)["input_ids"])
-                count, exact, ids = encode_text(tok, text, special, 10**7)
+                count, exact, ids = encode_text(tok, threading.Lock(), text, special, 10**7)
                 assert exact and ids == expected and count == len(expected), (type(tok).__name__, text[:30])
                 # One token too many: counted (to the end, or in windows as "at least") to the truth.
-                count, exact, ids = encode_text(tok, text, special, len(expected) - 1)
+                count, exact, ids = encode_text(tok, threading.Lock(), text, special, len(expected) - 1)
                 assert ids is None and count == len(expected)
 
 
@@ -176,15 +177,15 @@ def test_tokenize_answers_400s(tiny_model: Any) -> None:
 
     tok = AutoTokenizer.from_pretrained(tiny_model())
     info = _info(tiny_model())
-    err = pytest.raises(ApiError, tokenize, tok, parse_completion({"prompt": "hello world " * 20_000}), info).value
+    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": "hello world " * 20_000}), info).value
     assert err.code == "context_length_exceeded" and "at least" in err.message and err.param == "prompt"
-    err = pytest.raises(ApiError, tokenize, tok, parse_completion({"prompt": "hello " * 3000}), info).value
+    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": "hello " * 3000}), info).value
     assert "at least" not in err.message, "a prompt counted to the end gives its exact length"
-    err = pytest.raises(ApiError, tokenize, tok, parse_completion({"prompt": [1, 2**64]}), info).value
+    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": [1, 2**64]}), info).value
     assert err.param == "prompt" and "[0, 1024)" in err.message
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     spec = parse_chat({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]})
-    err = pytest.raises(ApiError, tokenize, tok, spec, info).value
+    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), spec, info).value
     assert err.status == 400 and err.param == "messages" and "roles must alternate" in err.message
 
 
@@ -194,6 +195,6 @@ def test_echo_of_token_ids_is_decoded_with_the_tokenization(tiny_model: Any) -> 
     tok = AutoTokenizer.from_pretrained(tiny_model())
     ids = tok("hello world", add_special_tokens=False)["input_ids"]
     info = _info(tiny_model())
-    _, text, max_tokens = tokenize(tok, parse_completion({"prompt": ids, "echo": True, "max_tokens": 3}), info)
+    _, text, max_tokens = tokenize(tok, threading.Lock(), parse_completion({"prompt": ids, "echo": True, "max_tokens": 3}), info)
     assert text == tok.decode(ids) and max_tokens == 3
-    assert tokenize(tok, parse_completion({"prompt": ids}), info)[1] is None
+    assert tokenize(tok, threading.Lock(), parse_completion({"prompt": ids}), info)[1] is None

@@ -1,0 +1,144 @@
+"""Prompt tokenization off the event loop, safe for prompts of megabytes.
+
+`Tokenizers` loads the served model's tokenizer once; `InputWorkers` runs parsing and
+tokenization in worker threads; `tokenize` turns a request into prompt token ids, checking the
+vocabulary and the context (`fit_context`) without ever materializing millions of ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from common.protocol import EngineStatus
+from gateway.openai_schema import ApiError, GenerationSpec, check_token_ids, fit_context
+
+T = TypeVar("T")
+# Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
+# huge requests then queue behind each other instead of taking every worker thread from the rest.
+LARGE_INPUT_BYTES = 64 * 1024
+
+
+class InputWorkers:
+    """Runs parsing and tokenization off the event loop, so it keeps answering other requests
+    (and ``/health``) meanwhile; large inputs on a pool of their own."""
+
+    def __init__(self, large_workers: int = 2) -> None:
+        self.large = ThreadPoolExecutor(max_workers=large_workers, thread_name_prefix="conveyor-large-input")
+
+    async def run(self, large: bool, fn: Callable[..., T], *args: Any) -> T:
+        if large:
+            return await asyncio.get_running_loop().run_in_executor(self.large, functools.partial(fn, *args))
+        return await asyncio.to_thread(fn, *args)
+
+    def close(self) -> None:
+        self.large.shutdown(wait=False, cancel_futures=True)
+
+
+class Tokenizers:
+    """The tokenizer of the served model, loaded once (off the event loop)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.tokenizer: Any = None
+        self.call_lock = threading.Lock()  # see `encode_text`
+        self._lock = asyncio.Lock()
+
+    async def get(self, info: EngineStatus) -> Any:
+        if self.tokenizer is None:
+            async with self._lock:
+                if self.tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    path = self.path or info.model_path
+                    self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+        return self.tokenizer
+
+
+def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec,
+             info: EngineStatus) -> tuple[list[int], str | None, int]:
+    """Prompt token ids, prompt text and ``max_tokens`` (`fit_context`) of a completion or chat
+    request; a 400 for token ids outside the vocabulary or a prompt past the context.
+
+    Runs in a worker thread (`InputWorkers`): a long prompt takes seconds to tokenize. A prompt of
+    token ids has text only for ``echo`` (decoded here, once the ids are known to fit).
+    """
+    param = "messages" if spec.kind == "chat" else "prompt"
+    text = spec.prompt
+    if spec.kind == "chat":
+        assert spec.messages is not None
+        if getattr(tokenizer, "chat_template", None):
+            from jinja2 import TemplateError
+
+            try:
+                text = tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
+            except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
+                raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param=param) from None
+        else:  # a checkpoint without a template: a plain, documented fallback
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in spec.messages) + "assistant:"
+    if text is None:
+        assert spec.prompt_token_ids is not None
+        ids = spec.prompt_token_ids
+        max_tokens = fit_context(spec, len(ids), info.max_model_len)  # first: it need not look at every id
+        check_token_ids(ids, info.vocab_size, param)
+        return ids, (tokenizer.decode(ids) if spec.echo else None), max_tokens
+    count, exact, ids = encode_text(tokenizer, lock, text, spec.add_special_tokens, info.max_model_len)
+    max_tokens = fit_context(spec, count, info.max_model_len, at_least=not exact)
+    assert ids is not None  # fit_context rejects every prompt longer than max_model_len
+    check_token_ids(ids, info.vocab_size, param)
+    return ids, text, max_tokens
+
+
+# Freeing an encoding of millions of tokens holds the GIL for up to seconds, wherever it happens,
+# so a text longer than this (which may have that many) is first counted in windows of this size;
+# only a text that may fit the context is then encoded whole, for its exact tokens.
+COUNT_WINDOW_CHARS = 1 << 16
+# How many tokens more than its share a window counted on its own may give at a cut (a word or a
+# special token cut in two): the windowed count is only trusted past this much per cut.
+CUT_OVERCOUNT = 16
+def encode_text(tokenizer: Any, lock: threading.Lock, text: str, add_special_tokens: bool,
+                max_len: int) -> tuple[int, bool, list[int] | None]:
+    """``(count, exact, ids)``: the number of tokens of ``text`` (``exact``, or else a lower bound
+    when it is surely past ``max_len``), and the tokens themselves unless they are past ``max_len``.
+
+    A fast tokenizer's backend is called directly: its ``encode_batch`` releases the GIL while it
+    works (``encode`` and the transformers wrapper around it hold it for seconds on a long
+    prompt), the length is known before the ids become Python ints, and every encoding is freed
+    here, in this worker thread, before an exception could carry it to the event loop. The
+    transformers call mutates the backend's settings as it goes, which the backend refuses
+    ("Already borrowed") while another thread is encoding: those calls take turns on ``lock``.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # With truncation or padding configured in the backend, transformers' own handling applies.
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        if len(text) > COUNT_WINDOW_CHARS:
+            at_least = _count_past(backend, text, add_special_tokens, max_len)
+            if at_least is not None:
+                return at_least, False, None
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        count = len(encoding)
+        return count, True, (encoding.ids if count <= max_len else None)
+    with lock:
+        ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    return len(ids), True, (ids if len(ids) <= max_len else None)
+
+
+def _count_past(backend: Any, text: str, add_special_tokens: bool, limit: int) -> int | None:
+    """A lower bound on the number of tokens of ``text`` if that is surely over ``limit``, else None.
+
+    One window at a time, on one core (a request must not take them all), each encoding freed
+    before the next; counting stops once the limit is surely passed, so a prompt of megabytes
+    costs a fraction of its full tokenization.
+    """
+    num_windows = -(-len(text) // COUNT_WINDOW_CHARS)
+    slack = CUT_OVERCOUNT * (num_windows - 1)
+    count = backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+    for start in range(0, len(text), COUNT_WINDOW_CHARS):
+        window = text[start : start + COUNT_WINDOW_CHARS]
+        count += len(backend.encode_batch([window], add_special_tokens=False)[0])
+        if count - slack > limit:
+            return count - slack
+    return None

@@ -30,8 +30,6 @@ from gateway.generation import Generation, Piece
 from gateway.openai_schema import (
     ApiError,
     GenerationSpec,
-    check_token_ids,
-    fit_context,
     parse_chat,
     parse_completion,
     parse_json,

@@ -28,9 +28,9 @@ from typing import Any
 
 from common.config import ServiceDefaults
 from common.protocol import (
+    ENTRY_FIELD,
     OUTPUTS_MAXLEN,
     AbortRequests,
-    ENTRY_FIELD,
     EngineStatus,
     GenerateRequest,
     JournalHeader,

@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 
 from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo
-from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, StepDelta, StepResult, apply_edit, sampling_to_dict, unpack_logprobs
+from common.protocol import (
+    ENGINE_STREAMS_TTL_MS,
+    STEPS_MAXLEN,
+    StepDelta,
+    StepResult,
+    apply_edit,
+    sampling_to_dict,
+    unpack_logprobs,
+)
 from common.transport import Outgoing, SyncTransport
 
 logger = logging.getLogger(__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+
 import pytest
 
 from gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = {"offline": "bench.offline", "serve": "bench.serve"}
+BENCHES = {"offline": "bench.offline", "serve": "bench.serve", "prefix-overhead": "bench.prefix_overhead"}
 
 
 def main(argv: list[str]) -> int:

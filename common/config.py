@@ -39,10 +39,16 @@ class ParallelConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Per-step limits of continuous batching."""
+    """Per-step limits of continuous batching, and the prefix cache.
+
+    ``enable_prefix_caching``: reuse the K/V of full blocks an earlier request computed for the
+    same leading tokens (see `scheduler.cache_manager`). It lives here, not in `CacheConfig`,
+    because only the scheduler's block table knows it: the executor just follows block tables.
+    """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)

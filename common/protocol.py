@@ -326,6 +326,10 @@ class EngineStatus:
     step_wall_s: float = 0.0
     step_forward_s: float = 0.0
     step_count: int = 0
+    # Prefix cache (sums since start, in tokens): tokens of admitted requests, and of those the
+    # tokens found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def load(self) -> int:

@@ -1,15 +1,61 @@
-"""Paged KV block table: a preallocated block pool with an O(1) free-block queue.
+"""Paged KV block table: a preallocated block pool with an O(1) free-block queue, and the prefix cache.
 
 Invariant (checked by `check_invariants`): every block is either in the free queue with
 ``ref_cnt == 0`` or referenced by at least one request's block table with ``ref_cnt`` equal to the
 number of tables holding it — never both. Blocks are handed out from the queue's head and
-returned to its tail, so the least recently freed block is reused first (what prefix caching's
-LRU eviction will need).
+returned to its tail, so the least recently freed block is reused first.
+
+Prefix caching (vLLM v1 style; the scheduler decides whether it is used, see
+`SchedulerConfig.enable_prefix_caching`): a block whose ``block_size`` tokens have all been
+computed is registered under a hash of its content chained to its parent's
+(`hash_block`), so one hash names a whole prefix. A new request takes the longest run of its
+leading full blocks found in the cache (`get_computed_blocks`), sharing them by reference count.
+A freed block keeps its hash while it waits in the free queue: it is still a cache entry, and only
+when `allocate_blocks` hands it out again (LRU: the least recently freed first) is the entry
+dropped. The executor never writes into a full block again unless it is reallocated, so a cached
+block's K/V stays valid; blocks are registered only after the step that computed them succeeded
+(`cache_full_blocks`), so a failed step never leaves a half-written block in the cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
+
+BlockHash = bytes
+
+# Parent of a request's first block. Hashes are blake2b-128 over a fixed-width encoding, so they
+# are stable across processes and a collision (two prefixes sharing KV) is out of reach.
+ROOT_HASH: BlockHash = hashlib.blake2b(b"conveyor prefix cache v1", digest_size=16).digest()
+
+
+@lru_cache(maxsize=8)
+def _packer(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}q")
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """``hash((parent, tokens, extra))``: one full block, chained to the block before it.
+
+    The parent (16 bytes) and the tokens (8 bytes each, a block's fixed count) have fixed widths,
+    so the encoding is unambiguous. ``extra`` carries keys that must keep otherwise equal prefixes
+    apart (a request's ``cache_salt``); it is given for the first block only, and the chain
+    carries it on. A cryptographic hash on purpose: with a weak one (Python's ``hash``) a client
+    could craft a prompt whose block collides with another's prefix and poison its cache.
+    """
+    return hashlib.blake2b(parent + _packer(len(tokens)).pack(*tokens) + extra, digest_size=16).digest()
+
+
+def extra_keys(cache_salt: str | None) -> bytes:
+    """The first block's extra keys, tagged so that no salt and an empty salt hash apart."""
+    return b"" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
 
 
 @dataclass(slots=True)
@@ -21,6 +67,7 @@ class KVBlock:
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
     in_free_queue: bool = False
+    block_hash: BlockHash | None = None  # set while the block is a prefix-cache entry
 
 
 class FreeBlockQueue:
@@ -81,6 +128,12 @@ class CacheManager:
         self.blocks = [KVBlock(i) for i in range(total_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.block_tables: dict[str, list[int]] = {}
+        # Prefix cache: content hash -> the block holding it (one block per hash: when two
+        # requests computed the same block side by side, the first registered wins and the other
+        # copy stays private), and per request how many of its leading blocks are registered.
+        self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.num_evictions = 0
 
     # -- pool level -------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -93,6 +146,10 @@ class CacheManager:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict the least recently used cache entry
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block.block_id)
         return out
@@ -100,8 +157,9 @@ class CacheManager:
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks reaching zero go back to the free queue.
 
-        Callers pass a table in reverse so a request's tail blocks are reused first: its head
-        blocks are the ones a future prefix cache is likeliest to hit.
+        Callers pass a table in reverse so a request's tail blocks are evicted first: its head
+        blocks are the ones the prefix cache is likeliest to hit (and a child block is useless
+        without its parent). A freed block keeps its cache entry until it is reallocated.
         """
         for block_id in block_ids:
             block = self.blocks[block_id]
@@ -114,8 +172,14 @@ class CacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow ``request_id``'s table to hold ``num_tokens`` tokens, all or nothing."""
+    def allocate_slots(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Grow ``request_id``'s table to hold ``num_tokens`` tokens, all or nothing.
+
+        ``computed_blocks`` (only for a request that holds no blocks yet): its prefix-cache hit,
+        from `get_computed_blocks`; they head the table, shared, and count as registered.
+        """
+        if computed_blocks:
+            return self._allocate_with_hit(request_id, num_tokens, computed_blocks)
         table = self.block_tables.setdefault(request_id, [])
         need = self.num_blocks_for(num_tokens) - len(table)
         if need <= 0:
@@ -127,11 +191,91 @@ class CacheManager:
         table.extend(self.allocate_blocks(need))
         return True
 
+    def _allocate_with_hit(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int]) -> bool:
+        assert request_id not in self.block_tables, "a cache hit is only taken on admission"
+        need = self.num_blocks_for(num_tokens) - len(computed_blocks)
+        # A hit block that sits in the free queue leaves it: it is no longer free to allocate.
+        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        if need > self.free_queue.num_free - reclaimed:
+            return False
+        # Take the hit before allocating: allocating could otherwise evict one of its blocks.
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+        table = self.block_tables[request_id] = list(computed_blocks)
+        self.num_cached_blocks[request_id] = len(computed_blocks)
+        if need > 0:
+            table.extend(self.allocate_blocks(need))
+        return True
+
     def free(self, request_id: str) -> None:
-        """Release every block of ``request_id`` (no-op if it holds none)."""
+        """Release every block of ``request_id`` (no-op if it holds none); cached ones stay cached."""
+        self.num_cached_blocks.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             self.free_blocks(table[::-1])
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def block_hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """``request``'s chained hashes of its full blocks within its first ``num_tokens`` tokens.
+
+        Kept on the request (``request.block_hashes``) and only extended: each block is hashed
+        once in the request's life, preemptions included. They depend on ``block_size``, so the
+        scheduler clears them when it moves to a pool of another geometry.
+        """
+        hashes = request.block_hashes
+        bs = self.block_size
+        n = num_tokens // bs
+        if len(hashes) < n:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for i in range(len(hashes), n):
+                extra = extra_keys(request.cache_salt) if i == 0 else b""
+                parent = hash_block(parent, request.tokens_between(i * bs, (i + 1) * bs), extra)
+                hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of ``request`` as ``(block ids, tokens)``; nothing is taken.
+
+        The hit never covers the last token (at most ``num_tokens - 1`` tokens, in whole blocks):
+        the step that computes it samples the next one. A prompt of exactly ``k`` blocks, all
+        cached, therefore recomputes its last block: a cached block is never written again.
+        """
+        limit = request.num_tokens - 1
+        hashes = self.block_hashes(request, limit)
+        out: list[int] = []
+        for h in hashes[: limit // self.block_size]:
+            block = self.cached_blocks.get(h)
+            if block is None:
+                break
+            out.append(block.block_id)
+        return out, len(out) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register ``request``'s blocks that are full of computed tokens (after a step succeeded)."""
+        request_id = request.request_id
+        table = self.block_tables.get(request_id)
+        if not table:
+            return
+        done = self.num_cached_blocks.get(request_id, 0)
+        n = min(request.num_computed_tokens // self.block_size, len(table))
+        if n <= done:
+            return
+        hashes = self.block_hashes(request, n * self.block_size)
+        for i in range(done, n):
+            block = self.blocks[table[i]]
+            if block.block_hash is None and hashes[i] not in self.cached_blocks:
+                block.block_hash = hashes[i]
+                self.cached_blocks[hashes[i]] = block
+        self.num_cached_blocks[request_id] = n
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cache entry (benchmarks start cold with it); blocks in use are untouched."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -156,3 +300,10 @@ class CacheManager:
             assert in_free == (block.ref_cnt == 0), f"block {block.block_id} both free and in use"
         if not self.block_tables:
             assert self.free_queue.num_free == self.total_blocks, "blocks leaked with no live request"
+        # Prefix cache: the map and the blocks' hashes agree, one block per hash.
+        hashed = [b for b in self.blocks if b.block_hash is not None]
+        assert len(hashed) == len(self.cached_blocks), "cache map and block hashes disagree"
+        for block in hashed:
+            assert self.cached_blocks.get(block.block_hash) is block  # type: ignore[arg-type]
+        for request_id, n in self.num_cached_blocks.items():
+            assert n <= len(self.block_tables.get(request_id, ())), f"{request_id}: registered past its table"

@@ -7,27 +7,38 @@ import os
 import socket
 
 from common.config import SchedulerConfig, ServiceDefaults
-from common.service_cli import service_parser, setup_logging, stop_on_sigterm
+from common.service_cli import add_engine_id, add_recovery_flags, service_parser, setup_logging, stop_on_sigterm
 from common.transport import RedisAuthFailed
 from scheduler.service import SchedulerService, SchedulerServiceConfig, logger
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable: 1/true/yes/on or 0/false/no/off (anything else is an error)."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = service_parser("conveyor scheduler", "Run the scheduler service.",
                        "unused (the executor reports the model); accepted for symmetry")
-    p.add_argument("--scheduler-id", default=env("CONVEYOR_SCHEDULER_ID", "0"),
-                   help="pairs this scheduler with the executor of the same id (one engine replica)")
+    add_engine_id(p, "scheduler", "executor")
     p.add_argument("--max-num-seqs", type=int, default=int(env("CONVEYOR_MAX_NUM_SEQS", SchedulerConfig().max_num_seqs)))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(env("CONVEYOR_MAX_NUM_BATCHED_TOKENS", SchedulerConfig().max_num_batched_tokens)))
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=env_flag("CONVEYOR_ENABLE_PREFIX_CACHING", SchedulerConfig().enable_prefix_caching),
+                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     p.add_argument("--result-timeout", type=float, default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
                    help="seconds to wait for one step's result before declaring the executor lost")
-    p.add_argument("--recovery-timeout", type=float,
-                   default=float(env("CONVEYOR_RECOVERY_TIMEOUT", ServiceDefaults.recovery_timeout_s)),
-                   help="seconds to keep requests without an executor before failing them")
-    p.add_argument("--resume-window", type=float, default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)),
-                   help="seconds a stream whose gateway died keeps generating, waiting to be resumed")
+    add_recovery_flags(p, "seconds to keep requests without an executor before failing them",
+                       "seconds a stream whose gateway died keeps generating, waiting to be resumed")
     return p
 
 
@@ -38,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SchedulerServiceConfig(
         redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
         result_timeout_s=args.result_timeout, recovery_timeout_s=args.recovery_timeout,
         resume_window_s=args.resume_window, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
     )

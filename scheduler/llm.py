@@ -53,7 +53,8 @@ class LLM:
     """Generate from a local Hugging Face checkpoint with continuous batching and a paged KV cache.
 
     Options: ``dtype``, ``device``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
-    ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``.
+    ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``,
+    ``enable_prefix_caching`` (default True).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -70,6 +71,10 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, self.executor)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry: the next requests find nothing cached."""
+        self.scheduler.cache.reset_prefix_cache()
 
     @property
     def max_model_len(self) -> int:

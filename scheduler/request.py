@@ -21,7 +21,10 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the scheduler's only
     per-request progress variable (no prefill/decode phases). Preemption resets it to 0 and the
-    request recomputes prompt plus the tokens it has already generated.
+    request recomputes prompt plus the tokens it has already generated (less what the prefix
+    cache still holds). ``cache_salt`` keeps its prefix-cache entries apart from those of
+    requests with another salt (or none); ``block_hashes`` are its full blocks' chained hashes,
+    filled by the `CacheManager`.
     """
 
     request_id: str
@@ -35,6 +38,8 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,14 @@ No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_token
 budget, so a step freely mixes decodes with prefill chunks. When blocks run out, the most
 recently admitted running request is preempted by recompute.
 
+Prefix caching (``SchedulerConfig.enable_prefix_caching``, on by default): a request being
+admitted starts from the longest run of its leading full blocks found in the cache (shared by
+reference count, never the block holding its last token), so it computes only the rest; after
+each successful step the blocks its computed tokens filled are registered. A preempted or
+aborted request's blocks stay cached until they are needed, so recompute after preemption is
+mostly a cache hit. Counters, in tokens, over admissions: ``prefix_cache_queries`` and
+``prefix_cache_hits``.
+
 Faults: `reset_executor` moves every request to a new executor (all running ones preempted and
 recomputed there, so no token is lost or changed). After a step that failed, `isolate` runs the
 step's requests one at a time until each has passed a step alone; the one that fails alone is
@@ -47,6 +55,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        self.prefix_cache_queries = 0  # tokens of admitted requests (each admission counts)
+        self.prefix_cache_hits = 0  # of which found in the prefix cache
         # Requests of a failed step, still to pass one step alone (in order); see `isolate`.
         self.suspects: list[str] = []
         assert cache_manager.block_size == executor.info.block_size
@@ -55,6 +65,8 @@ class Scheduler:
         """Carry on with another executor and KV pool: running requests are preempted (recompute)."""
         self.preempt_all()
         assert cache_manager.block_size == executor.info.block_size
+        for request in self.requests.values():
+            request.block_hashes.clear()  # they depend on the block size, which may change
         self.executor = executor
         self.cache = cache_manager
         self.max_model_len = executor.info.max_model_len
@@ -146,8 +158,8 @@ class Scheduler:
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            n = self._admit_blocks(request, budget)
+            if n is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -156,10 +168,36 @@ class Scheduler:
             budget -= n
         return scheduled
 
+    def _admit_blocks(self, request: Request, budget: int) -> int | None:
+        """Allocate a waiting request's first chunk, after its prefix-cache hit; its size, or None.
+
+        On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
+        assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
+        if self.config.enable_prefix_caching:
+            hit_blocks, hit_tokens = self.cache.get_computed_blocks(request)
+        else:
+            hit_blocks, hit_tokens = [], 0
+        n = min(request.num_tokens - hit_tokens, budget)
+        if not self.cache.allocate_slots(request.request_id, hit_tokens + n, hit_blocks):
+            return None
+        request.num_computed_tokens = hit_tokens
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += hit_tokens
+        return n
+
     def _decide_alone(self, request: Request) -> dict[str, int]:
         """Schedule ``request`` alone; other running requests wait (keeping their blocks)."""
-        n = min(request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens)
-        while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+        budget = self.config.max_num_batched_tokens
+        while True:
+            if request.status is RequestStatus.WAITING:
+                n = self._admit_blocks(request, budget)
+            else:
+                n = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                    n = None
+            if n is not None:
+                break
             victim = next(r for r in reversed(self.running) if r is not request)  # the pool holds one max-length request
             self.running.remove(victim)
             self._preempt(victim)
@@ -208,11 +246,16 @@ class Scheduler:
         """Advance each scheduled request, append sampled tokens and check stop conditions."""
         outputs: list[StepOutput] = []
         finished: list[Request] = []
+        caching = self.config.enable_prefix_caching
+        block_size = self.cache.block_size
         for i, request_id in enumerate(batch.request_ids):
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
                 continue
+            start = request.num_computed_tokens
             request.num_computed_tokens += batch.query_lens[i]
+            if caching and start % block_size + batch.query_lens[i] >= block_size:
+                self.cache.cache_full_blocks(request)  # a block filled up and the step succeeded
             if not batch.sample[i]:
                 continue
             token = result.token_ids[i]

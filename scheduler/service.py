@@ -66,6 +66,7 @@ class SchedulerServiceConfig:
     scheduler_id: str = "0"
     max_num_seqs: int = SchedulerConfig().max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig().max_num_batched_tokens
+    enable_prefix_caching: bool = SchedulerConfig().enable_prefix_caching
     heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
     result_timeout_s: float = ServiceDefaults.result_timeout_s
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
@@ -130,7 +131,8 @@ class SchedulerService:
                     break
                 cache = CacheManager(executor.info.num_blocks, executor.info.block_size)
                 if self.engine is None:
-                    config = SchedulerConfig(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+                    config = SchedulerConfig(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                             enable_prefix_caching=self.config.enable_prefix_caching)
                     self.engine = Scheduler(config, cache, executor)
                 else:
                     self.engine.reset_executor(executor, cache)
@@ -167,6 +169,8 @@ class SchedulerService:
             num_steps=engine.num_steps if engine else 0, num_preemptions=engine.num_preemptions if engine else 0,
             num_dead_letters=self.transport.num_dead_letters, updated_at=time.time(),
             step_wall_s=self.step_wall_s, step_forward_s=self.step_forward_s, step_count=self.step_count,
+            prefix_cache_queries=engine.prefix_cache_queries if engine else 0,
+            prefix_cache_hits=engine.prefix_cache_hits if engine else 0,
         )
 
     def _on_redis_restart(self) -> None:
@@ -381,12 +385,10 @@ class SchedulerService:
         assert self.hello is not None
         try:
             params = SamplingParams(**msg.sampling)
-            params.validate()
             vocab = self.hello.vocab_size
+            params.validate(vocab)
             if any(not 0 <= t < vocab for t in msg.prompt_token_ids + msg.output_token_ids):
                 raise ValueError(f"token ids must be in [0, {vocab})")
-            if any(not 0 <= t < vocab for t in params.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be in [0, {vocab})")
             limit = engine.max_model_len
             if len(msg.prompt_token_ids) + params.max_tokens > limit:
                 raise ValueError(f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "

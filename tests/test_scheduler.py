@@ -274,9 +274,11 @@ def test_isolate_runs_one_suspect_per_step_until_each_passed() -> None:
     assert sched.suspects == ["c", "a", "b"]
     mark = len(ex.batches)
     collect(sched, got, steps=3)
-    # One suspect per step, in the order given, each recomputed from scratch.
-    assert step_plans(ex, mark) == [{"c": len(prompts["c"]) + 2}, {"a": len(prompts["a"]) + 2},
-                                    {"b": len(prompts["b"]) + 2}]
+    # One suspect per step, in the order given, each recomputed but for what the prefix cache
+    # holds: whole blocks (of 4) that earlier, successful steps filled, never the last token.
+    redo = {rid: len(p) + 2 - 4 * ((len(p) + 1) // 4) for rid, p in prompts.items()}
+    assert redo == {"a": 1, "b": 2, "c": 4, "d": 1}
+    assert step_plans(ex, mark) == [{"c": redo["c"]}, {"a": redo["a"]}, {"b": redo["b"]}]
     assert sched.suspects == []
     # Then normal batching again: everyone in one step.
     collect(sched, got, steps=1)

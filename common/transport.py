@@ -168,6 +168,10 @@ class Transport:
         if sends:
             await self.call(run, deadline_s=deadline_s)
 
+    async def trim_through(self, stream: str, entry_id: bytes | str) -> None:
+        """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""
+        await self.call(self.redis.xtrim, stream, minid=entry_id, approximate=False)
+
     async def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""
         try:
@@ -296,20 +300,24 @@ class SyncTransport:
         block_ms: int | None = None,
         expected: tuple[type, ...] | None = None,
         deadline_s: float | None = None,
+        trim: dict[str, bytes | str] | None = None,
     ) -> list[tuple[str, bytes, Any]]:
-        """XADD every message, then XREAD ``cursors``: one pipelined round trip.
+        """XADD every message, trim ``trim`` streams before their ids, then XREAD ``cursors``: one
+        pipelined round trip.
 
         A transient error retries the whole exchange, so a message may be appended twice; every
         reader tolerates that (steps and results carry a step number, outputs a token index).
         """
         def run() -> Any:
             pipe = _pipeline(self.redis, sends)
+            for stream, entry_id in (trim or {}).items():  # what a single reader has taken (see `trim_through`)
+                pipe.xtrim(stream, minid=entry_id, approximate=False)
             if cursors:
                 pipe.xread(dict(cursors), count=count, block=block_ms)
             return pipe.execute()
 
         assert block_ms is None or block_ms <= MAX_BLOCK_MS
-        if not sends and not cursors:
+        if not sends and not cursors and not trim:
             return []
         replies = self.call(run, deadline_s=deadline_s)
         return self._collect(replies[-1], cursors, expected) if cursors else []

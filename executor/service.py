@@ -163,7 +163,9 @@ class ExecutorService:
                     self.info.block_size, self.config.scheduler_id)
         try:
             while not self.stopping.is_set():
-                got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta))
+                # Steps already read are trimmed in the same round trip (this is the stream's only reader).
+                got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta),
+                                 trim={steps: cursors[steps]})
                 sends = []
                 if not got:
                     # Idle: re-announce every few seconds, so a scheduler that (re)started finds this

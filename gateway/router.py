@@ -115,6 +115,7 @@ class EngineClient:
         self.settle_until = 0.0
         self.num_migrations = 0
         self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
+        self._outputs_cursors: dict[str, bytes | str] = {}
         self._abort_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat: Heartbeat | None = None
@@ -303,6 +304,7 @@ class EngineClient:
 
     async def _read_outputs(self) -> None:
         cursors: dict[str, bytes | str] = {self.outputs_stream: await self.transport.last_id(self.outputs_stream)}
+        self._outputs_cursors = cursors  # `_watch` trims what was read
         while True:
             try:
                 for _, _, msg in await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,)):
@@ -404,6 +406,9 @@ class EngineClient:
         while True:
             try:
                 await self._refresh()
+                read = self._outputs_cursors.get(self.outputs_stream)
+                if read is not None:  # this gateway is the stream's only reader
+                    await self.transport.trim_through(self.outputs_stream, read)
                 for handle in list(self.requests.values()):
                     if handle.done:
                         continue

@@ -198,7 +198,9 @@ class StreamExecutor:
         block_ms = int(self.liveness_check_s * 1000)
         start = last_check = time.monotonic()
         try:
-            got = self.transport.exchange(sends, cursors, count=64, block_ms=block_ms)
+            # Results already read are trimmed in the same round trip: the stream stays a few entries long.
+            got = self.transport.exchange(sends, cursors, count=64, block_ms=block_ms,
+                                          trim={self._results_stream: self.results_cursor})
             while True:
                 for _, _, msg in got:
                     if isinstance(msg, StepResult) and msg.epoch == self.epoch and msg.step == step:

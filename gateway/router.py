@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,9 +196,10 @@ class EngineClient:
 
     def pick_engine(self) -> EngineStatus | None:
         """The live engine with the least load; with an executor bound if any has one."""
-        def key(status: EngineStatus) -> tuple[bool, int, int]:
+        def key(status: EngineStatus) -> tuple[bool, int, int, float]:
             load = status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
-            return (not status.executor_id, load, -status.num_free_blocks)
+            # Ties broken at random: gateways that see the same loads must not all pick the same engine.
+            return (not status.executor_id, load, -status.num_free_blocks, random.random())
 
         return min(self.engines.values(), key=key, default=None)
 
@@ -220,8 +222,9 @@ class EngineClient:
             route = Route(handle.engine_request_id, engine.scheduler_id)
             sends.append(Outgoing(self.names.journal(handle.journal_id), encode(route), None, self.journal_ttl_ms))
         sends.append(Outgoing(self.names.requests(engine.scheduler_id), encode(msg)))
-        await self.transport.send_many(sends, deadline_s=5)
+        # Counted before the await: requests routed concurrently must see each other's choice.
         self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
+        await self.transport.send_many(sends, deadline_s=5)
         return True
 
     async def _migrate(self, handle: RequestHandle, why: str) -> None:

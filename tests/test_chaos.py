@@ -81,7 +81,8 @@ async def _stream(urls: list[str], i: int, progress: list[int]) -> StreamResult:
                             result.text += payload["choices"][0]["text"]
                             result.events += 1
                             now = time.monotonic()
-                            result.max_gap_s = max(result.max_gap_s, now - last_time)
+                            if result.events > 1:  # a pause between events, not the time to the first
+                                result.max_gap_s = max(result.max_gap_s, now - last_time)
                             last_time = now
                             last_event = event_id
                             progress[0] += 1
@@ -162,6 +163,12 @@ def _check(stack: Stack, results: list[StreamResult], reference: list[str], faul
             time.sleep(0.2)
 
 
+def _busiest_engine(stack: Stack) -> str:
+    """The engine with the most requests running now: the fault must hit requests in flight."""
+    engines = stack.engines()
+    return max(engines, key=lambda sid: (engines[sid].num_running + engines[sid].num_waiting, sid))
+
+
 def _kill(stack: Stack, name: str) -> None:
     proc = stack.procs[name]
     proc.send_signal(signal.SIGKILL)
@@ -170,18 +177,24 @@ def _kill(stack: Stack, name: str) -> None:
 
 def test_executor_killed_and_restarted(stack: Stack, reference: list[str]) -> None:
     def fault() -> None:
-        _kill(stack, "executor0")
-        stack.spawn_executor(0)
+        engine = _busiest_engine(stack)
+        _kill(stack, f"executor{engine}")
+        stack.spawn_executor(int(engine))
 
-    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference, "executor kill -9 + restart")
+    results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
+    _check(stack, results, reference, "executor kill -9 + restart")
+    assert max(r.max_gap_s for r in results) > 1.0, "no stream paused: the fault missed every request"
 
 
 def test_scheduler_killed_requests_migrate(stack: Stack, reference: list[str]) -> None:
     def fault() -> None:
-        _kill(stack, "scheduler0")
-        stack.spawn_scheduler(0)
+        engine = _busiest_engine(stack)
+        _kill(stack, f"scheduler{engine}")
+        stack.spawn_scheduler(int(engine))
 
-    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference, "scheduler kill -9 (1 of 2 engines)")
+    results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
+    _check(stack, results, reference, "scheduler kill -9 (1 of 2 engines)")
+    assert max(r.max_gap_s for r in results) > 1.0, "no stream paused: the fault missed every request"
 
 
 def test_gateway_killed_streams_resume_elsewhere(stack: Stack, reference: list[str]) -> None:
@@ -219,9 +232,11 @@ def test_redis_restarted(stack: Stack, reference: list[str]) -> None:
 
 def test_executor_frozen_for_10s(stack: Stack, reference: list[str]) -> None:
     def fault() -> None:
-        proc = stack.procs["executor1"]
+        proc = stack.procs[f"executor{_busiest_engine(stack)}"]
         proc.send_signal(signal.SIGSTOP)
         time.sleep(10)
         proc.send_signal(signal.SIGCONT)
 
-    _check(stack, run_load(stack, fault, after_events=NUM_STREAMS * 4), reference, "executor SIGSTOP 10 s")
+    results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
+    _check(stack, results, reference, "executor SIGSTOP 10 s")
+    assert max(r.max_gap_s for r in results) > 5.0, "no stream paused: the fault missed every request"

@@ -138,6 +138,16 @@ async def test_pick_engine_load_and_free_blocks() -> None:
     assert client2.pick_engine().scheduler_id == "y"
 
 
+@async_test
+async def test_concurrent_submissions_spread_over_engines() -> None:
+    """Requests routed at the same moment see each other's choice (a burst does not pile up)."""
+    client = make_client()
+    await publish(client, engine("a"), engine("b"))
+    handles = await asyncio.gather(*(client.submit(f"r{i}", [1], SAMPLING) for i in range(10)))
+    chosen = [h.scheduler_id for h in handles]
+    assert chosen.count("a") == chosen.count("b") == 5
+
+
 # -- dispatching outputs -------------------------------------------------------------------------------
 @async_test
 async def test_dispatch_drops_duplicate_token_indices() -> None:

@@ -2,7 +2,42 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+# Limits of the integer options: the engine stores token counts and block ids as int32.
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _check_int(name: str, value: object, lo: int = 1, hi: int = _INT32_MAX, optional: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int in ``[lo, hi]`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{none}, got {value!r}")
+
+
+def _device_type(device: str) -> str:
+    """``cpu`` or ``cuda`` for a device option (``auto``: CUDA when present); ValueError if neither."""
+    import torch  # only here: the config module is imported by services that do not need torch
+
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a string (auto, cpu, cuda or cuda:N), got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine (use device='cpu')")
+    return kind
 
 
 @dataclass(slots=True)
@@ -19,6 +54,29 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | torch | triton ("auto": triton on CUDA, torch on CPU)
     seed: int = 0
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option, before anything is loaded.
+
+        The Triton backend on CPU runs only under Triton's interpreter, which must be chosen
+        before any kernel is defined: it is refused unless ``TRITON_INTERPRET=1`` is set.
+        """
+        if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
+            raise ValueError(f"model must be a non-empty path to a Hugging Face directory, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        _check_int("max_model_len", self.max_model_len, optional=True)
+        _check_int("seed", self.seed, _INT64_MIN, _INT64_MAX)
+        device = _device_type(self.device)
+        if self.attention_backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on CPU needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                "environment (slow, for tests), or use attention_backend='torch' (or 'auto') on CPU"
+            )
+
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -29,12 +87,27 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # force a pool size (tests); overrides the budget
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option."""
+        _check_int("block_size", self.block_size)
+        _check_int("kv_cache_memory", self.kv_cache_memory, hi=_INT64_MAX, optional=True)
+        _check_int("num_blocks", self.num_blocks, optional=True)
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+
 
 @dataclass(slots=True)
 class ParallelConfig:
     """Parallelism of one executor. Only a single device is implemented today."""
 
     tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless this is the one supported layout (a single device)."""
+        _check_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size > 1 is not supported, got {self.tensor_parallel_size}")
 
 
 @dataclass(slots=True)
@@ -49,6 +122,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option (a zero limit would never schedule)."""
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_int("max_num_seqs", self.max_num_seqs)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(slots=True)

@@ -9,6 +9,12 @@ from typing import Any
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+# Temperatures below this sample greedily. Dividing logits by a tinier temperature overflows
+# (1e-40 turned every logit into +-inf, softmax into NaN, and the draw into token 0), and the
+# distribution is one-hot long before that anyway: a logit gap of 1e-3 at temperature 1e-5 is
+# already e^-100.
+GREEDY_TEMPERATURE = 1e-5
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -27,7 +33,8 @@ def _preview(values: list[Any]) -> str:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    A ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5; 0 included) means greedy, as does
+    ``top_k == 1``. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``logprobs`` is how many top logprobs to return per generated token (None: none at all).
     """
 
@@ -82,4 +89,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Pick the argmax: a temperature below `GREEDY_TEMPERATURE`, or ``top_k == 1``."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

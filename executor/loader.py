@@ -37,39 +37,113 @@ def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# Tensors a Hugging Face checkpoint may carry that the model deliberately does not read: older
+# transformers saved each layer's rotary ``inv_freq`` buffer, which the engine recomputes from
+# the config (`executor.model.rope_inv_freq`), as transformers itself does on load.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def expected_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the model reads, by Hugging Face name, with its shape.
+
+    Biases appear exactly when the config asks for them (see `HFModelConfig`); ``lm_head.weight``
+    only when the embeddings are not tied.
+    """
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.q_size, cfg.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        shapes.update({
+            a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+            a + "o_proj.weight": (h, q),
+            m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h), m + "down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+        if cfg.attention_bias:
+            shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+        if cfg.o_bias:
+            shapes[a + "o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+        if cfg.mlp_bias:
+            shapes.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (h,)})
+    return shapes
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(n) for n in sorted(names)[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_checkpoint(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless ``sd`` holds exactly the tensors the model reads, in their shapes.
+
+    A tensor the model would not use is an error, not ignored: it means the model code does not
+    match the checkpoint (a bias the architecture's config did not announce, an unknown module),
+    and silently dropping it gives wrong outputs. Two kinds are accepted on purpose: rotary
+    ``inv_freq`` buffers (`IGNORED_SUFFIXES`), and with tied embeddings an ``lm_head.weight`` that
+    is an exact copy of the embedding (a different one contradicts ``tie_word_embeddings``).
+    """
+    want = expected_shapes(cfg)
+    missing = [n for n in want if n not in sd]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor(s) the {cfg.architecture} config needs: {_names(missing)}")
+    unused = [n for n in sd if n not in want and not n.endswith(IGNORED_SUFFIXES)]
+    if cfg.tie_word_embeddings and "lm_head.weight" in unused:
+        head, embed = sd["lm_head.weight"], sd["model.embed_tokens.weight"]
+        if head.shape != embed.shape or not torch.equal(head, embed.to(head.dtype)):
+            raise ValueError(
+                "checkpoint has an lm_head.weight that differs from model.embed_tokens.weight, but its "
+                "config sets tie_word_embeddings=true (the output head is the embedding)"
+            )
+        unused.remove("lm_head.weight")
+    if unused:
+        raise ValueError(
+            f"checkpoint has tensor(s) the {cfg.architecture} model does not use: {_names(unused)} "
+            "(a config flag such as attention_bias/mlp_bias that does not match the weights, or an "
+            "unsupported module); refusing to load rather than silently dropping them"
+        )
+    wrong = [f"{n}: {tuple(sd[n].shape)}, expected {shape}" for n, shape in want.items() if tuple(sd[n].shape) != shape]
+    if wrong:
+        raise ValueError(f"checkpoint tensor(s) with the wrong shape for the config: {'; '.join(wrong[:8])}")
+
+
 def fuse_weights(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename to engine names and concatenate q/k/v and gate/up so each is one matmul.
 
-    Result keys: ``embed``, ``norm``, ``lm_head``, and per layer ``layers.{i}.{qkv, qkv_bias?,
-    o, gate_up, down, in_norm, post_norm, q_norm?, k_norm?}``.
+    ``sd`` is checked first (`check_checkpoint`). Result keys: ``embed``, ``norm``, ``lm_head``,
+    and per layer ``layers.{i}.{qkv, qkv_bias?, o, o_bias?, gate_up, gate_up_bias?, down,
+    down_bias?, in_norm, post_norm, q_norm?, k_norm?}``.
     """
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise KeyError(f"checkpoint is missing tensor {name!r}")
-        return sd[name]
-
-    out: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if cfg.tie_word_embeddings or "lm_head.weight" not in sd:
-        out["lm_head"] = out["embed"]
-    else:
-        out["lm_head"] = sd["lm_head.weight"]
+    check_checkpoint(cfg, sd)
+    out: dict[str, torch.Tensor] = {"embed": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"]}
+    out["lm_head"] = out["embed"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
     for i in range(cfg.num_layers):
         p, e = f"model.layers.{i}.", f"layers.{i}."
-        a = p + "self_attn."
-        out[e + "qkv"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
-        if a + "q_proj.bias" in sd:
-            out[e + "qkv_bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
-        out[e + "o"] = take(a + "o_proj.weight")
-        if a + "o_proj.bias" in sd:
+        a, m = p + "self_attn.", p + "mlp."
+        out[e + "qkv"] = torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"])
+        if cfg.attention_bias:
+            out[e + "qkv_bias"] = torch.cat([sd[a + f"{x}_proj.bias"] for x in "qkv"])
+        out[e + "o"] = sd[a + "o_proj.weight"]
+        if cfg.o_bias:
             out[e + "o_bias"] = sd[a + "o_proj.bias"]
         if cfg.qk_norm:
-            out[e + "q_norm"] = take(a + "q_norm.weight")
-            out[e + "k_norm"] = take(a + "k_norm.weight")
-        out[e + "gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        out[e + "down"] = take(p + "mlp.down_proj.weight")
-        out[e + "in_norm"] = take(p + "input_layernorm.weight")
-        out[e + "post_norm"] = take(p + "post_attention_layernorm.weight")
+            out[e + "q_norm"] = sd[a + "q_norm.weight"]
+            out[e + "k_norm"] = sd[a + "k_norm.weight"]
+        out[e + "gate_up"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+        out[e + "down"] = sd[m + "down_proj.weight"]
+        if cfg.mlp_bias:
+            out[e + "gate_up_bias"] = torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]])
+            out[e + "down_bias"] = sd[m + "down_proj.bias"]
+        out[e + "in_norm"] = sd[p + "input_layernorm.weight"]
+        out[e + "post_norm"] = sd[p + "post_attention_layernorm.weight"]
     return out
 
 

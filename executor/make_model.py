@@ -123,8 +123,18 @@ def write_tokenizer(out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
     return {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
 
 
-def build_config(arch: str, size: str, vocab_size: int, ids: dict[str, int]) -> dict:
-    """The ``config.json`` contents for ``arch``/``size``."""
+def build_config(
+    arch: str, size: str, vocab_size: int, ids: dict[str, int], mlp_bias: bool = False, attention_bias: bool = False
+) -> dict:
+    """The ``config.json`` contents for ``arch``/``size``.
+
+    ``mlp_bias`` (Llama only) and ``attention_bias`` (Llama and Qwen3: q/k/v/o biases) add the
+    biases transformers builds for those flags; Qwen2 always has q/k/v biases.
+    """
+    if mlp_bias and arch != "llama":
+        raise ValueError(f"mlp_bias is a Llama option; {arch} has no MLP biases")
+    if attention_bias and arch not in ("llama", "qwen3"):
+        raise ValueError(f"attention_bias is a Llama/Qwen3 option, not {arch}'s")
     g = GEOMETRY[size]
     model_type, cls = {
         "llama": ("llama", "LlamaForCausalLM"),
@@ -149,7 +159,7 @@ def build_config(arch: str, size: str, vocab_size: int, ids: dict[str, int]) -> 
         "rope_theta": 10000.0 if size == "tiny" else 500000.0,
         "rope_scaling": None,
         "tie_word_embeddings": arch == "qwen2",
-        "attention_bias": False,
+        "attention_bias": attention_bias,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -168,7 +178,7 @@ def build_config(arch: str, size: str, vocab_size: int, ids: dict[str, int]) -> 
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": g["max_pos"] // 8,
         }
-        cfg["mlp_bias"] = False
+        cfg["mlp_bias"] = mlp_bias
     elif arch == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=g["layers"])
     elif arch == "qwen3":
@@ -184,6 +194,7 @@ def init_weights(cfg: dict, seed: int, special_ids: list[int]) -> dict[str, torc
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    attn_bias, mlp_bias = bool(cfg.get("attention_bias")), bool(cfg.get("mlp_bias"))
 
     def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * std
@@ -209,16 +220,22 @@ def init_weights(cfg: dict, seed: int, special_ids: list[int]) -> dict[str, torc
         w[p + "self_attn.k_proj.weight"] = linear(hkv * d, hidden)
         w[p + "self_attn.v_proj.weight"] = linear(hkv * d, hidden)
         w[p + "self_attn.o_proj.weight"] = linear(hidden, hq * d, OUT_GAIN)
-        if qwen2:
+        if qwen2 or attn_bias:
             w[p + "self_attn.q_proj.bias"] = normal((hq * d,), 0.1)
             w[p + "self_attn.k_proj.bias"] = normal((hkv * d,), 0.1)
             w[p + "self_attn.v_proj.bias"] = normal((hkv * d,), 0.1)
+        if attn_bias:  # Llama/Qwen3: o_proj too (Qwen2 never has one)
+            w[p + "self_attn.o_proj.bias"] = normal((hidden,), 0.1)
         if qwen3:
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
         w[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         w[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         w[p + "mlp.down_proj.weight"] = linear(hidden, inter, OUT_GAIN)
+        if mlp_bias:
+            w[p + "mlp.gate_proj.bias"] = normal((inter,), 0.1)
+            w[p + "mlp.up_proj.bias"] = normal((inter,), 0.1)
+            w[p + "mlp.down_proj.bias"] = normal((hidden,), 0.1)
     # Random signs on the final norm: with tied embeddings the residual stream still holds the
     # current token's embedding E_t, and h.E_t ~ |E_t|^2 would make the model repeat its input.
     signs = torch.randint(0, 2, (hidden,), generator=gen) * 2.0 - 1.0
@@ -256,8 +273,19 @@ def save_weights(weights: dict[str, torch.Tensor], out: Path, shards: int) -> No
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def make_model(arch: str, size: str = "tiny", seed: int = 0, out: str | Path | None = None, shards: int = 1) -> Path:
-    """Write a random ``arch``/``size`` checkpoint into ``out`` (a new temp dir if None)."""
+def make_model(
+    arch: str,
+    size: str = "tiny",
+    seed: int = 0,
+    out: str | Path | None = None,
+    shards: int = 1,
+    mlp_bias: bool = False,
+    attention_bias: bool = False,
+) -> Path:
+    """Write a random ``arch``/``size`` checkpoint into ``out`` (a new temp dir if None).
+
+    ``mlp_bias``/``attention_bias``: see `build_config` (off by default, as in real checkpoints).
+    """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if size not in SIZES:
@@ -269,7 +297,7 @@ def make_model(arch: str, size: str = "tiny", seed: int = 0, out: str | Path | N
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_str(train_tokenizer_json(g["vocab"])).get_vocab_size()
-    cfg = build_config(arch, size, vocab_size, ids)
+    cfg = build_config(arch, size, vocab_size, ids, mlp_bias=mlp_bias, attention_bias=attention_bias)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen_cfg = {
         "bos_token_id": ids[BOS],
@@ -311,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--mlp-bias", action="store_true", help="biases on gate/up/down (llama)")
+    ap.add_argument("--attention-bias", action="store_true", help="biases on q/k/v/o (llama, qwen3)")
     args = ap.parse_args(argv)
-    out = make_model(args.arch, args.size, args.seed, args.out, args.shards)
+    out = make_model(args.arch, args.size, args.seed, args.out, args.shards, args.mlp_bias, args.attention_bias)
     cfg = json.loads((out / "config.json").read_text())
     n = sum(
         math.prod(info["shape"])

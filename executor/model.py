@@ -117,24 +117,36 @@ class LlamaModel:
     def __init__(self, cfg: HFModelConfig, weights: dict[str, torch.Tensor], ops: Ops, max_pos: int) -> None:
         self.cfg = cfg
         self.ops = ops
-        self.embed = weights["embed"]
-        self.norm = weights["norm"]
-        self.lm_head = Linear(weights["lm_head"])
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            used.add(name)
+            return weights[name]
+
+        def opt(name: str) -> torch.Tensor | None:
+            return take(name) if name in weights else None
+
+        self.embed = take("embed")
+        self.norm = take("norm")
+        self.lm_head = Linear(take("lm_head"))
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.layers = [
-            _Layer(
-                qkv=Linear(weights[f"layers.{i}.qkv"], weights.get(f"layers.{i}.qkv_bias")),
-                o=Linear(weights[f"layers.{i}.o"], weights.get(f"layers.{i}.o_bias")),
-                gate_up=Linear(weights[f"layers.{i}.gate_up"]),
-                down=Linear(weights[f"layers.{i}.down"]),
-                in_norm=weights[f"layers.{i}.in_norm"],
-                post_norm=weights[f"layers.{i}.post_norm"],
-                q_norm=weights.get(f"layers.{i}.q_norm"),
-                k_norm=weights.get(f"layers.{i}.k_norm"),
-            )
-            for i in range(cfg.num_layers)
-        ]
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            e = f"layers.{i}."
+            self.layers.append(_Layer(
+                qkv=Linear(take(e + "qkv"), opt(e + "qkv_bias")),
+                o=Linear(take(e + "o"), opt(e + "o_bias")),
+                gate_up=Linear(take(e + "gate_up"), opt(e + "gate_up_bias")),
+                down=Linear(take(e + "down"), opt(e + "down_bias")),
+                in_norm=take(e + "in_norm"),
+                post_norm=take(e + "post_norm"),
+                q_norm=opt(e + "q_norm"),
+                k_norm=opt(e + "k_norm"),
+            ))
+        if unused := sorted(set(weights) - used):
+            # `executor.loader.check_checkpoint` refuses these first; this guards other callers.
+            raise ValueError(f"weights the model does not use: {unused}")
         self.cos_sin_cache = rope_cache(cfg, max_pos, self.device)
         self.scale = cfg.head_dim**-0.5
 

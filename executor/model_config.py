@@ -16,6 +16,11 @@ class HFModelConfig:
 
     ``rope_scaling`` is None or a dict with ``rope_type`` (``default`` or ``llama3``) and its
     parameters. ``qk_norm`` (Qwen3) is a per-head RMSNorm of q and k before RoPE.
+
+    Biases, as transformers builds each architecture: ``attention_bias`` on q/k/v (Qwen2 always;
+    Llama and Qwen3 when their ``attention_bias`` says so), ``o_bias`` on o_proj (Llama and Qwen3
+    with ``attention_bias``; never Qwen2), ``mlp_bias`` on gate/up/down (Llama's ``mlp_bias``).
+    Mistral has none, whatever its config says.
     """
 
     architecture: str
@@ -35,6 +40,8 @@ class HFModelConfig:
     qk_norm: bool
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     @property
     def q_size(self) -> int:
@@ -91,6 +98,11 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
     if window is not None and (arch in ("MistralForCausalLM", "LlamaForCausalLM") or cfg.get("use_sliding_window")):
         if int(window) < int(cfg.get("max_position_embeddings", 0)):
             raise ValueError(f"sliding_window={window} is not supported")
+    # Which projections carry biases follows each transformers model class (see HFModelConfig).
+    attn_bias_flag = bool(cfg.get("attention_bias", False))
+    qkv_bias = arch == "Qwen2ForCausalLM" or (arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attn_bias_flag)
+    o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attn_bias_flag
+    mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
     gen = generation_config or {}
     eos = _as_id_list(gen.get("eos_token_id")) or _as_id_list(cfg.get("eos_token_id"))
     bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
@@ -108,11 +120,12 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         rope_scaling=scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias says so.
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        attention_bias=qkv_bias,
         qk_norm=arch == "Qwen3ForCausalLM",
         eos_token_ids=eos,
         bos_token_id=None if bos is None else int(bos),
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
     )
 
 

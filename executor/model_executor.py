@@ -51,8 +51,10 @@ class ModelExecutor:
         self, model_config: ModelConfig, parallel_config: ParallelConfig, cache_config: CacheConfig | None = None
     ) -> None:
         cache_config = cache_config or CacheConfig()
-        if parallel_config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported")
+        # Every option up front, with a clear ValueError, before a byte of the model is read.
+        model_config.validate()
+        parallel_config.validate()
+        cache_config.validate()
         self.model_config = model_config
         self.cache_config = cache_config
         model_dir = Path(model_config.model)

@@ -38,11 +38,17 @@ class Ops:
 
 
 def get_ops(backend: str) -> Ops:
-    """Return the ops of ``backend`` (``torch`` or ``triton``)."""
+    """Ops of ``backend`` (``torch`` or ``triton``) for one executor.
+
+    Call it once per executor (or model) and keep the result: the torch ops carry that executor's
+    per-step memos and buffers (`executor.ops_torch.TorchOpsState`), a new set on every call, so
+    no two executors share state. The Triton ops keep none (one shared, immutable set).
+    The backend modules are imported here, not at the top: `executor.kernels` imports this module.
+    """
     if backend == "torch":
         from executor import ops_torch
 
-        return ops_torch.OPS
+        return ops_torch.make_ops()
     if backend == "triton":
         from executor.kernels import OPS
 

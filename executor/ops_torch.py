@@ -8,6 +8,11 @@ Speed on a small CPU comes from doing per-step work once and batching everything
   stays small. Each group gathers its K/V blocks with one ``index_select`` and runs one
   ``scaled_dot_product_attention`` with GQA, masked by sequence length and causal offset.
 - `write_kv` is one ``index_copy_`` per cache; `rotary` indexes a precomputed cos/sin table.
+
+That per-step work (the plan, the kept slots, the step's cos/sin rows) is memoised, and the K/V
+gather buffers are reused, in a `TorchOpsState`: one per executor (`make_ops`), never module
+state, so two engines in one process (even on two threads) share nothing. The module-level
+`paged_attention`, `write_kv` and `rotary` are the same ops without memos (references, tests).
 """
 
 from __future__ import annotations
@@ -47,12 +52,6 @@ class _Group:
 class _Plan:
     groups: list[_Group]
     identity: bool  # a single group whose padded rows are exactly the token rows
-
-
-# One-entry memo: the metadata object of the current step and its plan. Holding the object (not
-# its id) makes a stale hit impossible.
-_memo_meta: AttentionMetadata | None = None
-_memo_plan: _Plan | None = None
 
 
 def _make_group(
@@ -141,45 +140,42 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
     return _Plan(groups, identity)
 
 
-def _plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-    global _memo_meta, _memo_plan
-    if _memo_meta is not meta or _memo_plan is None:
-        _memo_plan = _build_plan(meta, block_size, device)
-        _memo_meta = meta
-    return _memo_plan
-
-
-# Reused gather buffers for K and V: a fresh multi-MB tensor per layer costs page faults on CPU.
-_workspace: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
-
-
-def _gather(cache: torch.Tensor, index: torch.Tensor, which: str) -> torch.Tensor:
-    """``cache.index_select(0, index)`` into a persistent buffer."""
+def _gather_into(workspace: dict, cache: torch.Tensor, index: torch.Tensor, which: str) -> torch.Tensor:
+    """``cache.index_select(0, index)`` into a persistent buffer of ``workspace``."""
     shape = (index.numel(), *cache.shape[1:])
     numel = index.numel() * cache[0].numel()
     # Inference-mode tensors cannot be written outside inference mode (and vice versa is slow).
     key = (which, cache.device, cache.dtype, torch.is_inference_mode_enabled())
-    buf = _workspace.get(key)
+    buf = workspace.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1 << 20), dtype=cache.dtype, device=cache.device)
-        _workspace[key] = buf
+        workspace[key] = buf
     out = buf[:numel].view(shape)
     torch.index_select(cache, 0, index, out=out)
     return out
 
 
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _Plan,
+    scale: float,
+    workspace: dict | None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached K/V (see `executor.ops`)."""
+    """Run ``plan``'s padded SDPA calls; K/V are gathered into ``workspace`` (fresh when None)."""
     num_tokens, hq, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    plan = _plan_for(meta, block_size, q.device)
+    hkv = k_cache.shape[2]
     out = None if plan.identity else q.new_empty(num_tokens, hq, d)
     for g in plan.groups:
         # [num_seqs * nblocks, block_size, hkv, d] -> [num_seqs, kv_len, hkv, d] -> heads first.
-        keys = _gather(k_cache, g.block_index, "k").view(g.num_seqs, -1, hkv, d)[:, : g.kv_len]
-        vals = _gather(v_cache, g.block_index, "v").view(g.num_seqs, -1, hkv, d)[:, : g.kv_len]
+        if workspace is None:
+            k_rows, v_rows = k_cache.index_select(0, g.block_index), v_cache.index_select(0, g.block_index)
+        else:
+            k_rows = _gather_into(workspace, k_cache, g.block_index, "k")
+            v_rows = _gather_into(workspace, v_cache, g.block_index, "v")
+        keys = k_rows.view(g.num_seqs, -1, hkv, d)[:, : g.kv_len]
+        vals = v_rows.view(g.num_seqs, -1, hkv, d)[:, : g.kv_len]
         if g.q_index is None:
             qg = q[g.row_start : g.row_start + g.num_seqs]
         else:
@@ -207,26 +203,106 @@ def paged_attention(
     return out
 
 
-# Memo of the last slot_mapping seen (the same tensor is passed by every layer of a step).
-_memo_slots: tuple[torch.Tensor, torch.Tensor | None] | None = None
+def _kept_slots(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the slots >= 0, or None when all are (the common case: nothing to drop)."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        return torch.nonzero(slot_mapping >= 0).flatten()
+    return None
+
+
+def _write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, keep: torch.Tensor | None,
+) -> None:
+    slots = slot_mapping
+    if keep is not None:
+        slots, key, value = slot_mapping.index_select(0, keep), key.index_select(0, keep), value.index_select(0, keep)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    half = cos.shape[-1]
+    for x in (q, k):
+        x1, x2 = x[..., :half], x[..., half : 2 * half]
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        x1.copy_(r1)
+        x2.copy_(r2)
+
+
+class TorchOpsState:
+    """The torch ops of one executor, with their per-step memos and reusable buffers.
+
+    Every layer of a step passes the same `AttentionMetadata`, ``slot_mapping``, ``positions``
+    and cos/sin table objects, so the work derived from them (attention plan, kept slots, cos/sin
+    rows) is done by the first layer and reused. Each memo holds its key objects (not their ids),
+    so a stale hit is impossible. The K/V gather buffers persist across steps: a fresh multi-MB
+    tensor per layer costs page faults on CPU. Not thread-safe by itself: an executor runs one
+    step at a time, and each executor has its own state.
+    """
+
+    __slots__ = ("_plan_key", "_plan", "_workspace", "_slots_key", "_keep", "_rope_key", "_cos", "_sin")
+
+    def __init__(self) -> None:
+        self._plan_key: AttentionMetadata | None = None
+        self._plan: _Plan | None = None
+        self._workspace: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
+        self._slots_key: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+        self._rope_key: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """`paged_attention`, with the step's plan built once and gathers into reused buffers."""
+        if self._plan_key is not meta or self._plan is None:
+            self._plan = _build_plan(meta, k_cache.shape[1], q.device)
+            self._plan_key = meta
+        return _attend(q, k_cache, v_cache, self._plan, scale, self._workspace)
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """`write_kv`, with the step's kept slots found once."""
+        if self._slots_key is not slot_mapping:
+            self._keep = _kept_slots(slot_mapping)
+            self._slots_key = slot_mapping
+        _write_kv(key, value, k_cache, v_cache, slot_mapping, self._keep)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+        """`rotary`, with the step's cos/sin rows gathered once."""
+        key = self._rope_key
+        if key is None or key[0] is not positions or key[1] is not cos_sin_cache:
+            self._cos, self._sin = _cos_sin(positions, cos_sin_cache)
+            self._rope_key = (positions, cos_sin_cache)
+        assert self._cos is not None and self._sin is not None
+        _rotate(q, k, self._cos, self._sin)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached K/V (see `executor.ops`).
+
+    Stateless: plans the batch on every call (`TorchOpsState.paged_attention` memoises it).
+    """
+    return _attend(q, k_cache, v_cache, _build_plan(meta, k_cache.shape[1], q.device), scale, None)
 
 
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping`` (skip < 0)."""
-    global _memo_slots
-    if _memo_slots is None or _memo_slots[0] is not slot_mapping:
-        keep = None
-        if slot_mapping.numel() and bool((slot_mapping < 0).any()):
-            keep = torch.nonzero(slot_mapping >= 0).flatten()
-        _memo_slots = (slot_mapping, keep)
-    keep = _memo_slots[1]
-    slots = slot_mapping
-    if keep is not None:
-        slots, key, value = slot_mapping.index_select(0, keep), key.index_select(0, keep), value.index_select(0, keep)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    _write_kv(key, value, k_cache, v_cache, slot_mapping, _kept_slots(slot_mapping))
 
 
 def rms_norm(
@@ -241,23 +317,9 @@ def rms_norm(
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight, x
 
 
-_memo_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Neox-style rotary embedding of q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""
-    global _memo_rope
-    if _memo_rope is None or _memo_rope[0] is not positions or _memo_rope[1] is not cos_sin_cache:
-        cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        _memo_rope = (positions, cos_sin_cache, cos, sin)
-    cos, sin = _memo_rope[2], _memo_rope[3]
-    half = cos.shape[-1]
-    for x in (q, k):
-        x1, x2 = x[..., :half], x[..., half : 2 * half]
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
-        x1.copy_(r1)
-        x2.copy_(r2)
+    _rotate(q, k, *_cos_sin(positions, cos_sin_cache))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -267,11 +329,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.mul_(x[..., inter:])
 
 
-OPS = Ops(
-    name="torch",
-    write_kv=write_kv,
-    paged_attention=paged_attention,
-    rms_norm=rms_norm,
-    rotary=rotary,
-    silu_and_mul=silu_and_mul,
-)
+def make_ops() -> Ops:
+    """A new set of torch ops with its own `TorchOpsState` (one per executor)."""
+    state = TorchOpsState()
+    return Ops(
+        name="torch",
+        write_kv=state.write_kv,
+        paged_attention=state.paged_attention,
+        rms_norm=rms_norm,
+        rotary=state.rotary,
+        silu_and_mul=silu_and_mul,
+    )

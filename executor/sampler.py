@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Filters apply in the order temperature -> top-k -> top-p -> min-p on each row; the choice is an
-exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)``, which draws exactly from ``probs``.
+Rows with ``SamplingParams.greedy`` (a temperature below ``GREEDY_TEMPERATURE``, or top_k 1)
+take the argmax and never divide by their temperature, which could overflow. Filters apply in
+the order temperature -> top-k -> top-p -> min-p on each row; the choice is an exponential
+race, ``argmax(probs / E)`` with ``E ~ Exp(1)``, which draws exactly from ``probs``.
 A seeded request draws ``E`` from a generator seeded by ``(seed, output_len)``, so its tokens
 depend only on its own seed, prompt and position: not on batch mates, and not on whether it was
 preempted and recomputed. Unseeded rows share one engine-level generator.
@@ -71,7 +73,11 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int], greedy: list[bool]
     ) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
+        # Greedy rows divide by 1 (their argmax is taken below); every other row's temperature is
+        # at least GREEDY_TEMPERATURE, so no logit overflows fp32.
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=dev
+        )
         logits = logits / temps[:, None]
         top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_ps = [p.top_p for p in params]

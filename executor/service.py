@@ -235,14 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or CONVEYOR_MODEL) is required")
-    setup_logging(args.log_level)
-    stop_on_sigterm()
-    from executor.model_executor import ModelExecutor  # heavy (torch): only here
-
     model_config = ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                                attention_backend=args.attention_backend, seed=args.seed)
     cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks)
+    try:  # bad options are a usage error, reported before anything is loaded
+        model_config.validate()
+        cache_config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup_logging(args.log_level)
+    stop_on_sigterm()
+    from executor.model_executor import ModelExecutor  # heavy (torch): only here
+
     logger.info("loading %s", args.model)
     model_executor = ModelExecutor(model_config, ParallelConfig(), cache_config)
     config = ExecutorServiceConfig(args.redis_url, args.model, args.namespace, args.scheduler_id, args.executor_id,

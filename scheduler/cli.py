@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging(args.log_level)
     stop_on_sigterm()
     config = SchedulerServiceConfig(
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         result_timeout_s=args.result_timeout, recovery_timeout_s=args.recovery_timeout,
         resume_window_s=args.resume_window, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
     )
+    try:
+        config.scheduler_config()
+    except ValueError as exc:
+        parser.error(str(exc))
     logger.info("scheduler %s (namespace %r, host %s)", config.scheduler_id, config.namespace, socket.gethostname())
     try:
         SchedulerService(config).run()

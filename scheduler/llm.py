@@ -65,6 +65,7 @@ class LLM:
         self.model_config, self.cache_config, self.scheduler_config = split_engine_options(
             {"model": model, **options}
         )
+        self.scheduler_config.validate()  # before the model loads: a bad option fails fast
         self.executor = ModelExecutor(self.model_config, ParallelConfig(), self.cache_config)
         info = self.executor.info
         self.cache_manager = CacheManager(info.num_blocks, info.block_size)

@@ -73,6 +73,13 @@ class SchedulerServiceConfig:
     resume_window_s: float = ServiceDefaults.resume_window_s
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine's `SchedulerConfig` (validated: a bad limit stops the service at start)."""
+        config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
+                                 enable_prefix_caching=self.enable_prefix_caching)
+        config.validate()
+        return config
+
     @property
     def heartbeat_interval_s(self) -> float:
         return ServiceDefaults.heartbeat_interval_s(self.heartbeat_ttl_ms)
@@ -131,8 +138,7 @@ class SchedulerService:
                     break
                 cache = CacheManager(executor.info.num_blocks, executor.info.block_size)
                 if self.engine is None:
-                    config = SchedulerConfig(self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                             enable_prefix_caching=self.config.enable_prefix_caching)
+                    config = self.config.scheduler_config()
                     self.engine = Scheduler(config, cache, executor)
                 else:
                     self.engine.reset_executor(executor, cache)

@@ -107,3 +107,22 @@ def test_greedy_decoding_is_decisive(tiny_model) -> None:
     gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
     assert min(gaps) > 1e-3
     assert len(set(out.sequences[0, 4:].tolist())) > 50  # not stuck repeating one token
+
+
+def test_bias_options_follow_transformers_architectures() -> None:
+    """``mlp_bias`` exists only for Llama and ``attention_bias`` for Llama/Qwen3, as in transformers."""
+    from executor.make_model import build_config
+    from executor.model_config import parse_config
+
+    ids = {"<s>": 0, "</s>": 1, "<pad>": 2}
+    cfg = build_config("llama", "tiny", 1024, ids, mlp_bias=True, attention_bias=True)
+    assert cfg["mlp_bias"] and cfg["attention_bias"]
+    parsed = parse_config(cfg)
+    assert parsed.mlp_bias and parsed.attention_bias and parsed.o_bias
+    qwen2 = parse_config(build_config("qwen2", "tiny", 1024, ids))
+    assert qwen2.attention_bias and not qwen2.o_bias and not qwen2.mlp_bias
+    assert not parse_config(build_config("mistral", "tiny", 1024, ids) | {"attention_bias": True}).attention_bias
+    with pytest.raises(ValueError, match="mlp_bias"):
+        build_config("qwen2", "tiny", 1024, ids, mlp_bias=True)
+    with pytest.raises(ValueError, match="attention_bias"):
+        build_config("mistral", "tiny", 1024, ids, attention_bias=True)

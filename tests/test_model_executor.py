@@ -273,3 +273,137 @@ def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
     )
     with pytest.raises(ValueError, match="token ids must be in"):
         ex.execute_model(b)
+
+
+@pytest.mark.parametrize(
+    "arch, biases",
+    [("llama", dict(mlp_bias=True)), ("llama", dict(mlp_bias=True, attention_bias=True)), ("qwen3", dict(attention_bias=True))],
+)
+def test_bias_checkpoints_match_transformers(tmp_path, arch: str, biases: dict) -> None:
+    """Llama ``mlp_bias``/``attention_bias`` and Qwen3 ``attention_bias``: the biases are loaded and used."""
+    from transformers import AutoModelForCausalLM
+
+    from executor.loader import read_state_dict
+    from executor.make_model import make_model
+
+    path = make_model(arch, "tiny", 0, tmp_path / "m", **biases)
+    sd = read_state_dict(path)
+    bias_names = [n for n in sd if n.endswith(".bias")]
+    per_layer = 3 * biases.get("mlp_bias", False) + 4 * biases.get("attention_bias", False)
+    assert len(bias_names) == 2 * per_layer
+    # transformers reads exactly these tensors too (none missing or unexpected), and they matter:
+    # zeroing them moves its logits, so the parity below is not vacuous.
+    hf, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.tensor([prompt(10, 8)])
+    with torch.no_grad():
+        ref = hf(ids).logits
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+        assert (hf(ids).logits - ref).abs().max() > 0.1
+
+    ex = make_executor(path)
+    a = Seq("a", prompt(11, 19), [3, 9, 1, 7, 20, 21, 22])
+    b = Seq("b", prompt(12, 9), [5, 2, 30, 31, 32])
+    for s in (a, b):
+        s.prompt_len = len(s.tokens)
+    step(ex, [(a, 12), (b, 9)])
+    step(ex, [(a, 7), (b, 1)])
+    for _ in range(5):
+        step(ex, [(b, 1), (a, 1)])
+    for s in (a, b):
+        check_against(s, hf_logprobs(path, s.tokens), atol=2e-4)
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` with its tensors and config passed through ``edit``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from executor.loader import read_state_dict
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors*"):
+        f.unlink()
+    sd = read_state_dict(src)
+    cfg = json.loads((src / "config.json").read_text())
+    edit(sd, cfg)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unused_checkpoint_tensors_are_refused(tiny_model, tmp_path) -> None:
+    """A tensor the model would not read is an error naming it, never silently dropped."""
+    llama = tiny_model("llama")
+
+    def extra(sd, cfg):
+        sd["model.layers.1.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+
+    with pytest.raises(ValueError, match=r"does not use: 'model\.layers\.1\.mlp\.extra_proj\.weight'"):
+        make_executor(_rewrite(llama, tmp_path / "extra", extra))
+
+    # Biases in the weights that the config does not announce (mlp_bias false): all named.
+    def undeclared_bias(sd, cfg):
+        for i in range(cfg["num_hidden_layers"]):
+            sd[f"model.layers.{i}.mlp.down_proj.bias"] = torch.zeros(cfg["hidden_size"])
+
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.bias', 'model\.layers\.1\.mlp\.down_proj\.bias'"):
+        make_executor(_rewrite(llama, tmp_path / "undeclared", undeclared_bias))
+
+    # The reverse: the config announces biases the weights lack.
+    def missing_bias(sd, cfg):
+        cfg["mlp_bias"] = True
+
+    with pytest.raises(ValueError, match=r"missing tensor\(s\).*'model\.layers\.0\.mlp\.down_proj\.bias'"):
+        make_executor(_rewrite(llama, tmp_path / "missing", missing_bias))
+
+    # Mistral builds no biases whatever attention_bias says, so its bias tensors are unused.
+    def mistral_bias(sd, cfg):
+        cfg["attention_bias"] = True
+        sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(cfg["num_attention_heads"] * cfg["head_dim"])
+
+    with pytest.raises(ValueError, match=r"q_proj\.bias"):
+        make_executor(_rewrite(tiny_model("mistral"), tmp_path / "mistral", mistral_bias))
+
+    def wrong_shape(sd, cfg):
+        sd["model.norm.weight"] = sd["model.norm.weight"][:-1]
+
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: \(63,\), expected \(64,\)"):
+        make_executor(_rewrite(llama, tmp_path / "shape", wrong_shape))
+
+
+def test_rotary_buffers_and_tied_head_copies_are_accepted(tiny_model, tmp_path) -> None:
+    """Deliberate exceptions: rotary inv_freq buffers (recomputed) and an exact copy of a tied head."""
+    qwen2 = tiny_model("qwen2")  # tied embeddings
+    tokens = prompt(21, 12)
+
+    def first_token(path: Path) -> int:
+        s = Seq("s", list(tokens), [1, 2, 3, 4])
+        step(make_executor(path), [(s, len(tokens))])
+        return s.outputs[0]
+
+    want = first_token(qwen2)
+
+    def buffers_and_copy(sd, cfg):
+        d = cfg["head_dim"]
+        for i in range(cfg["num_hidden_layers"]):
+            sd[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, d, 2) / d))
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+
+    assert first_token(_rewrite(qwen2, tmp_path / "ok", buffers_and_copy)) == want
+
+    def different_head(sd, cfg):
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"] * 2
+
+    with pytest.raises(ValueError, match=r"lm_head\.weight that differs.*tie_word_embeddings"):
+        make_executor(_rewrite(qwen2, tmp_path / "bad", different_head))
+
+    # Untied (llama) without lm_head: missing, not silently tied.
+    def no_head(sd, cfg):
+        del sd["lm_head.weight"]
+
+    with pytest.raises(ValueError, match=r"missing tensor\(s\).*'lm_head\.weight'"):
+        make_executor(_rewrite(tiny_model("llama"), tmp_path / "nohead", no_head))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from executor.sampler import Sampler
 
 LOGITS = [2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0]
@@ -142,3 +142,35 @@ def test_banned_tokens_are_never_sampled() -> None:
         params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=seed)]
         tokens, _ = Sampler().sample(logits, params, [0, 0], banned=[[0], [0, 1]])
         assert tokens == [1, 2]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-40, 5e-324, 1e-20, 9.9e-6])
+def test_tiny_temperatures_are_greedy(temperature: float) -> None:
+    """Below GREEDY_TEMPERATURE a row takes the argmax (1e-40 used to overflow and pick token 0)."""
+    assert temperature < GREEDY_TEMPERATURE
+    params = SamplingParams(temperature=temperature, seed=None)
+    params.validate()
+    assert params.greedy
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 100, generator=g) * 5
+    logits[:, 0] = -50.0  # token 0 (what the overflow used to pick) is never the argmax
+    want = logits.argmax(dim=-1).tolist()
+    sampler = Sampler(seed=3)
+    assert sampler.sample(logits, [params] * 16, [0] * 16)[0] == want
+    # In a batch with random rows (the per-row temperature path), still the argmax.
+    mixed = [params if i % 2 else SamplingParams(temperature=1.0, seed=i) for i in range(16)]
+    for step in range(5):
+        tokens, _ = sampler.sample(logits, mixed, [step] * 16)
+        assert tokens[1::2] == want[1::2]
+
+
+def test_greedy_threshold_boundary() -> None:
+    """At GREEDY_TEMPERATURE itself sampling is random in principle, but finite and all but one-hot."""
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE / 2).greedy
+    assert SamplingParams(temperature=1.0, top_k=1).greedy
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 1000, generator=g) * 30  # large logits: logits / 1e-5 ~ 1e7, finite in fp32
+    want = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=GREEDY_TEMPERATURE, seed=s) for s in range(8)]
+    assert Sampler().sample(logits, params, [0] * 8)[0] == want

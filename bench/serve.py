@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.start:
         import tempfile
 
-        from tests.services_util import Stack
+        from infra.stack import Stack
 
         extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
         stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="bench-serve-")), executor_args=extra).start()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openai
 
-from tests.services_util import Stack
+from infra.stack import Stack
 
 RESUME_WINDOW_S = 3.0
 

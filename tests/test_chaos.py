@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.services_util import Stack
+from infra.stack import Stack
 
 pytestmark = pytest.mark.slow
 

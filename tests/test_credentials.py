@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from common.launcher import free_port, wait_for_port
-from tests.services_util import REPO
+from infra.launcher import free_port, wait_for_port
+from infra.stack import REPO
 
 SECRET = "hunter2-not-this-one"
 
@@ -37,7 +37,7 @@ def redis_with_password(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 
 def _run(args: list[str], redis_url: str, tmp_path: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "common.cli", *args], env=env, cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO,
                             stdout=open(tmp_path / "out.log", "wb"), stderr=subprocess.STDOUT)
 
 

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from tests.services_util import find_redis
+from infra.stack import find_redis
 
 MAX_MODEL_LEN = 2048
 VOCAB_SIZE = 1024

@@ -23,11 +23,11 @@ import httpx
 import pytest
 import redis
 
-from common.launcher import free_port, stop_all, wait_healthy
+from infra.launcher import free_port, stop_all, wait_healthy
 from common.protocol import Names
 from common.sampling_params import SamplingParams
 from gateway.openai_schema import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_MESSAGES, MAX_STOP_STRING_CHARS
-from tests.services_util import REPO, find_redis
+from infra.stack import REPO, find_redis
 from tests.test_gateway_validation import MAX_MODEL_LEN, VOCAB_SIZE, register_engine
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -48,7 +48,7 @@ def _gateway_process(workdir: Path, model: Path, max_model_len: int) -> Iterator
     log_path = workdir / f"gateway-{port}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "gateway", "--host", "127.0.0.1", "--port", str(port), "--redis-url",
+            [sys.executable, "-m", "infra.cli", "gateway", "--host", "127.0.0.1", "--port", str(port), "--redis-url",
              url, "--namespace", names.namespace, "--model", str(model), "--max-body-bytes", str(MAX_BODY_BYTES)],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
             stdout=log, stderr=subprocess.STDOUT)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.launcher import free_port
+from infra.launcher import free_port
 from common.redact import RedactingFilter, redact_text, redact_url
-from tests.services_util import REPO, find_redis
+from infra.stack import REPO, find_redis
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path)
         host_port = url.split("://", 1)[1].split("/", 1)[0]
         bad_url = f"redis://nobody:hunter2-pw@{host_port}/0"
         result = subprocess.run(
-            [sys.executable, "-m", "common.cli", "gateway", "--host", "127.0.0.1", "--port", str(free_port()),
+            [sys.executable, "-m", "infra.cli", "gateway", "--host", "127.0.0.1", "--port", str(free_port()),
              "--redis-url", bad_url, "--api-key", "sk-never-logged", "--log-level", "DEBUG"],
             cwd=REPO, capture_output=True, text=True, timeout=60,
             env={**os.environ, "PYTHONPATH": str(REPO)})

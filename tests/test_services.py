@@ -19,7 +19,7 @@ import pytest
 
 from common.protocol import GenerateRequest, StepOutputs, decode, encode
 from common.sampling_params import SamplingParams
-from tests.services_util import Stack
+from infra.stack import Stack
 
 NUM_BLOCKS = 256
 

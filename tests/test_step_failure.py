@@ -18,7 +18,7 @@ from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.protocol import EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
 from executor.service import ExecutorService, ExecutorServiceConfig
 from scheduler.service import SchedulerService, SchedulerServiceConfig
-from tests.services_util import find_redis
+from infra.stack import find_redis
 
 
 class PoisonedExecutor:

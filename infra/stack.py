@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from common.launcher import free_port, start_redis, stop_all, wait_for_port, wait_healthy
+from infra.launcher import free_port, start_redis, stop_all, wait_for_port, wait_healthy
 from common.protocol import EngineStatus, Names, decode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ class Stack:
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start (or restart) process ``name`` as ``conveyor <args>``, logging to ``<name>.log``."""
         log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "common.cli", *args], env=self._env(), cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], env=self._env(), cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc

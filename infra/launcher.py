@@ -1,7 +1,7 @@
 """`conveyor up`: start Redis, the engines (scheduler + executor pairs) and a gateway as processes.
 
 Redis: ``--redis-url`` if given; else a ``redis-server`` started on a free port if one is
-installed; else the embedded Redis-protocol server (`common.embedded_redis`, development only).
+installed; else the embedded Redis-protocol server (`infra.embedded_redis`, development only).
 With no ``--model``, a tiny random checkpoint is made once in ``~/.cache/conveyor/models`` and
 served. Ctrl-C (or SIGTERM) stops everything this command started.
 """
@@ -53,7 +53,7 @@ def start_redis(workdir: Path, log=None) -> tuple[str, subprocess.Popen[bytes]]:
                "--dir", str(workdir), "--protected-mode", "no"]
     else:
         print("conveyor: redis-server not found; using the embedded development server", file=sys.stderr)
-        cmd = [sys.executable, "-m", "common.embedded_redis", "--port", str(port)]
+        cmd = [sys.executable, "-m", "infra.embedded_redis", "--port", str(port)]
     # Own session: a terminal's Ctrl-C must not kill Redis before the services have shut down.
     proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for_port("127.0.0.1", port, 15, proc)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(cached_model("llama", "tiny"))
         env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": args.namespace, "CONVEYOR_MODEL": model}
-        cli = [sys.executable, "-m", "common.cli"]
+        cli = [sys.executable, "-m", "infra.cli"]
         for engine in range(args.engines):
             pair = ["--scheduler-id", str(engine)]
             procs.append(subprocess.Popen([*cli, "executor", *pair, *args.executor_arg], env=env))

@@ -1,7 +1,7 @@
 """A Redis-protocol server for development when no ``redis-server`` is installed.
 
 Runs fakeredis's TCP server (an in-memory Redis implemented in Python) in this process:
-``python -m common.embedded_redis --port 6390``. Fine for trying the stack on a laptop; slower
+``python -m infra.embedded_redis --port 6390``. Fine for trying the stack on a laptop; slower
 than Redis and single-process, so use a real Redis for benchmarks and deployments.
 """
 
@@ -15,7 +15,7 @@ import threading
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m common.embedded_redis")
+    p = argparse.ArgumentParser(prog="python -m infra.embedded_redis")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=6390)
     args = p.parse_args(argv)

@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.server", "run the OpenAI-compatible HTTP gateway"),
     "scheduler": ("scheduler.cli", "run the scheduler service"),
     "executor": ("executor.service", "run the executor service"),
-    "up": ("common.launcher", "start Redis, executor, scheduler and gateway together"),
+    "up": ("infra.launcher", "start Redis, executor, scheduler and gateway together"),
     "bench": ("bench.cli", "run a benchmark (offline)"),
 }
 

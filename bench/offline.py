@@ -26,8 +26,6 @@ import torch
 
 from executor.make_model import cached_model
 
-
-
 WORKLOADS = ["uniform", "mixed", "shared-prefix"]
 
 
@@ -198,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     flops_per_token = 2 * non_embedding_params(model)
     print(f"model={model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"torch.mm={roof:.1f} GFLOP/s")
-    from scheduler.llm import LLM
     from transformers import AutoModelForCausalLM
+
+    from scheduler.llm import LLM
 
     names = ["uniform", "mixed"] if args.workload == "all" else [args.workload]
     if args.compare_prefix_caching or names == ["shared-prefix"]:

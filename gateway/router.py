@@ -1,8 +1,9 @@
 """The gateway's side of the streams: route requests to engines, route outputs back, recover.
 
 Engines (scheduler + executor pairs) publish `EngineStatus` keys; every 0.5 s this gateway reads
-them and sends each new request to the live engine with the least load (running + waiting, plus
-what this gateway sent it since). Each gateway has its own outputs stream with a single reader,
+them and sends each new request to the engine whose prefix cache most likely holds its prompt's
+start, unless that engine is much busier than the least-loaded one (`EngineClient.pick_engine`;
+load: 4 x waiting + running, plus what this gateway sent it since). Each gateway has its own outputs stream with a single reader,
 so outputs of other gateways never reach it; the token index in every output lets it drop
 duplicates and ask for a resend (`SyncRequest`) when some were lost.
 
@@ -21,11 +22,13 @@ prompt, sampling parameters and the tokens already streamed to the client):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
+from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from common.config import ServiceDefaults
 from common.protocol import (
@@ -46,6 +49,11 @@ from common.protocol import (
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
 
 logger = logging.getLogger("conveyor.gateway")
+
+# How much more load (`EngineStatus.load` units: a running request 1, a waiting one 4) a prompt's
+# affinity engine may carry than the least-loaded engine before the prompt goes to the latter: a
+# cached prefix saves its prefill, but not the wait behind a long queue.
+AFFINITY_SLACK = 8
 
 
 @dataclass(slots=True)
@@ -194,18 +202,37 @@ class EngineClient:
         self.requests.pop(handle.request_id, None)
         self.attempts.pop(handle.engine_request_id, None)
 
-    def pick_engine(self) -> EngineStatus | None:
-        """The live engine with the least load; with an executor bound if any has one."""
-        def key(status: EngineStatus) -> tuple[bool, int, int, float]:
-            load = status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
-            # Ties broken at random: gateways that see the same loads must not all pick the same engine.
-            return (not status.executor_id, load, -status.num_free_blocks, random.random())
+    def load_of(self, status: EngineStatus) -> int:
+        return status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
 
-        return min(self.engines.values(), key=key, default=None)
+    def pick_engine(self, prompt_token_ids: Sequence[int] = ()) -> EngineStatus | None:
+        """Where a request should run: among live engines (those with an executor bound, if any),
+        the prompt's *affinity* engine unless it is busier than the least-loaded one by more than
+        `AFFINITY_SLACK`, else the least loaded.
+
+        The affinity engine is chosen by rendezvous hashing of the prompt's first KV block, so
+        prompts that share a prefix (a system prompt, a conversation's history) meet on the engine
+        whose prefix cache holds it, whichever gateway routes them, and an engine's death moves only
+        its own share of prefixes.
+        """
+        engines = list(self.engines.values())
+        bound = [e for e in engines if e.executor_id]
+        candidates = bound or engines
+        if not candidates:
+            return None
+        # Ties broken at random: gateways that see the same loads must not all pick the same engine.
+        least = min(candidates, key=lambda e: (self.load_of(e), -e.num_free_blocks, random.random()))
+        block = least.block_size
+        if block < 1 or len(prompt_token_ids) < block or len(candidates) == 1:
+            return least
+        first_block = array("i", prompt_token_ids[:block]).tobytes()
+        preferred = max(candidates, key=lambda e: hashlib.blake2b(first_block + e.scheduler_id.encode(),
+                                                                  digest_size=8).digest())
+        return preferred if self.load_of(preferred) <= self.load_of(least) + AFFINITY_SLACK else least
 
     async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
         """Submit ``handle``'s next attempt to the best engine; False if none is live."""
-        engine = self.pick_engine()
+        engine = self.pick_engine(handle.prompt_token_ids)
         if engine is None:
             return False
         self.attempts.pop(handle.engine_request_id, None)

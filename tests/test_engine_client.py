@@ -26,7 +26,7 @@ from common.protocol import (
     unpack_logprobs,
 )
 from common.transport import Outgoing
-from gateway.router import EngineClient, EngineEvent, EngineUnavailable, RequestHandle
+from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle
 
 NAMES = Names("t-client")
 SAMPLING = {"temperature": 0.0, "max_tokens": 10}
@@ -146,6 +146,25 @@ async def test_concurrent_submissions_spread_over_engines() -> None:
     handles = await asyncio.gather(*(client.submit(f"r{i}", [1], SAMPLING) for i in range(10)))
     chosen = [h.scheduler_id for h in handles]
     assert chosen.count("a") == chosen.count("b") == 5
+
+
+@async_test
+async def test_prompts_sharing_a_prefix_meet_on_one_engine_unless_it_is_too_busy() -> None:
+    gateways = [make_client("g1"), make_client("g2")]
+    for client in gateways:
+        await publish(client, *(engine(sid) for sid in "abcd"))
+    system = list(range(100, 100 + 16))  # one full block (block_size 16) shared by every prompt
+    chosen = {client.pick_engine(system + [i, i + 1]).scheduler_id for client in gateways for i in range(20)}
+    assert len(chosen) == 1, "one prefix, one engine, whichever gateway routes it"
+    spread = {gateways[0].pick_engine([i] * 16).scheduler_id for i in range(40)}
+    assert len(spread) == 4, "different prefixes spread over the engines"
+    assert gateways[0].pick_engine([1, 2, 3]).scheduler_id in "abcd"  # shorter than a block: least loaded
+    # Too much busier than the least-loaded engine: the prefix goes elsewhere.
+    favourite = chosen.pop()
+    gateways[0].sent_since_refresh[favourite] = AFFINITY_SLACK + 1
+    assert gateways[0].pick_engine(system + [7]).scheduler_id != favourite
+    gateways[0].sent_since_refresh[favourite] = AFFINITY_SLACK
+    assert gateways[0].pick_engine(system + [7]).scheduler_id == favourite
 
 
 # -- dispatching outputs -------------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""Faults inside one engine, with the scheduler and executor services on threads of this process.
+
+Real Redis and a real `ModelExecutor`; the test plays the gateway on the streams.
+- A request that makes the executor's step fail (a poisoned request: as a bad kernel input or a
+  sampler bug would) is failed alone; the others in the step finish with the offline tokens.
+- Without an executor for ``--recovery-timeout``, requests fail with a clear error, not a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import redis
+
+from common.config import CacheConfig, ModelConfig, ParallelConfig
+from common.protocol import EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
+from common.sampling_params import SamplingParams
+from executor.service import ExecutorService, ExecutorServiceConfig
+from infra.stack import find_redis
+from scheduler.service import SchedulerService, SchedulerServiceConfig
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+
+class PoisonedExecutor:
+    """A real `ModelExecutor` that fails every step holding a request whose id contains 'poison'."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.info = inner.info
+        self.failed_steps = 0
+
+    def execute_model(self, batch: Any) -> Any:
+        if any("poison" in r for r in batch.request_ids):
+            self.failed_steps += 1
+            raise RuntimeError("poisoned request in the batch")
+        return self.inner.execute_model(batch)
+
+
+@dataclass
+class Engine:
+    """One scheduler + executor on threads, and the test's view of the streams as gateway 'gw'."""
+
+    r: redis.Redis
+    names: Names
+    executor: ExecutorService
+    scheduler: SchedulerService
+    threads: list[threading.Thread]
+    incarnation: str = ""
+    cursor: bytes | str = "0-0"
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    ends: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+
+    def submit(self, request_id: str, prompt: list[int]) -> None:
+        self.tokens[request_id] = []
+        msg = GenerateRequest(request_id, "gw", "0", self.incarnation, prompt, [], GREEDY, 0.0)
+        self.r.xadd(self.names.requests("0"), {b"m": encode(msg)})
+
+    def wait_all(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.ends) < len(self.tokens):
+            assert time.monotonic() < deadline, f"requests never finished: {self.ends}"
+            for _, entries in self.r.xread({self.names.outputs("gw"): self.cursor}, block=500) or []:
+                for entry_id, entry in entries:
+                    self.cursor = entry_id
+                    out = decode(entry[b"m"], (StepOutputs,))
+                    pos = 0
+                    for i, request_id in enumerate(out.request_ids):
+                        n, have = out.num_tokens[i], self.tokens[request_id]
+                        assert out.token_index[i] <= len(have), "a gap in the outputs"
+                        have.extend(out.token_ids[pos : pos + n][len(have) - out.token_index[i]:])
+                        pos += n
+                        if out.finished[i]:
+                            self.ends[request_id] = (out.finish_reasons[i], out.errors[i])
+
+
+@pytest.fixture
+def engine(tiny_model: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    from executor.model_executor import ModelExecutor
+
+    url, _ = find_redis(tmp_path)
+    names = Names(f"test-{uuid.uuid4().hex[:10]}")
+    r = redis.Redis.from_url(url)
+    model = str(tiny_model())
+    inner = PoisonedExecutor(ModelExecutor(ModelConfig(model), ParallelConfig(), CacheConfig(num_blocks=128)))
+    executor = ExecutorService(ExecutorServiceConfig(url, model, names.namespace, heartbeat_ttl_ms=1500), inner)
+    recovery_s = getattr(request, "param", 60.0)
+    scheduler = SchedulerService(SchedulerServiceConfig(url, names.namespace, heartbeat_ttl_ms=1500,
+                                                        recovery_timeout_s=recovery_s))
+    threads = [threading.Thread(target=s.run, daemon=True) for s in (executor, scheduler)]
+    for thread in threads:
+        thread.start()
+    e = Engine(r, names, executor, scheduler, threads)
+    try:
+        deadline = time.monotonic() + 30
+        while not (status := r.get(names.engine("0"))) or not decode(status, (EngineStatus,)).executor_id:
+            assert time.monotonic() < deadline, "the engine never came up"
+            time.sleep(0.05)
+        e.incarnation = decode(status, (EngineStatus,)).incarnation
+        r.set(names.heartbeat("gateway", "gw"), "1", px=120_000)
+        yield e
+    finally:
+        scheduler.stop()
+        executor.stopping.set()
+        for thread in threads:
+            thread.join(10)
+        keys = list(r.scan_iter(match=f"{names.namespace}:*"))
+        if keys:
+            r.delete(*keys)
+
+
+def test_failing_request_fails_alone(engine: Engine, tiny_model: Any) -> None:
+    from scheduler import LLM
+
+    prompts = {"a": [5, 6, 7], "poison": [8, 9], "b": [10, 11, 12, 13], "c": [14]}
+    for request_id, prompt in prompts.items():
+        engine.submit(request_id, prompt)
+    engine.wait_all(60)
+    assert engine.ends["poison"][0] == "error" and "poisoned request" in (engine.ends["poison"][1] or "")
+    assert engine.tokens["poison"] == []
+    llm = LLM(str(tiny_model()), num_blocks=128)
+    for request_id in ("a", "b", "c"):
+        assert engine.ends[request_id] == ("length", None)
+        want = llm.generate([prompts[request_id]], SamplingParams(**GREEDY))[0].token_ids
+        assert engine.tokens[request_id] == want, request_id
+    assert engine.executor.model.failed_steps >= 2  # type: ignore[attr-defined]  # the mixed step, then alone
+
+
+@pytest.mark.parametrize("engine", [2.0], indirect=True)
+def test_no_executor_past_the_recovery_timeout_fails_requests_clearly(engine: Engine) -> None:
+    engine.executor.stopping.set()  # the executor goes away (its heartbeat stops with it)
+    engine.threads[0].join(10)
+    t0 = time.monotonic()
+    engine.submit("late", [5, 6, 7])
+    engine.wait_all(30)
+    reason, error = engine.ends["late"]
+    assert reason == "error" and "no executor for" in (error or "") and "recovery timeout" in (error or "")
+    assert time.monotonic() - t0 < 15

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,6 +17,7 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+import redis
 
 from common.protocol import GenerateRequest, StepOutputs, decode, encode
 from common.sampling_params import SamplingParams
@@ -104,6 +106,22 @@ def test_64_concurrent_streams(stack: Stack) -> None:
 
 def test_two_gateways_never_see_each_others_outputs(stack: Stack) -> None:
     gateway_ids = [httpx.get(f"{url}/health").json()["gateway_id"] for url in stack.urls]
+    streams = [stack.names.outputs(g) for g in gateway_ids]
+    seen: dict[str, set[str]] = {stream: set() for stream in streams}
+    done = threading.Event()
+
+    def watch() -> None:  # gateways trim what they read: watch the streams as entries arrive
+        r = redis.Redis.from_url(stack.redis_url)
+        cursors: dict[str, bytes | str] = {}
+        for stream in streams:  # from the newest entry now, so nothing sent later is missed
+            last = r.xrevrange(stream, count=1)
+            cursors[stream] = last[0][0] if last else "0-0"
+        ready.set()
+        while not done.is_set():
+            for name, entries in r.xread(cursors, block=100) or []:
+                for entry_id, entry in entries:
+                    cursors[name.decode()] = entry_id
+                    seen[name.decode()].update(decode(entry[b"m"], (StepOutputs,)).request_ids)
 
     async def run(url: str) -> list[str]:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
@@ -116,13 +134,17 @@ def test_two_gateways_never_see_each_others_outputs(stack: Stack) -> None:
     async def both() -> list[list[str]]:
         return list(await asyncio.gather(*(run(url) for url in stack.urls)))
 
+    ready = threading.Event()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ready.wait(5)
     ids = [set(x) for x in asyncio.run(both())]
-    for k, gateway_id in enumerate(gateway_ids):
-        seen: set[str] = set()
-        for _, entry in stack.redis.xrange(stack.names.outputs(gateway_id)):
-            seen.update(decode(entry[b"m"], (StepOutputs,)).request_ids)
-        assert ids[k] <= seen  # every request of this gateway came back on its own stream...
-        assert not (seen & ids[1 - k])  # ...and none of the other gateway's did
+    time.sleep(0.3)
+    done.set()
+    watcher.join(5)
+    for k, stream in enumerate(streams):
+        assert ids[k] <= seen[stream]  # every request of this gateway came back on its own stream...
+        assert not (seen[stream] & ids[1 - k])  # ...and none of the other gateway's did
 
 
 def _stream_lines(url: str, body: dict[str, Any], n: int) -> list[str]:

@@ -6,10 +6,11 @@ import argparse
 import logging
 import os
 import signal
-from typing import Iterable
+from collections.abc import Iterable
 
 from common.config import ServiceDefaults
 from common.redact import RedactingFilter
+from common.transport import RedisAuthFailed
 
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
@@ -17,9 +18,11 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url))
-    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", ServiceDefaults.namespace), help="prefix of every stream and key")
+    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", ServiceDefaults.namespace),
+                   help="prefix of every stream and key")
     p.add_argument("--model", default=env("CONVEYOR_MODEL"), help=model_help)
-    p.add_argument("--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms)))
+    p.add_argument("--heartbeat-ttl-ms", type=int,
+                   default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms)))
     p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     return p
 
@@ -48,6 +51,19 @@ def setup_logging(level: str, secrets: Iterable[str | None] = ()) -> None:
         for old in [f for f in handler.filters if isinstance(f, RedactingFilter)]:
             handler.removeFilter(old)
         handler.addFilter(redacting)
+
+
+def run_service(run: Callable[[], None], logger: logging.Logger) -> int:
+    """Run a service's loop until it is stopped (Ctrl-C, or SIGTERM with `stop_on_sigterm`): exit
+    code 0, or 2 with the message when Redis refused the credentials."""
+    try:
+        run()
+    except KeyboardInterrupt:
+        pass
+    except RedisAuthFailed as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
 
 
 def stop_on_sigterm() -> None:

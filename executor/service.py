@@ -32,8 +32,8 @@ from common.protocol import (
     pack_logprobs,
 )
 from common.sampling_params import SamplingParams
-from common.service_cli import add_engine_id, service_parser, setup_logging, stop_on_sigterm
-from common.transport import Heartbeat, Outgoing, RedisAuthFailed, SyncTransport
+from common.service_cli import add_engine_id, run_service, service_parser, setup_logging, stop_on_sigterm
+from common.transport import Heartbeat, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 
@@ -252,11 +252,4 @@ def main(argv: list[str] | None = None) -> int:
     model_executor = ModelExecutor(model_config, ParallelConfig(), cache_config)
     config = ExecutorServiceConfig(args.redis_url, args.model, args.namespace, args.scheduler_id, args.executor_id,
                                    model_config, cache_config, args.heartbeat_ttl_ms)
-    try:
-        ExecutorService(config, model_executor).run()
-    except KeyboardInterrupt:
-        pass
-    except RedisAuthFailed as exc:
-        logger.error("%s", exc)
-        return 2
-    return 0
+    return run_service(ExecutorService(config, model_executor).run, logger)

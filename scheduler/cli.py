@@ -7,8 +7,14 @@ import os
 import socket
 
 from common.config import SchedulerConfig, ServiceDefaults
-from common.service_cli import add_engine_id, add_recovery_flags, service_parser, setup_logging, stop_on_sigterm
-from common.transport import RedisAuthFailed
+from common.service_cli import (
+    add_engine_id,
+    add_recovery_flags,
+    run_service,
+    service_parser,
+    setup_logging,
+    stop_on_sigterm,
+)
 from scheduler.service import SchedulerService, SchedulerServiceConfig, logger
 
 
@@ -35,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env_flag("CONVEYOR_ENABLE_PREFIX_CACHING", SchedulerConfig().enable_prefix_caching),
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
-    p.add_argument("--result-timeout", type=float, default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
+    p.add_argument("--result-timeout", type=float,
+                   default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
                    help="seconds to wait for one step's result before declaring the executor lost")
     add_recovery_flags(p, "seconds to keep requests without an executor before failing them",
                        "seconds a stream whose gateway died keeps generating, waiting to be resumed")
@@ -59,11 +66,4 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     logger.info("scheduler %s (namespace %r, host %s)", config.scheduler_id, config.namespace, socket.gethostname())
-    try:
-        SchedulerService(config).run()
-    except KeyboardInterrupt:
-        pass
-    except RedisAuthFailed as exc:
-        logger.error("%s", exc)
-        return 2
-    return 0
+    return run_service(SchedulerService(config).run, logger)

@@ -14,9 +14,10 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -175,25 +176,18 @@ def _kill(stack: Stack, name: str) -> None:
     proc.wait()
 
 
-def test_executor_killed_and_restarted(stack: Stack, reference: list[str]) -> None:
+@pytest.mark.parametrize("role", ["executor", "scheduler"])
+def test_engine_part_killed_and_restarted(stack: Stack, reference: list[str], role: str) -> None:
+    """An executor's death is a pause; a scheduler's requests migrate (to the other engine, or to
+    the restarted scheduler)."""
     def fault() -> None:
         engine = _busiest_engine(stack)
-        _kill(stack, f"executor{engine}")
-        stack.spawn_executor(int(engine))
+        _kill(stack, f"{role}{engine}")
+        (stack.spawn_executor if role == "executor" else stack.spawn_scheduler)(int(engine))
 
     results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
-    _check(stack, results, reference, "executor kill -9 + restart")
-    assert max(r.max_gap_s for r in results) > 1.0, "no stream paused: the fault missed every request"
-
-
-def test_scheduler_killed_requests_migrate(stack: Stack, reference: list[str]) -> None:
-    def fault() -> None:
-        engine = _busiest_engine(stack)
-        _kill(stack, f"scheduler{engine}")
-        stack.spawn_scheduler(int(engine))
-
-    results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
-    _check(stack, results, reference, "scheduler kill -9 (1 of 2 engines)")
+    label = "executor kill -9 + restart" if role == "executor" else "scheduler kill -9 (1 of 2 engines)"
+    _check(stack, results, reference, label)
     assert max(r.max_gap_s for r in results) > 1.0, "no stream paused: the fault missed every request"
 
 

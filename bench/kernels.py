@@ -14,9 +14,10 @@ Also ``python -m bench.kernels --make-model DIR``: a ~0.5B-parameter random llam
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -100,7 +101,7 @@ def bench_decode(seqs: int = 64, ctx: int = 4096, heads: int = 32, kv_heads: int
         "2d": lambda: paged_attention_2d(q, kc, vc, meta, scale),
     }
     for n in (2, 4, 8):
-        variants[f"split{n}"] = lambda n=n: decode_split(q, kc, vc, meta, scale, n)
+        variants[f"split{n}"] = functools.partial(decode_split, q, kc, vc, meta, scale, n)
     result: dict[str, float] = {}
     for name, fn in variants.items():
         torch.testing.assert_close(fn(), ref, atol=1.5e-2, rtol=1e-2)  # same answer on every path

@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -76,7 +76,7 @@ def read_stats(redis_url: str, namespace: str, scheduler_id: str = "0") -> Any:
     from common.protocol import EngineStatus, Names, decode
 
     r, names = redis.Redis.from_url(redis_url), Names(namespace)
-    return decode(r.get(names.engine(scheduler_id)), (EngineStatus,))
+    return decode(cast(bytes, r.get(names.engine(scheduler_id))), (EngineStatus,))
 
 
 def offline_breakdown(model: str, prompts: list[list[int]], outs: list[int], engine_kw: dict[str, Any],

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -44,7 +45,7 @@ async def load(url: str, n: int, concurrency: int, seed: int) -> int:
     async def one(client: openai.AsyncOpenAI, i: int) -> None:
         nonlocal received
         prompt = " ".join(f"w{rng.randrange(500)}" for _ in range(rng.randrange(1, 60)))
-        kwargs = dict(model="", prompt=prompt, max_tokens=rng.randrange(4, 24), temperature=0.8, seed=i,
+        kwargs: dict[str, Any] = dict(model="", prompt=prompt, max_tokens=rng.randrange(4, 24), temperature=0.8, seed=i,
                       extra_body={"ignore_eos": True})
         async with sem:
             if i % 2:

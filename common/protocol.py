@@ -33,8 +33,9 @@ import sys
 import types
 import typing
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import msgpack
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 REDACTED = "***"
 # Query parameters that carry a secret (redis-py reads ``?password=`` too).

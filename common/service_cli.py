@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.config import ServiceDefaults
 from common.redact import RedactingFilter

@@ -94,7 +94,8 @@ def _decode_entry(entry: dict[bytes, bytes], expected: tuple[type, ...] | None, 
     return decode(data, expected, max_bytes)
 
 
-def _dead_record(stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str, owner: str) -> dict[bytes | str, bytes | str]:
+def _dead_record(stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str,
+                 owner: str) -> dict[bytes | str, bytes | str]:
     record: dict[bytes | str, bytes | str] = {"stream": stream, "id": entry_id, "reason": reason, "by": owner}
     for key, value in list(entry.items())[:8]:
         record[b"raw:" + key[:64]] = value[:4096]
@@ -210,7 +211,8 @@ class Transport:
         info = await self.call(self.redis.xrevrange, stream, count=1)
         return info[0][0] if info else b"0-0"
 
-    async def _decode_entry(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], expected: tuple[type, ...] | None) -> Any:
+    async def _decode_entry(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes],
+                            expected: tuple[type, ...] | None) -> Any:
         try:
             return _decode_entry(entry, expected, self.max_message_bytes)
         except ProtocolError as exc:
@@ -223,7 +225,8 @@ class Transport:
         logger.error("%s: rejected entry %s on %s: %s", self.owner, entry_id, stream, reason)
         record = _dead_record(stream, entry_id, entry, reason, self.owner)
         try:
-            await self.call(self.redis.xadd, self.names.dead_letter, record, maxlen=DEAD_LETTER_MAXLEN, approximate=True, deadline_s=5)
+            await self.call(self.redis.xadd, self.names.dead_letter, record,
+                            maxlen=DEAD_LETTER_MAXLEN, approximate=True, deadline_s=5)
         except TRANSIENT_ERRORS:
             logger.exception("could not write the dead letter")
 
@@ -329,7 +332,8 @@ class SyncTransport:
         reply = self.call(self.redis.xread, dict(cursors), count=count, block=block_ms)
         return self._collect(reply, cursors, expected)
 
-    def _collect(self, reply: Any, cursors: dict[str, bytes | str], expected: tuple[type, ...] | None) -> list[tuple[str, bytes, Any]]:
+    def _collect(self, reply: Any, cursors: dict[str, bytes | str],
+                 expected: tuple[type, ...] | None) -> list[tuple[str, bytes, Any]]:
         out: list[tuple[str, bytes, Any]] = []
         for stream_name, entries in reply or []:
             stream = stream_name.decode() if isinstance(stream_name, bytes) else stream_name

@@ -21,12 +21,13 @@ import sysconfig
 import tempfile
 import uuid
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "small")
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 # transformers maps model_type qwen2 to Qwen2Tokenizer, which rebuilds the tokenizer with this
@@ -120,7 +121,8 @@ def write_tokenizer(out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
     cfg = json.loads(cfg_path.read_text())
     cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE, add_bos_token=True)
     cfg_path.write_text(json.dumps(cfg, indent=2))
-    return {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
+    # Every special token was added to the vocabulary by `train_tokenizer_json`.
+    return {name: cast(int, tok.token_to_id(name)) for name in SPECIAL_TOKENS}
 
 
 def build_config(

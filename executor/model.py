@@ -96,6 +96,7 @@ class Linear:
                 x = F.pad(x, (0, 0, 0, padded - rows))
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if padded == rows else y[:rows]
+        assert self.weight is not None  # only dropped once `packed` replaces it
         return F.linear(x, self.weight, self.bias)
 
 

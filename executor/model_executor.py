@@ -160,7 +160,8 @@ class ModelExecutor:
         if max(batch.seq_lens) > self.max_model_len:
             raise ValueError(f"sequence of {max(batch.seq_lens)} tokens exceeds max_model_len={self.max_model_len}")
         if batch.input_ids and not (0 <= min(batch.input_ids) and max(batch.input_ids) < self.info.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.info.vocab_size}), got {min(batch.input_ids)}..{max(batch.input_ids)}")
+            raise ValueError(f"token ids must be in [0, {self.info.vocab_size}), "
+                             f"got {min(batch.input_ids)}..{max(batch.input_ids)}")
         input_ids, positions, meta, rows = self._prepare(batch)
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n

@@ -6,8 +6,8 @@ The model never branches on the backend: it calls ``ops.<name>``. ``torch`` is t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -195,6 +195,7 @@ def _attend(
             return og
         if g.out_valid is not None:
             og = og.index_select(0, g.out_valid)
+        assert out is not None  # allocated above whenever the plan is not the identity
         if g.out_rows is None:
             out[g.row_start : g.row_start + g.num_seqs] = og
         else:

@@ -16,7 +16,8 @@ import hmac
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -153,7 +154,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if client.down_reason is not None:
-            return JSONResponse(ApiError(503, f"engine unavailable: {client.down_reason}", "server_error").body(), status_code=503)
+            error = ApiError(503, f"engine unavailable: {client.down_reason}", "server_error")
+            return JSONResponse(error.body(), status_code=503)
         return JSONResponse({"status": "ok", "gateway_id": gateway_id})
 
     @app.get("/v1/models")

@@ -8,8 +8,9 @@ KV blocks are freed at the next scheduler step.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from common.protocol import sampling_to_dict
 from common.sampling_params import SamplingParams

@@ -27,8 +27,9 @@ import logging
 import random
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from common.config import ServiceDefaults
 from common.protocol import (
@@ -356,7 +357,7 @@ class EngineClient:
         for i, engine_request_id in enumerate(msg.request_ids):
             n = msg.num_tokens[i]
             tokens = msg.token_ids[pos : pos + n]
-            lps = logprobs[pos : pos + n] if logprobs else [None] * n
+            lps: list[dict[int, float] | None] = logprobs[pos : pos + n] if logprobs else [None] * n
             pos += n
             handle = self.attempts.get(engine_request_id)
             if handle is None or handle.done:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from common.protocol import EngineStatus
 from gateway.openai_schema import ApiError, GenerationSpec, check_token_ids, fit_context
@@ -79,6 +80,7 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec,
                 raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param=param) from None
         else:  # a checkpoint without a template: a plain, documented fallback
             text = "".join(f"{m['role']}: {m['content']}\n" for m in spec.messages) + "assistant:"
+    ids: list[int] | None
     if text is None:
         assert spec.prompt_token_ids is not None
         ids = spec.prompt_token_ids

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import cast
 
 from common.redact import redact_url
 
@@ -60,12 +61,17 @@ def start_redis(workdir: Path, log=None) -> tuple[str, subprocess.Popen[bytes]]:
     return f"redis://127.0.0.1:{port}/0", proc
 
 
+def proc_argv(proc: subprocess.Popen[bytes]) -> list[str]:
+    """The command line ``proc`` was started with (every process here is started from a list of str)."""
+    return cast(list[str], proc.args)
+
+
 def wait_healthy(url: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, proc.args[:4]))} exited with {proc.returncode}")
+                raise RuntimeError(f"{' '.join(map(str, proc_argv(proc)[:4]))} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 if response.status == 200:
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         failed = [proc for proc in procs if proc.poll() is not None]
-        print(f"conveyor: a process exited ({failed[0].args[3:4]}, code {failed[0].returncode}); stopping", file=sys.stderr)
+        print(f"conveyor: a process exited ({proc_argv(failed[0])[3:4]}, code {failed[0].returncode}); stopping", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -13,11 +13,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import redis
 
-from infra.launcher import free_port, start_redis, stop_all, wait_for_port, wait_healthy
 from common.protocol import EngineStatus, Names, decode
+from infra.launcher import free_port, proc_argv, start_redis, stop_all, wait_for_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,7 +92,7 @@ class Stack:
     def restart_redis(self, down_s: float = 1.0) -> None:
         """Kill this stack's private Redis and start an empty one on the same port."""
         assert self.redis_proc is not None, "restart_redis needs private_redis=True"
-        cmd = list(self.redis_proc.args)  # type: ignore[arg-type]
+        cmd = list(proc_argv(self.redis_proc))
         self.redis_proc.kill()
         self.redis_proc.wait()
         time.sleep(down_s)
@@ -117,15 +118,16 @@ class Stack:
     def engines(self) -> dict[str, EngineStatus]:
         """The live engines with a bound executor, by scheduler id."""
         out = {}
-        for sid in self.redis.zrange(self.names.engines, 0, -1):
-            value = self.redis.get(self.names.engine(sid.decode()))
+        # A sync client without decode_responses: replies are bytes.
+        for sid in cast(list[bytes], self.redis.zrange(self.names.engines, 0, -1)):
+            value = cast("bytes | None", self.redis.get(self.names.engine(sid.decode())))
             status = decode(value, (EngineStatus,)) if value else None
             if status is not None and status.executor_id:
                 out[status.scheduler_id] = status
         return out
 
     def stats(self, scheduler_id: str = "0") -> EngineStatus:
-        value = self.redis.get(self.names.engine(scheduler_id))
+        value = cast("bytes | None", self.redis.get(self.names.engine(scheduler_id)))
         assert value is not None, f"engine {scheduler_id} is not registered"
         return decode(value, (EngineStatus,))
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, cast
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
@@ -97,7 +98,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
@@ -105,19 +106,22 @@ class LLM:
         All input is validated before any request is queued, so a bad prompt raises
         ``ValueError`` and leaves the engine as it was.
         """
+        batch: Sequence[str | Sequence[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            batch = [cast("str | Sequence[int]", prompts)]
+        else:
+            batch = cast("Sequence[str | Sequence[int]]", prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompts)
+            [sampling_params] * len(batch)
             if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
         )
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        if len(params_list) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
         requests: list[Request] = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params in zip(batch, params_list):
             params.validate()
             text, ids = self._prompt_ids(prompt)
             if len(ids) > self.max_model_len:
@@ -145,7 +149,7 @@ class LLM:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids,
-            text=self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True),
+            text=cast(str, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)),
             finish_reason=request.finish_reason or "stop",
             logprobs=list(request.output_logprobs) if wants_logprobs else None,  # type: ignore[arg-type]
         )

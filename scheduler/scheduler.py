@@ -158,14 +158,14 @@ class Scheduler:
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = self._admit_blocks(request, budget)
-            if n is None:
+            admitted = self._admit_blocks(request, budget)
+            if admitted is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = n
-            budget -= n
+            scheduled[request.request_id] = admitted
+            budget -= admitted
         return scheduled
 
     def _admit_blocks(self, request: Request, budget: int) -> int | None:

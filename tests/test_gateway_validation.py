@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -63,7 +64,8 @@ def _error(response: Any, status: int, *words: str) -> dict[str, Any]:
 
 def test_malformed_json_and_non_object(env: dict[str, Any]) -> None:
     c = env["client"]
-    _error(c.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}), 400, "not valid JSON")
+    _error(c.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
+           400, "not valid JSON")
     _error(c.post("/v1/completions", json=[1, 2]), 400, "JSON object")
 
 
@@ -94,7 +96,8 @@ def test_context_length_errors_say_both_numbers(env: dict[str, Any]) -> None:
     c = env["client"]
     err = _error(c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 10**6}), 400, str(MAX_MODEL_LEN), str(10**6))
     assert err["code"] == "context_length_exceeded"
-    err = _error(c.post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1}), 400, "3000 in the prompt", str(MAX_MODEL_LEN))
+    err = _error(c.post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1}),
+                 400, "3000 in the prompt", str(MAX_MODEL_LEN))
     assert err["param"] == "prompt"
     _error(c.post("/v1/completions", json={"prompt": [5, 99999]}), 400, "token ids")
 
@@ -104,7 +107,8 @@ def test_chat_validation(env: dict[str, Any]) -> None:
     _error(c.post("/v1/chat/completions", json={"messages": []}), 400, "non-empty")
     _error(c.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}), 400, "role")
     _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]}), 400, "content")
-    _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400, "requires")
+    _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+           400, "requires")
 
 
 def test_unknown_model_body_too_large_and_unknown_route(env: dict[str, Any]) -> None:

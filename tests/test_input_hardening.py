@@ -16,17 +16,18 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 import redis
 
-from infra.launcher import free_port, stop_all, wait_healthy
 from common.protocol import Names
 from common.sampling_params import SamplingParams
 from gateway.openai_schema import MAX_CONTENT_PARTS, MAX_JSON_DEPTH, MAX_MESSAGES, MAX_STOP_STRING_CHARS
+from infra.launcher import free_port, stop_all, wait_healthy
 from infra.stack import REPO, find_redis
 from tests.test_gateway_validation import MAX_MODEL_LEN, VOCAB_SIZE, register_engine
 
@@ -203,7 +204,8 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
 ]
 
 
-@pytest.mark.parametrize("endpoint, body, param, word", BAD_INPUTS, ids=[f"{i}-{case[2] or 'body'}" for i, case in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize("endpoint, body, param, word", BAD_INPUTS,
+                         ids=[f"{i}-{case[2] or 'body'}" for i, case in enumerate(BAD_INPUTS)])
 def test_malformed_input_is_a_400_in_openai_format(gateway: str, endpoint: str, body: str, param: str | None,
                                                     word: str) -> None:
     response = httpx.post(f"{gateway}/v1/{endpoint}", content=body.encode("utf-8", "surrogatepass"),

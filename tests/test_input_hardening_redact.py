@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.launcher import free_port
 from common.redact import RedactingFilter, redact_text, redact_url
+from infra.launcher import free_port
 from infra.stack import REPO, find_redis
 
 

@@ -177,7 +177,8 @@ def test_tokenize_answers_400s(tiny_model: Any) -> None:
 
     tok = AutoTokenizer.from_pretrained(tiny_model())
     info = _info(tiny_model())
-    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": "hello world " * 20_000}), info).value
+    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(),
+                        parse_completion({"prompt": "hello world " * 20_000}), info).value
     assert err.code == "context_length_exceeded" and "at least" in err.message and err.param == "prompt"
     err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": "hello " * 3000}), info).value
     assert "at least" not in err.message, "a prompt counted to the end gives its exact length"

@@ -143,14 +143,14 @@ def test_two_engines_on_two_threads_match_each_alone(tiny_model) -> None:
         errors: list[BaseException] = []
         barrier = threading.Barrier(2)
 
-        def work(i: int) -> None:
+        def work(i: int, barrier: threading.Barrier, engines: list, results: list, errors: list[BaseException]) -> None:
             try:
                 barrier.wait()
                 results[i] = _run(engines[i], *inputs[i])
             except BaseException as exc:  # surfaced below, with the thread's traceback
                 errors.append(exc)
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=work, args=(i, barrier, engines, results, errors)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:

@@ -256,11 +256,18 @@ def count_params(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in weights.values())
 
 
+def _save(weights: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    """`save_file`, then readable by all like the checkpoint's other files: safetensors writes 0600,
+    and a service running as another user (a container's non-root user) could not read it."""
+    save_file(weights, str(path), metadata=meta)
+    path.chmod(0o644)
+
+
 def save_weights(weights: dict[str, torch.Tensor], out: Path, shards: int) -> None:
     """Write one ``model.safetensors`` or ``shards`` files plus ``model.safetensors.index.json``."""
     meta = {"format": "pt"}
     if shards <= 1:
-        save_file(weights, str(out / "model.safetensors"), metadata=meta)
+        _save(weights, out / "model.safetensors", meta)
         return
     names = list(weights)
     per = math.ceil(len(names) / shards)
@@ -268,7 +275,7 @@ def save_weights(weights: dict[str, torch.Tensor], out: Path, shards: int) -> No
     for s in range(shards):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: weights[n] for n in names[s * per : (s + 1) * per]}
-        save_file(part, str(out / fname), metadata=meta)
+        _save(part, out / fname, meta)
         weight_map.update({n: fname for n in part})
     total = sum(t.numel() * t.element_size() for t in weights.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

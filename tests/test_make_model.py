@@ -65,6 +65,12 @@ def test_tokenizer_round_trip_and_chat_template(tiny_model) -> None:
     assert chat_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
 
 
+def test_every_file_is_readable_by_other_users(tiny_model) -> None:
+    """A container's non-root user must be able to read a checkpoint made by root (and vice versa)."""
+    for path in [*tiny_model().iterdir(), *tiny_model(shards=2).iterdir()]:
+        assert path.stat().st_mode & 0o044 == 0o044, f"{path.name} is not readable by group and others"
+
+
 def test_sharded_checkpoint_matches_single_file(tiny_model) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from common.config import ServiceDefaults
 from common.protocol import (
+    ENGINE_STREAMS_TTL_MS,
     ENTRY_FIELD,
     OUTPUTS_MAXLEN,
     AbortRequests,
@@ -203,6 +204,11 @@ class EngineClient:
         self.requests.pop(handle.request_id, None)
         self.attempts.pop(handle.engine_request_id, None)
 
+    def _to_engine(self, scheduler_id: str, msg: Any) -> Outgoing:
+        """A message for an engine's requests stream; its TTL is refreshed, so the stream of an
+        engine that never comes back expires (a live scheduler trims it as it reads)."""
+        return Outgoing(self.names.requests(scheduler_id), encode(msg), None, ENGINE_STREAMS_TTL_MS)
+
     def load_of(self, status: EngineStatus) -> int:
         return status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
 
@@ -249,7 +255,7 @@ class EngineClient:
         if handle.journal_id:
             route = Route(handle.engine_request_id, engine.scheduler_id)
             sends.append(Outgoing(self.names.journal(handle.journal_id), encode(route), None, self.journal_ttl_ms))
-        sends.append(Outgoing(self.names.requests(engine.scheduler_id), encode(msg)))
+        sends.append(self._to_engine(engine.scheduler_id, msg))
         # Counted before the await: requests routed concurrently must see each other's choice.
         self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
         await self.transport.send_many(sends, deadline_s=5)
@@ -326,7 +332,7 @@ class EngineClient:
 
     async def _flush_aborts(self, reason: str, deadline_s: float | None = None) -> None:
         aborts, self._aborts = self._aborts, {}
-        sends = [Outgoing(self.names.requests(sid), encode(AbortRequests(ids, reason)))
+        sends = [self._to_engine(sid, AbortRequests(ids, reason))
                  for sid, ids in aborts.items() if sid]
         try:
             await self.transport.send_many(sends, deadline_s=deadline_s)
@@ -401,7 +407,7 @@ class EngineClient:
         """Ask the engine to resend from what this gateway has (outputs were lost)."""
         handle.sync_from = handle.next_index
         msg = SyncRequest(handle.engine_request_id, self.gateway_id, handle.next_index)
-        await self.transport.send(self.names.requests(handle.scheduler_id), msg, deadline_s=5)
+        await self.transport.send_many([self._to_engine(handle.scheduler_id, msg)], deadline_s=5)
 
     def _fail(self, handle: RequestHandle, error: str) -> None:
         logger.error("request %s failed: %s", handle.request_id, error)

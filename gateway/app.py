@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import uuid
@@ -158,15 +159,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return JSONResponse(error.body(), status_code=503)
         return JSONResponse({"status": "ok", "gateway_id": gateway_id})
 
+    def model_card(info: EngineStatus) -> dict[str, Any]:
+        return {"id": served_name(info), "object": "model", "created": 0, "owned_by": "conveyor",
+                "root": info.model_path, "max_model_len": info.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_key(request)
         info = client.model_info
-        data = []
-        if info is not None:
-            data.append({"id": served_name(info), "object": "model", "created": 0, "owned_by": "conveyor",
-                         "root": info.model_path, "max_model_len": info.max_model_len})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(info)] if info is not None else []})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        check_key(request)
+        info = client.model_info
+        if info is None or model_id not in (served_name(info), info.model_path):
+            raise ApiError(404, f"The model `{model_id[:200]}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+        return JSONResponse(model_card(info))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": package_version()})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -284,6 +298,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return fmt.full_response(pieces, gen.num_completion_tokens)
 
     return app
+
+
+def package_version() -> str:
+    """This build's version, as installed (pyproject.toml is its one source)."""
+    try:
+        return importlib.metadata.version("conveyor")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def journal_body(body: dict[str, Any], kind: str) -> str:

@@ -140,6 +140,7 @@ class EngineClient:
         `RedisAuthFailed` propagates and the server exits with the message."""
         try:
             await self.transport.ping(deadline_s=2)
+            await self._refresh()  # serve at once when the engines are up
         except TRANSIENT_ERRORS as exc:
             logger.warning("Redis is not reachable yet (%s); answering 503 until it is", exc)
         # On a thread: a busy event loop (many streams on a loaded CPU) must not let the heartbeat

@@ -7,6 +7,7 @@ thread reads the engine's requests stream and writes `StepOutputs` back, as the 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import time
@@ -124,6 +125,12 @@ def test_models_and_health(env: dict[str, Any]) -> None:
     data = c.get("/v1/models").json()["data"]
     assert data[0]["id"] == "tiny" and data[0]["max_model_len"] == MAX_MODEL_LEN
     assert c.get("/health").status_code == 200
+    assert c.get("/v1/models/tiny").json() == data[0]
+    assert c.get(f"/v1/models/{env['model']}").json() == data[0]  # the path it was loaded from works too
+    err = _error(c.get("/v1/models/gpt-9"), 404, "gpt-9")
+    assert err["code"] == "model_not_found" and err["type"] == "not_found_error"
+    version = c.get("/version").json()["version"]
+    assert version == importlib.metadata.version("conveyor")
 
 
 def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path: str) -> threading.Thread:

@@ -8,7 +8,7 @@ are appended to its journal, where the gateway that resumes the stream reads the
 resumed is aborted at once: nobody is left to read it.
 
 Pure bookkeeping: it returns the messages to send (`Outgoing`) and the requests to abort; the
-service sends and aborts. Owned by the engine thread alone.
+service sends and aborts. Changed by the engine thread alone (the watcher thread only reads `gateways`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from common.sampling_params import SamplingParams
 from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.openai_schema import ApiError
-from gateway.router import EngineClient, EngineUnavailable, RequestHandle
+from gateway.request_handle import EngineUnavailable, RequestHandle
+from gateway.router import EngineClient
 from gateway.stop import StopMatcher
 
 

@@ -28,7 +28,6 @@ import random
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import ServiceDefaults
@@ -49,6 +48,9 @@ from common.protocol import (
     unpack_logprobs,
 )
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
+from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle
+
+__all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle"]
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -56,48 +58,6 @@ logger = logging.getLogger("conveyor.gateway")
 # affinity engine may carry than the least-loaded engine before the prompt goes to the latter: a
 # cached prefix saves its prefill, but not the wait behind a long queue.
 AFFINITY_SLACK = 8
-
-
-@dataclass(slots=True)
-class EngineEvent:
-    """New tokens of one request (possibly none), and whether and why it ended."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class RequestHandle:
-    """One request in flight from this gateway, and what it takes to continue it elsewhere."""
-
-    request_id: str  # the response id the client sees
-    prompt_token_ids: list[int]
-    sampling: dict[str, Any]
-    journal_id: str = ""
-    engine_request_id: str = ""  # the current attempt's id in the engine
-    scheduler_id: str = ""
-    incarnation: str = ""
-    attempts: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    events: asyncio.Queue[EngineEvent] = field(default_factory=asyncio.Queue)
-    done: bool = False
-    unrouted_since: float | None = None  # waiting for a live engine to migrate to
-    sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
-
-    @property
-    def next_index(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-class EngineUnavailable(RuntimeError):
-    """No live engine to serve requests (answered as 503)."""
 
 
 class EngineClient:

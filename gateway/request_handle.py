@@ -1,0 +1,49 @@
+"""One request in flight from a gateway (`RequestHandle`), and the engine events it receives."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class EngineEvent:
+    """New tokens of one request (possibly none), and whether and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """One request in flight from this gateway, and what it takes to continue it elsewhere."""
+
+    request_id: str  # the response id the client sees
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    journal_id: str = ""
+    engine_request_id: str = ""  # the current attempt's id in the engine
+    scheduler_id: str = ""
+    incarnation: str = ""
+    attempts: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    events: asyncio.Queue[EngineEvent] = field(default_factory=asyncio.Queue)
+    done: bool = False
+    unrouted_since: float | None = None  # waiting for a live engine to migrate to
+    sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
+
+    @property
+    def next_index(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class EngineUnavailable(RuntimeError):
+    """No live engine to serve requests (answered as 503)."""

@@ -231,14 +231,6 @@ class Transport:
             logger.exception("could not write the dead letter")
 
     # -- keys ----------------------------------------------------------------------------------
-    async def put(self, key: str, msg: Any, ttl_ms: int | None = None) -> None:
-        await self.call(self.redis.set, key, encode(msg, self.max_message_bytes), px=ttl_ms)
-
-    async def get(self, key: str, expected: tuple[type, ...] | None = None, deadline_s: float | None = None) -> Any:
-        """The message stored at ``key``, or None if absent or malformed (logged)."""
-        data = await self.call(self.redis.get, key, deadline_s=deadline_s)
-        return None if data is None else self.decode_value(key, data, expected)
-
     def decode_value(self, key: str, data: bytes, expected: tuple[type, ...] | None = None) -> Any:
         """The message in a key's value, or None if malformed (logged)."""
         try:
@@ -370,9 +362,6 @@ class SyncTransport:
             self.call(self.redis.xadd, self.names.dead_letter, record, maxlen=DEAD_LETTER_MAXLEN, approximate=True, deadline_s=5)
         except TRANSIENT_ERRORS:
             logger.exception("could not write the dead letter")
-
-    def put(self, key: str, msg: Any, ttl_ms: int | None = None) -> None:
-        self.call(self.redis.set, key, self.encode(msg), px=ttl_ms)
 
     def alive(self, kind: str, process_id: str, deadline_s: float | None = None) -> bool:
         return bool(self.call(self.redis.exists, self.names.heartbeat(kind, process_id), deadline_s=deadline_s))

@@ -84,7 +84,6 @@ class EngineClient:
         self.run_id: str | None = None
         # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
         self.settle_until = 0.0
-        self.num_migrations = 0
         self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
         self._outputs_cursors: dict[str, bytes | str] = {}
         self._abort_event = asyncio.Event()
@@ -231,7 +230,6 @@ class EngineClient:
             self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
             self._abort_event.set()
             handle.unrouted_since = time.monotonic()
-            self.num_migrations += 1
         if handle.attempts > self.migration_limit:
             self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
         elif len(handle.output_token_ids) >= int(handle.sampling.get("max_tokens", 0)):

@@ -37,12 +37,6 @@ class OutputRouter:
         self.max_message_bytes = max_message_bytes
         self.routes: dict[str, _Route] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.routes
-
-    def __len__(self) -> int:
-        return len(self.routes)
-
     def add(self, request_id: str, gateway_id: str, journal_id: str) -> None:
         self.routes[request_id] = _Route(gateway_id, journal_id)
 

@@ -157,7 +157,6 @@ class StreamExecutor:
         self.encoder = DeltaEncoder(info.block_size)
         self.step = 0
         self.last_forward_s = 0.0
-        self.total_forward_s = 0.0
         self.outbox: list[Outgoing] = []  # messages that ride with the next step
         self._steps_stream = transport.names.steps(scheduler_id)
         self._results_stream = transport.names.results(scheduler_id)
@@ -187,7 +186,6 @@ class StreamExecutor:
         if len(result.token_ids) != batch.num_seqs:
             raise ExecutorLost(f"executor returned {len(result.token_ids)} tokens for {batch.num_seqs} sequences")
         self.last_forward_s = result.forward_s
-        self.total_forward_s += result.forward_s
         if not result.lp_counts:
             return ExecutorOutput(token_ids=result.token_ids, logprobs=[])
         logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values)

@@ -62,7 +62,7 @@ def test_route_groups_one_message_per_gateway() -> None:
     assert entries(msgs[NAMES.outputs("g2")]) == [("b", 0, [6], False, None, None)]
     assert msgs[NAMES.outputs("g1")].lp_counts == []  # sealed: no logprob columns when none asked
     # A finished request is forgotten; the others stay routed.
-    assert "c" not in router and "a" in router and "b" in router and len(router) == 2
+    assert "c" not in router.routes and "a" in router.routes and "b" in router.routes and len(router.routes) == 2
     assert router.route([out("c", [1], 11)]) == []
     assert router.route([]) == []
 
@@ -101,7 +101,7 @@ def test_gateway_died_orphans_journaled_and_returns_the_others() -> None:
     # A finished orphan's last output is journaled and the orphan forgotten.
     sends = router.route([out("b", [9], 8, True, "length")])
     assert entries(by_stream(sends)[NAMES.journal("resp-b")]) == [("b", 7, [9], True, "length", None)]
-    assert "b" not in router and router.gateways() == ({"g2"}, set())
+    assert "b" not in router.routes and router.gateways() == ({"g2"}, set())
 
 
 def test_expired_orphans() -> None:
@@ -157,7 +157,7 @@ def test_adopt_unknown(held: bool) -> None:
     [(rid, index, tokens, finished, reason, error)] = entries(decode(send.data, (StepOutputs,)))
     assert (rid, index, tokens, finished, reason) == ("x", 0, [], True, "unknown")
     assert error
-    assert "x" not in router and router.gateways() == (set(), set())
+    assert "x" not in router.routes and router.gateways() == (set(), set())
 
 
 def test_errors_and_reject() -> None:
@@ -183,4 +183,4 @@ def test_errors_and_reject() -> None:
     send = router.reject("r9", "g3", "max_tokens must be at least 1")
     assert send.stream == NAMES.outputs("g3") and send.ttl_ms == OUTPUTS_TTL_MS and send.maxlen == OUTPUTS_MAXLEN
     assert entries(decode(send.data)) == [("r9", 0, [], True, "rejected", "max_tokens must be at least 1")]
-    assert "r9" not in router
+    assert "r9" not in router.routes

@@ -82,6 +82,7 @@ class EngineClient:
         self.model_info: EngineStatus | None = None
         self.down_reason: str | None = "no engine has registered yet"
         self.run_id: str | None = None
+        self.num_migrations = 0  # requests moved to another engine (a metric's source)
         # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
         self.settle_until = 0.0
         self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
@@ -230,6 +231,7 @@ class EngineClient:
             self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
             self._abort_event.set()
             handle.unrouted_since = time.monotonic()
+            self.num_migrations += 1
         if handle.attempts > self.migration_limit:
             self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
         elif len(handle.output_token_ids) >= int(handle.sampling.get("max_tokens", 0)):

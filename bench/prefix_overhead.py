@@ -17,53 +17,61 @@ import gc
 import time
 
 from bench.offline import WORKLOADS, make_workload, prompt_ids
-from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo, SchedulerConfig
+from common.executor_output import ExecutorOutput
+from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
+from executor.input_batch import PersistentBatch
 from scheduler.cache_manager import CacheManager
+from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
 
 class NullExecutor:
-    """Returns token 1 for every sampled row, instantly."""
+    """Keeps the executor's request state (as a real one does) and returns token 1 for every
+    sampled row, without a model."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.info = ExecutorInfo("null", num_blocks, block_size, max_model_len, [0], 8192)
+        self.state = PersistentBatch(block_size)
 
-    def execute_model(self, batch: Batch) -> ExecutorOutput:
-        return ExecutorOutput([1 if s else -1 for s in batch.sample], [])
+    def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
+        batch = self.state.prepare(output)
+        tokens = [1 if s else -1 for s in batch.sample]
+        self.state.append_sampled(batch, tokens)
+        return ExecutorOutput(tokens, [])
 
 
-def make_scheduler(prompts: list[list[int]], outs: list[int], caching: bool, args: argparse.Namespace) -> Scheduler:
+def make_engine(prompts: list[list[int]], outs: list[int], caching: bool, args: argparse.Namespace) -> EngineCore:
     executor = NullExecutor(args.num_blocks, args.block_size, args.max_model_len)
     config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, enable_prefix_caching=caching)
-    sched = Scheduler(config, CacheManager(args.num_blocks, args.block_size), executor)
+    sched = Scheduler(config, CacheManager(args.num_blocks, args.block_size), executor.info)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         sched.add_request(Request(str(i), list(p), SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)))
-    return sched
+    return EngineCore(sched, InlineExecutor(executor))
 
 
 def run_paired(prompts: list[list[int]], outs: list[int], args: argparse.Namespace) -> tuple[float, float, int, int]:
     """Both engines in lockstep, one step each in turn (which goes first alternates), so a shared
     machine's drifting speed hits both alike. Seconds off, seconds on, steps, hits (tokens)."""
-    off = make_scheduler(prompts, outs, False, args)
-    on = make_scheduler(prompts, outs, True, args)
+    off = make_engine(prompts, outs, False, args)
+    on = make_engine(prompts, outs, True, args)
     t_off = t_on = 0.0
     clock = time.perf_counter
-    while off.has_unfinished() or on.has_unfinished():
-        first_off = off.num_steps % 2 == 0
-        for sched in ((off, on) if first_off else (on, off)):
-            if sched.has_unfinished():
+    while off.has_work() or on.has_work():
+        first_off = off.scheduler.num_steps % 2 == 0
+        for core in ((off, on) if first_off else (on, off)):
+            if core.has_work():
                 t = clock()
-                sched.schedule()
+                core.step()
                 dt = clock() - t
-                if sched is off:
+                if core is off:
                     t_off += dt
                 else:
                     t_on += dt
-    assert off.num_steps == on.num_steps
-    return t_off, t_on, on.num_steps, on.prefix_cache_hits
+    assert off.scheduler.num_steps == on.scheduler.num_steps
+    return t_off, t_on, on.scheduler.num_steps, on.scheduler.prefix_cache_hits
 
 
 def main(argv: list[str] | None = None) -> int:

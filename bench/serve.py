@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -120,6 +121,19 @@ def offline_breakdown(model: str, prompts: list[list[int]], outs: list[int], eng
             "outside_execute_ms": 1e3 * (elapsed - timers["execute"]) / steps}
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far (Linux ``/proc``), this one as "client"."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, pid in {**pids, "client": os.getpid()}.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--url", help="gateway base URL of a running stack")
@@ -134,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--offline", action="store_true", help="also run the same work in-process (LLM)")
     p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--scheduler-arg", action="append", default=[],
+                   help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling")
     args = p.parse_args(argv)
 
     work = make_workload(args.workload, args.num_requests)
@@ -147,12 +163,18 @@ def main(argv: list[str] | None = None) -> int:
         from infra.stack import Stack
 
         extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
-        stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="bench-serve-")), executor_args=extra).start()
+        stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="bench-serve-")), executor_args=extra,
+                      scheduler_args=tuple(args.scheduler_arg)).start()
         args.url, args.redis_url, args.namespace = stack.urls[0], stack.redis_url, stack.namespace
     try:
         before = read_stats(args.redis_url, args.namespace) if args.redis_url else None
+        pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
+        cpu0 = cpu_seconds(pids)
         http = asyncio.run(http_load(args.url, prompts, outs, concurrency))
+        cpu1 = cpu_seconds(pids)
         report: dict[str, Any] = {"workload": work.name, "requests": len(prompts), "concurrency": concurrency, "http": http}
+        # Where the machine's CPU went during the load (the warm-up request included).
+        report["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
         if before is not None:
             after = read_stats(args.redis_url, args.namespace)
             n = after.step_count - before.step_count

@@ -117,18 +117,22 @@ class SchedulerConfig:
     ``enable_prefix_caching``: reuse the K/V of full blocks an earlier request computed for the
     same leading tokens (see `scheduler.cache_manager`). It lives here, not in `CacheConfig`,
     because only the scheduler's block table knows it: the executor just follows block tables.
+    ``async_scheduling``: schedule (and send) step N+1 while step N runs (see
+    `scheduler.engine_core`); off, each step waits for the previous one's tokens.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (a zero limit would never schedule)."""
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("max_num_seqs", self.max_num_seqs)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ from common.codec import Codec, packed
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -53,14 +53,6 @@ OUTPUTS_TTL_MS = 120_000
 ENGINE_STREAMS_TTL_MS = 3_600_000
 # Engine registrations not refreshed for this long are dropped from the ``engines`` set.
 ENGINE_FORGET_S = 600.0
-
-
-def apply_edit(store: list[int], start: int, values: list[int]) -> None:
-    """The `StepDelta` edit rule: ``store[start:] = values``, padding with -1 (unknown) past the end."""
-    if start > len(store):
-        store.extend([-1] * (start - len(store)))
-    del store[start:]
-    store.extend(values)
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -167,41 +159,118 @@ class BindExecutor:
 
 
 @dataclass(slots=True)
-class StepDelta:
-    """scheduler -> executor: one engine step, as changes to the executor's per-request state.
+class NewRequestData:
+    """A request the executor does not hold yet (first scheduled, or resent after a rebind)."""
 
-    ``release``: requests to forget first. ``new_ids``/``new_sampling``: requests seen for the
-    first time (or reset). Per scheduled sequence, in batch order: ``query_lens``, ``seq_lens``,
-    ``output_lens``, ``sample``; token store edit ``tokens[token_starts[i]:] = <next
-    num_new_tokens[i] of new_tokens>`` (padding with -1 up to the start); block table edit
-    ``table[block_starts[i]:] = <next num_new_blocks[i] of new_blocks>``. Slot mappings follow
-    from the block table except for the sequences listed in ``slot_seqs`` (their explicit slots
-    are concatenated in ``slots``).
+    request_id: str
+    sampling: dict[str, Any]  # `SamplingParams` fields
+    num_prompt_tokens: int
+    token_ids: list[int]  # every known token: prompt, then any output already generated
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """scheduler -> executor: one engine step, as a delta against the executor's request state.
+
+    vLLM v1's shape. The executor keeps, per request, its tokens and block table, and appends the
+    tokens it samples itself; so a step carries only what the executor cannot know:
+
+    - new requests (``new_*`` columns, one entry per request; tokens and blocks concatenated);
+    - cached requests whose block table changed (``cached_*``): new block ids appended, or, for
+      one resumed from preemption, its whole new table;
+    - the batch, in order: ``scheduled_req_ids`` with ``num_scheduled_tokens`` and
+      ``num_computed_tokens`` (the position of each one's first scheduled token);
+    - ``finished_req_ids``: requests whose state the executor drops first.
+
+    A scheduled request samples a token when its scheduled tokens reach the end of the tokens the
+    executor holds (so a step scheduled one ahead reads the token its predecessor sampled).
+    ``step`` numbers the scheduler's steps; ``epoch`` is the executor binding it was sent to.
     """
 
-    epoch: int
-    step: int
-    release: list[str] = field(default_factory=list)
-    new_ids: list[str] = field(default_factory=list)
+    step: int = 0
+    epoch: int = 0
+    new_req_ids: list[str] = field(default_factory=list)
     new_sampling: list[dict[str, Any]] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-    query_lens: list[int] = packed("i")
-    seq_lens: list[int] = packed("i")
-    output_lens: list[int] = packed("i")
-    sample: list[bool] = field(default_factory=list)
-    token_starts: list[int] = packed("i")
-    num_new_tokens: list[int] = packed("i")
-    new_tokens: list[int] = packed("i")
-    block_starts: list[int] = packed("i")
-    num_new_blocks: list[int] = packed("i")
-    new_blocks: list[int] = packed("i")
-    slot_seqs: list[int] = packed("i")
-    slots: list[int] = packed("i")
+    new_num_prompt_tokens: list[int] = packed("i")
+    new_num_tokens: list[int] = packed("i")
+    new_token_ids: list[int] = packed("i")
+    new_num_blocks: list[int] = packed("i")
+    new_block_ids: list[int] = packed("i")
+    cached_req_ids: list[str] = field(default_factory=list)
+    cached_resumed: list[bool] = field(default_factory=list)
+    cached_num_blocks: list[int] = packed("i")
+    cached_block_ids: list[int] = packed("i")
+    scheduled_req_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = packed("i")
+    num_computed_tokens: list[int] = packed("i")
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled_req_ids)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def add_new(self, request_id: str, params: SamplingParams, num_prompt_tokens: int, token_ids: list[int],
+                block_ids: list[int]) -> None:
+        self.new_req_ids.append(request_id)
+        self.new_sampling.append(sampling_to_dict(params))
+        self.new_num_prompt_tokens.append(num_prompt_tokens)
+        self.new_num_tokens.append(len(token_ids))
+        self.new_token_ids.extend(token_ids)
+        self.new_num_blocks.append(len(block_ids))
+        self.new_block_ids.extend(block_ids)
+
+    def add_cached(self, request_id: str, resumed: bool, block_ids: list[int]) -> None:
+        self.cached_req_ids.append(request_id)
+        self.cached_resumed.append(resumed)
+        self.cached_num_blocks.append(len(block_ids))
+        self.cached_block_ids.extend(block_ids)
+
+    def add_scheduled(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> None:
+        self.scheduled_req_ids.append(request_id)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def new_requests(self) -> list[NewRequestData]:
+        """The new requests as records; raises `ProtocolError` if the columns disagree."""
+        n = len(self.new_req_ids)
+        if not (len(self.new_sampling) == len(self.new_num_prompt_tokens) == len(self.new_num_tokens)
+                == len(self.new_num_blocks) == n):
+            raise ProtocolError("new-request columns differ in length")
+        out: list[NewRequestData] = []
+        t = b = 0
+        for i, request_id in enumerate(self.new_req_ids):
+            nt, nb = self.new_num_tokens[i], self.new_num_blocks[i]
+            out.append(NewRequestData(request_id, self.new_sampling[i], self.new_num_prompt_tokens[i],
+                                      self.new_token_ids[t : t + nt], self.new_block_ids[b : b + nb]))
+            t += nt
+            b += nb
+        if t != len(self.new_token_ids) or b != len(self.new_block_ids):
+            raise ProtocolError("new-request token or block columns do not match their counts")
+        return out
+
+    def cached_requests(self) -> list[tuple[str, bool, list[int]]]:
+        """``(request_id, resumed, block_ids)`` per cached entry; `ProtocolError` if inconsistent."""
+        if not len(self.cached_resumed) == len(self.cached_num_blocks) == len(self.cached_req_ids):
+            raise ProtocolError("cached-request columns differ in length")
+        out: list[tuple[str, bool, list[int]]] = []
+        b = 0
+        for request_id, resumed, nb in zip(self.cached_req_ids, self.cached_resumed, self.cached_num_blocks):
+            out.append((request_id, resumed, self.cached_block_ids[b : b + nb]))
+            b += nb
+        if b != len(self.cached_block_ids):
+            raise ProtocolError("cached-request block column does not match its counts")
+        return out
 
 
 @dataclass(slots=True)
 class StepResult:
-    """executor -> scheduler: sampled tokens of step ``step`` (batch order), or an error.
+    """executor -> scheduler: sampled tokens of step ``step`` (batch order; -1 where a request
+    did not sample), or an error.
 
     Logprobs are columnar: ``lp_counts[i]`` entries (-1: none) of ``lp_token_ids``/``lp_values``.
     """
@@ -332,7 +401,7 @@ MESSAGE_TYPES: dict[str, type] = {
     "sync": SyncRequest,
     "hello": ExecutorHello,
     "bind": BindExecutor,
-    "step": StepDelta,
+    "step": SchedulerOutput,
     "result": StepResult,
     "out": StepOutputs,
     "engine": EngineStatus,
@@ -387,5 +456,5 @@ _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 
 
 def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """`SamplingParams` as the plain map carried by `GenerateRequest` and `StepDelta`."""
+    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`."""
     return {name: getattr(params, name) for name in _SAMPLING_FIELDS}

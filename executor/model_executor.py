@@ -1,4 +1,9 @@
-"""`ModelExecutor`: owns the model, its paged KV cache and the sampler; runs one `Batch` per call."""
+"""`ModelExecutor`: owns the model, its paged KV cache, the sampler and the persistent batch.
+
+`execute_model` takes one `SchedulerOutput` (the scheduler's step, as a delta), lets the
+`PersistentBatch` turn it into a `Batch`, runs the forward pass and sampling, and appends the
+sampled tokens to the requests' state so that a step scheduled one ahead reads them.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,12 @@ from pathlib import Path
 
 import torch
 
-from common.batch import Batch, ExecutorOutput
 from common.config import CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
+from common.executor_output import ExecutorOutput
+from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
+from executor.input_batch import Batch, PersistentBatch
 from executor.loader import load_weights
 from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
@@ -97,6 +104,7 @@ class ModelExecutor:
             vocab_size=cfg.vocab_size,
         )
         self.backend = backend
+        self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
         log.info(
             "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens",
             self.info.model_name, self.device, self.dtype, backend, self.num_blocks, self.block_size,
@@ -152,7 +160,23 @@ class ModelExecutor:
         sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(batch.sample) if s]
         return input_ids, positions, meta, sample_rows
 
-    def execute_model(self, batch: Batch) -> ExecutorOutput:
+    def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
+        """Run one scheduled step; on any error every request's state is dropped (and re-raised):
+        the scheduler then resends them all as new."""
+        try:
+            batch = self.input_batch.prepare(output)
+            result = self.execute_batch(batch)
+            self.input_batch.append_sampled(batch, result.token_ids)
+        except BaseException:
+            self.reset()
+            raise
+        return result
+
+    def reset(self) -> None:
+        """Drop every request's state (after a failed step, or a new binding)."""
+        self.input_batch.clear()
+
+    def execute_batch(self, batch: Batch) -> ExecutorOutput:
         """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode."""
         n = batch.num_seqs
         if n == 0:

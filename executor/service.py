@@ -2,9 +2,11 @@
 
 Protocol with the scheduler (see `common.protocol`): announce with `ExecutorHello` on the results
 stream (again every few seconds while idle, so a restarted scheduler finds it), accept the
-`BindExecutor` that names this executor, then execute every `StepDelta` of that epoch and answer
-with a `StepResult`. Steps of any other epoch are ignored: they refer to KV state of a previous
-binding. The step stream has exactly one reader (this process), so no consumer group. The loop
+`BindExecutor` that names this executor, then execute every `SchedulerOutput` of that epoch and
+answer with a `StepResult`. Steps of any other epoch are ignored: they refer to KV state of a
+previous binding. A step that fails drops every request's state and ends the epoch here (later
+steps of it, already sent one ahead, are ignored): the scheduler rebinds with a new epoch and
+resends every request. The step stream has exactly one reader (this process), so no consumer group. The loop
 is synchronous (blocking reads, the forward pass inline); heartbeats run on their own thread.
 """
 
@@ -18,7 +20,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
@@ -26,88 +27,16 @@ from common.protocol import (
     BindExecutor,
     ExecutorHello,
     Names,
-    StepDelta,
+    SchedulerOutput,
     StepResult,
-    apply_edit,
     pack_logprobs,
 )
-from common.sampling_params import SamplingParams
 from common.service_cli import add_engine_id, run_service, service_parser, setup_logging, stop_on_sigterm
 from common.transport import Heartbeat, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 
 HELLO_INTERVAL_S = 3.0
-
-
-@dataclass(slots=True)
-class _RequestState:
-    params: SamplingParams
-    tokens: list[int] = field(default_factory=list)
-    table: list[int] = field(default_factory=list)
-
-
-class RequestStates:
-    """The executor's per-request token stores and block tables; rebuilds full `Batch`es."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.states: dict[str, _RequestState] = {}
-
-    def clear(self) -> None:
-        self.states.clear()
-
-    def apply(self, delta: StepDelta) -> Batch:
-        """Apply one step's edits and return the full batch; raises ValueError if inconsistent."""
-        for request_id in delta.release:
-            self.states.pop(request_id, None)
-        if len(delta.new_ids) != len(delta.new_sampling):
-            raise ValueError("new_ids and new_sampling differ in length")
-        for request_id, sampling in zip(delta.new_ids, delta.new_sampling):
-            self.states[request_id] = _RequestState(SamplingParams(**sampling))
-        n = len(delta.request_ids)
-        columns = (delta.query_lens, delta.seq_lens, delta.output_lens, delta.sample, delta.token_starts,
-                   delta.num_new_tokens, delta.block_starts, delta.num_new_blocks)
-        if any(len(c) != n for c in columns):
-            raise ValueError("per-sequence columns differ in length")
-        bs = self.block_size
-        batch = Batch()
-        tpos = bpos = spos = 0
-        explicit = set(delta.slot_seqs)
-        for i, request_id in enumerate(delta.request_ids):
-            state = self.states.get(request_id)
-            if state is None:
-                raise ValueError(f"step refers to unknown request {request_id!r}")
-            k = delta.num_new_tokens[i]
-            apply_edit(state.tokens, delta.token_starts[i], delta.new_tokens[tpos : tpos + k])
-            tpos += k
-            k = delta.num_new_blocks[i]
-            apply_edit(state.table, delta.block_starts[i], delta.new_blocks[bpos : bpos + k])
-            bpos += k
-            q, s = delta.query_lens[i], delta.seq_lens[i]
-            a = s - q
-            window = state.tokens[a:s]
-            if len(window) != q or -1 in window:
-                raise ValueError(f"request {request_id!r}: tokens for positions [{a}, {s}) were never sent")
-            table = state.table
-            if i in explicit:
-                slots = delta.slots[spos : spos + q]
-                spos += q
-            else:
-                slots = [table[p // bs] * bs + p % bs for p in range(a, s)]
-            batch.request_ids.append(request_id)
-            batch.input_ids.extend(window)
-            batch.positions.extend(range(a, s))
-            batch.slot_mapping.extend(slots)
-            batch.query_lens.append(q)
-            batch.seq_lens.append(s)
-            batch.block_tables.append(list(table))
-            batch.sample.append(delta.sample[i])
-            batch.output_lens.append(delta.output_lens[i])
-            batch.sampling_params.append(state.params)
-        if tpos != len(delta.new_tokens) or bpos != len(delta.new_blocks) or spos != len(delta.slots):
-            raise ValueError("flat token/block/slot columns do not match their counts")
-        return batch
 
 
 @dataclass(slots=True)
@@ -123,7 +52,10 @@ class ExecutorServiceConfig:
 
 
 class ExecutorService:
-    """One executor process bound to one scheduler id."""
+    """One executor process bound to one scheduler id.
+
+    ``model_executor`` is a `ModelExecutor` (or anything with its ``info``, ``execute_model`` and
+    ``reset``): it holds the requests' state between steps."""
 
     def __init__(self, config: ExecutorServiceConfig, model_executor: object) -> None:
         self.config = config
@@ -132,7 +64,6 @@ class ExecutorService:
         self.eid = config.executor_id or uuid.uuid4().hex[:12]
         self.names = Names(config.namespace)
         self.transport = SyncTransport(config.redis_url, self.names, owner=f"executor {self.eid}")
-        self.states = RequestStates(self.info.block_size)
         self.epoch: int | None = None
         self.stopping = threading.Event()  # `run` returns once set (and its read times out)
         self.last_step = 0  # of the current epoch
@@ -164,7 +95,7 @@ class ExecutorService:
         try:
             while not self.stopping.is_set():
                 # Steps already read are trimmed in the same round trip (this is the stream's only reader).
-                got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, StepDelta),
+                got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, SchedulerOutput),
                                  trim={steps: cursors[steps]})
                 sends = []
                 if not got:
@@ -174,7 +105,7 @@ class ExecutorService:
                     if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
                         sends.append(hello)
                         last_activity = time.monotonic()
-                for _, _, msg in got:
+                for k, (_, _, msg) in enumerate(got):
                     last_activity = time.monotonic()
                     if isinstance(msg, BindExecutor):
                         if msg.executor_id == self.eid:
@@ -183,26 +114,31 @@ class ExecutorService:
                         elif self.epoch is not None:
                             logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
                             self.epoch = None
-                        self.states.clear()
+                        self.model.reset()  # type: ignore[attr-defined]
                         self.last_step = 0
                     elif msg.epoch == self.epoch and msg.step > self.last_step:
                         # (a step seen twice, from a retried send, is not executed twice)
                         self.last_step = msg.step
-                        sends.append(Outgoing(results, t.encode(self._step(msg)), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
+                        result = self._step(msg)
+                        if result.error is not None:
+                            self.epoch = None  # the rest of the epoch refers to the state just dropped
+                        sends.append(Outgoing(results, t.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
+                        if k + 1 < len(got):  # the scheduler waits for this result while the next step runs
+                            t.exchange(sends)
+                            sends = []
         finally:
             heartbeat.stop()
             t.close()
 
-    def _step(self, delta: StepDelta) -> StepResult:
-        result = StepResult(epoch=delta.epoch, step=delta.step)
+    def _step(self, output: SchedulerOutput) -> StepResult:
+        result = StepResult(epoch=output.epoch, step=output.step)
         try:
-            batch = self.states.apply(delta)
             t0 = time.perf_counter()
-            out = self.model.execute_model(batch)  # type: ignore[attr-defined]
+            out = self.model.execute_model(output)  # type: ignore[attr-defined]
             result.forward_s = time.perf_counter() - t0
-        except Exception as exc:  # report, drop state; the scheduler fails the step's requests
-            logger.exception("step %d failed", delta.step)
-            self.states.clear()
+        except Exception as exc:  # report, drop state; the scheduler isolates the step's requests
+            logger.exception("step %d failed", output.step)
+            self.model.reset()  # type: ignore[attr-defined]
             result.error = f"{exc.__class__.__name__}: {exc}"
             return result
         result.token_ids = list(out.token_ids)

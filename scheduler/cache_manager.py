@@ -253,14 +253,15 @@ class CacheManager:
             out.append(block.block_id)
         return out, len(out) * self.block_size
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register ``request``'s blocks that are full of computed tokens (after a step succeeded)."""
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register ``request``'s blocks full within its first ``num_computed_tokens`` tokens, once
+        the step that computed them has succeeded (a later step may already be scheduled)."""
         request_id = request.request_id
         table = self.block_tables.get(request_id)
         if not table:
             return
         done = self.num_cached_blocks.get(request_id, 0)
-        n = min(request.num_computed_tokens // self.block_size, len(table))
+        n = min(num_computed_tokens // self.block_size, len(table))
         if n <= done:
             return
         hashes = self.block_hashes(request, n * self.block_size)

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env_flag("CONVEYOR_ENABLE_PREFIX_CACHING", SchedulerConfig().enable_prefix_caching),
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=env_flag("CONVEYOR_ASYNC_SCHEDULING", SchedulerConfig().async_scheduling),
+                   help="schedule and send the next step while the executor runs the current one (default: on)")
     p.add_argument("--result-timeout", type=float,
                    default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
                    help="seconds to wait for one step's result before declaring the executor lost")
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         result_timeout_s=args.result_timeout, recovery_timeout_s=args.recovery_timeout,
         resume_window_s=args.resume_window, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
     )

@@ -14,6 +14,7 @@ from typing import Any, cast
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from common.sampling_params import SamplingParams
 from scheduler.cache_manager import CacheManager
+from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
@@ -55,7 +56,7 @@ class LLM:
 
     Options: ``dtype``, ``device``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``,
-    ``enable_prefix_caching`` (default True).
+    ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -70,7 +71,9 @@ class LLM:
         self.executor = ModelExecutor(self.model_config, ParallelConfig(), self.cache_config)
         info = self.executor.info
         self.cache_manager = CacheManager(info.num_blocks, info.block_size)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, self.executor)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, info)
+        self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor),
+                                      self.scheduler_config.async_scheduling)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
 
@@ -134,9 +137,11 @@ class LLM:
         pending = {r.request_id for r in requests}
         try:
             while pending:
-                for out in self.scheduler.schedule():
+                for out in self.engine_core.step():
                     if out.finished:
                         pending.discard(out.request_id)
+            while self.engine_core.in_flight:  # steps scheduled one ahead for requests now finished
+                self.engine_core.step()
         finally:
             for request_id in pending:  # only after an error: leave no half-run request behind
                 self.scheduler.abort(request_id)

@@ -20,7 +20,9 @@ class Request:
     """One generation request.
 
     ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the scheduler's only
-    per-request progress variable (no prefill/decode phases). Preemption resets it to 0 and the
+    per-request progress variable (no prefill/decode phases); it advances when a step is scheduled.
+    ``num_output_placeholders`` counts tokens that scheduled steps will sample but whose results
+    have not arrived (at most two: one step ahead). Preemption resets ``num_computed_tokens`` to 0 and the
     request recomputes prompt plus the tokens it has already generated (less what the prefix
     cache still holds). ``cache_salt`` keeps its prefix-cache entries apart from those of
     requests with another salt (or none); ``block_hashes`` are its full blocks' chained hashes,
@@ -36,6 +38,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None

@@ -1,4 +1,13 @@
-"""Continuous batching: each step decides ``{request_id: num_new_tokens}`` and runs it.
+"""Continuous batching: each step decides ``{request_id: num_new_tokens}``; the executor runs it.
+
+`schedule` decides one step and returns it as a `SchedulerOutput` (a delta against what the
+executor holds: new requests, cached requests' new blocks, the batch, finished ids); it does no
+tensor work and calls no executor. `update_from_output` applies that step's sampled tokens. The
+`EngineCore` calls them in turn, with the next step scheduled before the previous one's tokens
+arrive: a step that will sample counts a *placeholder* token (``num_output_placeholders``), so a
+decode can be scheduled again at once, and a request whose last token is already on the way
+is not scheduled further. A request that stops at a token sampled one step late wastes that one
+extra step; its extra token is dropped here and never reported.
 
 No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_tokens`` behind its
 ``num_tokens``; running requests are served first, then waiting ones FCFS, all under one token
@@ -8,7 +17,7 @@ recently admitted running request is preempted by recompute.
 Prefix caching (``SchedulerConfig.enable_prefix_caching``, on by default): a request being
 admitted starts from the longest run of its leading full blocks found in the cache (shared by
 reference count, never the block holding its last token), so it computes only the rest; after
-each successful step the blocks its computed tokens filled are registered. A preempted or
+each successful step (when its output arrives) the blocks its computed tokens filled are registered. A preempted or
 aborted request's blocks stay cached until they are needed, so recompute after preemption is
 mostly a cache hit. Counters, in tokens, over admissions: ``prefix_cache_queries`` and
 ``prefix_cache_hits``.
@@ -23,33 +32,38 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Protocol
+from dataclasses import dataclass, field
 
-from common.batch import Batch, ExecutorOutput
 from common.config import ExecutorInfo, SchedulerConfig
+from common.executor_output import ExecutorOutput
+from common.protocol import SchedulerOutput
 from scheduler.cache_manager import CacheManager
 from scheduler.request import Request, RequestStatus, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
-class Executor(Protocol):
-    """What the scheduler needs from a `ModelExecutor` (in-process or behind a stream)."""
+@dataclass(slots=True)
+class ScheduledStep:
+    """A step whose output has not arrived: per request ``(request, start, num_tokens, samples)``."""
 
-    info: ExecutorInfo
-
-    def execute_model(self, batch: Batch) -> ExecutorOutput: ...
+    step: int
+    rows: list[tuple[Request, int, int, bool]] = field(default_factory=list)
 
 
 class Scheduler:
-    """Owns the waiting/running queues; drives the cache manager and the executor."""
+    """Owns the waiting/running queues and the cache manager; decides steps, applies their outputs.
 
-    def __init__(self, config: SchedulerConfig, cache_manager: CacheManager, executor: Executor) -> None:
+    Invariant: ``executor_blocks`` names exactly the requests the executor holds (how many of
+    their block ids it has; -1 after a preemption: the next step resends the whole table).
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_manager: CacheManager, info: ExecutorInfo) -> None:
         self.config = config
         self.cache = cache_manager
-        self.executor = executor
-        self.max_model_len = executor.info.max_model_len
-        self.eos_token_ids = frozenset(executor.info.eos_token_ids)
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = frozenset(info.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -59,24 +73,49 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found in the prefix cache
         # Requests of a failed step, still to pass one step alone (in order); see `isolate`.
         self.suspects: list[str] = []
-        assert cache_manager.block_size == executor.info.block_size
+        self.executor_blocks: dict[str, int] = {}
+        self.finished_for_executor: list[str] = []  # sent with the next step
+        self.pending: deque[ScheduledStep] = deque()  # scheduled, output not yet applied (oldest first)
+        self.step_counter = 0
+        assert cache_manager.block_size == info.block_size
 
-    def reset_executor(self, executor: Executor, cache_manager: CacheManager) -> None:
+    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> None:
         """Carry on with another executor and KV pool: running requests are preempted (recompute)."""
-        self.preempt_all()
-        assert cache_manager.block_size == executor.info.block_size
+        self.executor_lost()
+        assert cache_manager.block_size == info.block_size
         for request in self.requests.values():
             request.block_hashes.clear()  # they depend on the block size, which may change
-        self.executor = executor
+        self.info = info
         self.cache = cache_manager
-        self.max_model_len = executor.info.max_model_len
-        self.eos_token_ids = frozenset(executor.info.eos_token_ids)
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+
+    def executor_lost(self) -> None:
+        """The executor dropped every request (it failed, died or was replaced): steps in flight
+        will never answer, so every running request is preempted and all are resent as new."""
+        self.pending.clear()
+        for request in self.requests.values():
+            request.num_output_placeholders = 0
+        self.preempt_all()
+        self.executor_blocks.clear()
+        self.finished_for_executor.clear()
 
     def preempt_all(self) -> None:
         """Preempt every running request (their KV is gone or untrusted); order is kept."""
         for request in reversed(self.running):
             self._preempt(request)
         self.running.clear()
+
+    def step_failed(self, request_ids: list[str]) -> str | None:
+        """A step of ``request_ids`` failed (after `executor_lost`). A step of one request that is
+        still live convicts it: it is failed (finish reason "error") and returned. Otherwise the
+        live ones are isolated (a culprit aborted while its step ran leaves no one to blame)."""
+        live = [r for r in request_ids if r in self.requests]
+        if len(request_ids) == 1 and live:
+            self.abort(live[0], "error")
+            return live[0]
+        self.isolate(live)
+        return None
 
     def isolate(self, request_ids: list[str]) -> None:
         """Run these requests (of a step that failed) one per step until each has passed alone."""
@@ -120,11 +159,18 @@ class Scheduler:
         request.finish_reason = reason
         self.cache.free(request.request_id)
         del self.requests[request.request_id]
+        if self.executor_blocks.pop(request.request_id, None) is not None:
+            self.finished_for_executor.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and requeue it first. A token a step in flight samples for it
+        still arrives and is kept: that step ran with its blocks intact (the executor runs steps
+        in order, so whoever gets the blocks next writes them only after)."""
         self.cache.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        if request.request_id in self.executor_blocks:
+            self.executor_blocks[request.request_id] = -1  # it keeps its tokens; the table is resent
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -142,8 +188,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert n >= 1, "running request with nothing to compute"
+            n = self._num_new_tokens(request, budget)
+            if n == 0:
+                i += 1
+                continue
             while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -168,11 +216,24 @@ class Scheduler:
             budget -= admitted
         return scheduled
 
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens a running request can compute now (placeholders included); 0 if its last token
+        (by ``max_tokens`` or ``max_model_len``) is already being sampled."""
+        ph = request.num_output_placeholders
+        assert ph <= 1, "at most one step ahead"
+        if ph and (request.num_output_tokens + ph >= request.sampling_params.max_tokens
+                   or request.num_tokens + ph >= self.max_model_len):
+            return 0
+        n = min(request.num_tokens + ph - request.num_computed_tokens, budget)
+        assert n >= 1, "running request with nothing to compute"
+        return n
+
     def _admit_blocks(self, request: Request, budget: int) -> int | None:
         """Allocate a waiting request's first chunk, after its prefix-cache hit; its size, or None.
 
         On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
         assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
+        assert request.num_output_placeholders == 0, "a preempted request's token arrives before its next admission"
         if self.config.enable_prefix_caching:
             hit_blocks, hit_tokens = self.cache.get_computed_blocks(request)
         else:
@@ -193,7 +254,9 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 n = self._admit_blocks(request, budget)
             else:
-                n = min(request.num_tokens - request.num_computed_tokens, budget)
+                n = self._num_new_tokens(request, budget)
+                if n == 0:
+                    return {}  # its last token is on the way
                 if not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
                     n = None
             if n is not None:
@@ -207,58 +270,66 @@ class Scheduler:
             self.running.append(request)
         return {request.request_id: n}
 
-    def build_batch(self, scheduled: dict[str, int]) -> Batch:
-        """Flatten the scheduled requests into a `Batch` (plain lists; no tensors here)."""
-        batch = Batch()
-        block_size = self.cache.block_size
+    def schedule(self) -> SchedulerOutput:
+        """Decide one step and describe it for the executor (no tensors, no I/O).
+
+        Scheduled requests advance at once (``num_computed_tokens``); one that will sample
+        counts a placeholder until `update_from_output` brings its token."""
+        scheduled = self.decide()
+        if not scheduled:
+            return SchedulerOutput(step=self.step_counter)  # nothing to run (finished ids wait for a step)
+        self.step_counter += 1
+        output = SchedulerOutput(step=self.step_counter)
+        output.finished_req_ids, self.finished_for_executor = self.finished_for_executor, []
+        record = ScheduledStep(output.step)
         for request_id, n in scheduled.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
-            end = start + n
             table = self.cache.get_block_table(request_id)
-            batch.request_ids.append(request_id)
-            batch.input_ids.extend(request.tokens_between(start, end))
-            batch.positions.extend(range(start, end))
-            batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            batch.query_lens.append(n)
-            batch.seq_lens.append(end)
-            batch.block_tables.append(list(table))
-            batch.sample.append(end == request.num_tokens)
-            batch.output_lens.append(request.num_output_tokens)
-            batch.sampling_params.append(request.sampling_params)
-        return batch
+            known = self.executor_blocks.get(request_id)
+            if known is None:
+                assert request.num_output_placeholders == 0, "a new request has no step in flight"
+                output.add_new(request_id, request.sampling_params, len(request.prompt_token_ids),
+                               request.tokens_between(0, request.num_tokens), list(table))
+            elif known < 0:
+                output.add_cached(request_id, True, list(table))
+            elif len(table) > known:
+                output.add_cached(request_id, False, table[known:])
+            self.executor_blocks[request_id] = len(table)
+            output.add_scheduled(request_id, n, start)
+            request.num_computed_tokens = start + n
+            samples = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            if samples:
+                request.num_output_placeholders += 1
+            record.rows.append((request, start, n, samples))
+        self.pending.append(record)
+        return output
 
-    def schedule(self) -> list[StepOutput]:
-        """Run one engine step: decide, build the batch, execute it, apply the sampled tokens."""
-        scheduled = self.decide()
-        if not scheduled:
-            # With a pool that holds max_model_len tokens, a live request can always be scheduled.
-            assert not self.requests, "scheduler stalled with live requests"
-            return []
-        batch = self.build_batch(scheduled)
-        result = self.executor.execute_model(batch)
+    def update_from_output(self, output: SchedulerOutput, result: ExecutorOutput) -> list[StepOutput]:
+        """Apply step ``output``'s sampled tokens (its steps' outputs arrive in order): append them,
+        check stop conditions, register the blocks it filled in the prefix cache."""
+        record = self.pending.popleft()
+        assert record.step == output.step, f"output of step {output.step} while step {record.step} was due"
+        if len(result.token_ids) != len(record.rows):
+            raise ValueError(f"{len(result.token_ids)} results for a step of {len(record.rows)} requests")
         self.num_steps += 1
-        if self.suspects and self.suspects[0] in scheduled:
+        if self.suspects and len(record.rows) == 1 and record.rows[0][0].request_id == self.suspects[0]:
             self.suspects.pop(0)  # it passed a step alone
-        return self.apply(batch, result)
-
-    def apply(self, batch: Batch, result: ExecutorOutput) -> list[StepOutput]:
-        """Advance each scheduled request, append sampled tokens and check stop conditions."""
         outputs: list[StepOutput] = []
         finished: list[Request] = []
         caching = self.config.enable_prefix_caching
         block_size = self.cache.block_size
-        for i, request_id in enumerate(batch.request_ids):
-            request = self.requests.get(request_id)
-            if request is None:  # aborted while the step ran
+        for i, (request, start, n, samples) in enumerate(record.rows):
+            if self.requests.get(request.request_id) is not request:
+                continue  # finished (its extra token is dropped) or aborted while the step ran
+            if caching and request.status is RequestStatus.RUNNING and start % block_size + n >= block_size:
+                self.cache.cache_full_blocks(request, start + n)  # a block filled up and the step succeeded
+            if not samples:
                 continue
-            start = request.num_computed_tokens
-            request.num_computed_tokens += batch.query_lens[i]
-            if caching and start % block_size + batch.query_lens[i] >= block_size:
-                self.cache.cache_full_blocks(request)  # a block filled up and the step succeeded
-            if not batch.sample[i]:
-                continue
+            request.num_output_placeholders -= 1
             token = result.token_ids[i]
+            if token < 0:
+                raise ValueError(f"request {request.request_id} was due a token in step {record.step}")
             logprobs = result.logprobs[i] if result.logprobs else None
             request.output_token_ids.append(token)
             request.output_logprobs.append(logprobs)
@@ -267,10 +338,11 @@ class Scheduler:
                 finished.append(request)
                 request.finish_reason = reason
             outputs.append(
-                StepOutput(request_id, [token], [logprobs], reason is not None, reason, request.num_output_tokens)
+                StepOutput(request.request_id, [token], [logprobs], reason is not None, reason,
+                           request.num_output_tokens)
             )
         for request in finished:
-            self.running.remove(request)
+            (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
             self._finish(request, request.finish_reason or "stop")
         return outputs
 

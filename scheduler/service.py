@@ -48,6 +48,7 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 from common.transport import Outgoing, SyncTransport
 from scheduler.cache_manager import CacheManager
+from scheduler.engine_core import EngineCore
 from scheduler.engine_status import EngineBeat
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request
@@ -67,6 +68,7 @@ class SchedulerServiceConfig:
     max_num_seqs: int = SchedulerConfig().max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig().max_num_batched_tokens
     enable_prefix_caching: bool = SchedulerConfig().enable_prefix_caching
+    async_scheduling: bool = SchedulerConfig().async_scheduling
     heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
     result_timeout_s: float = ServiceDefaults.result_timeout_s
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
@@ -76,7 +78,8 @@ class SchedulerServiceConfig:
     def scheduler_config(self) -> SchedulerConfig:
         """The engine's `SchedulerConfig` (validated: a bad limit stops the service at start)."""
         config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                                 enable_prefix_caching=self.enable_prefix_caching)
+                                 enable_prefix_caching=self.enable_prefix_caching,
+                                 async_scheduling=self.async_scheduling)
         config.validate()
         return config
 
@@ -137,18 +140,18 @@ class SchedulerService:
                 if executor is None:
                     break
                 cache = CacheManager(executor.info.num_blocks, executor.info.block_size)
+                config = self.config.scheduler_config()
                 if self.engine is None:
-                    config = self.config.scheduler_config()
-                    self.engine = Scheduler(config, cache, executor)
+                    self.engine = Scheduler(config, cache, executor.info)
                 else:
-                    self.engine.reset_executor(executor, cache)
+                    self.engine.reset_executor(executor.info, cache)
+                core = EngineCore(self.engine, executor, config.async_scheduling)
                 self.executor, self.lost_since = executor, None
                 try:
-                    self._engine_loop(self.engine, executor)
+                    self._engine_loop(core, executor)
                 except ExecutorLost as exc:
                     logger.error("%s; keeping %d requests until an executor binds", exc, len(self.engine.requests))
                     self._flush(executor)
-                    self.engine.preempt_all()
                 except Exception as exc:  # an engine bug: fail what was in flight, keep serving
                     logger.exception("engine step failed; failing %d requests", len(self.engine.requests))
                     request_ids = list(self.engine.requests)
@@ -211,13 +214,16 @@ class SchedulerService:
             candidates = [msg for _, _, msg in reversed(got) if isinstance(msg, ExecutorHello)]
             cursor = cursors[results]  # type: ignore[assignment]
             self.redis_restarted.clear()  # nothing in flight: nothing to redo
-            self._serve_inbox(None)
+            self._serve_inbox()
             self._check_recovery_timeout()
 
-    def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
+    def _next_epoch(self) -> int:
         # Epochs only grow (the executor drops steps of any other): wall-clock ms, unique per bind.
         self.epoch = max(self.epoch + 1, int(time.time() * 1000))
-        self.transport.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self.epoch),
+        return self.epoch
+
+    def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
+        self.transport.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self._next_epoch()),
                             maxlen=STEPS_MAXLEN)
         self.hello = hello
         info = ExecutorInfo(hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len,
@@ -294,9 +300,9 @@ class SchedulerService:
         self.stopping.set()
         self.wakeup.set()
 
-    def _engine_loop(self, engine: Scheduler, executor: StreamExecutor) -> None:
+    def _engine_loop(self, core: EngineCore, executor: StreamExecutor) -> None:
         while not self.stopping.is_set():
-            if not engine.has_unfinished() and not self.inbox and not self.dead_gateways and not self.revived_gateways:
+            if not core.has_work() and not self.inbox and not self.dead_gateways and not self.revived_gateways:
                 self._flush(executor)
                 woke = self.wakeup.wait(timeout=1.0)
                 self.wakeup.clear()
@@ -305,18 +311,17 @@ class SchedulerService:
                 # on the idle tick only: a request that wakes the loop should not pay a round trip.
                 if not woke and not self.transport.alive("executor", executor.executor_id):
                     raise ExecutorLost(f"executor {executor.executor_id} stopped (its heartbeat expired)")
-            self._serve_inbox(executor)
-            if not engine.has_unfinished():
+            self._serve_inbox()
+            if not core.has_work():
                 continue
             t0 = time.perf_counter()
             try:
-                outputs = engine.schedule()  # also sends the previous step's outputs (executor.outbox)
+                outputs = core.step()  # the round trip also carries the previous outputs (executor.outbox)
             except StepFailed as exc:
-                self._step_failed(engine, executor, exc)
+                self._step_failed(core, executor, exc)
                 continue
             executor.outbox.extend(self.router.route(outputs))
-            executor.release([o.request_id for o in outputs if o.finished])
-            if not engine.has_unfinished():
+            if not core.has_work():
                 self._flush(executor)  # no next step to carry them
             self.step_wall_s += time.perf_counter() - t0
             self.step_forward_s += executor.last_forward_s
@@ -325,21 +330,19 @@ class SchedulerService:
                 self.last_poke = t0
                 self._poke()
 
-    def _step_failed(self, engine: Scheduler, executor: StreamExecutor, exc: StepFailed) -> None:
-        """The executor dropped its state; find the request that fails alone and fail only it."""
-        executor.forget_all()
-        engine.preempt_all()
-        if len(exc.request_ids) == 1 and exc.request_ids[0] in engine.requests:
-            request_id = exc.request_ids[0]
-            logger.error("request %s fails the step alone: %s", request_id, exc)
-            engine.abort(request_id, "error")
-            executor.release([request_id])
-            self._send(self.router.errors([request_id], f"request failed in the executor: {exc}"))
+    def _step_failed(self, core: EngineCore, executor: StreamExecutor, exc: StepFailed) -> None:
+        """The executor dropped its state (`EngineCore` has reset ours): rebind it with a new epoch,
+        then find the request that fails alone and fail only it."""
+        engine = core.scheduler
+        executor.rebind(self._next_epoch())
+        culprit = engine.step_failed(core.failed_request_ids)
+        if culprit is not None:
+            logger.error("request %s fails the step alone: %s", culprit, exc)
+            self._send(self.router.errors([culprit], f"request failed in the executor: {exc}"))
         else:
-            logger.error("%s; retrying its %d requests one at a time", exc, len(exc.request_ids))
-            engine.isolate(exc.request_ids)
+            logger.error("%s; retrying its requests one at a time", exc)
 
-    def _serve_inbox(self, executor: StreamExecutor | None) -> None:
+    def _serve_inbox(self) -> None:
         """Admit requests, apply aborts and syncs, orphan the requests of dead gateways."""
         engine = self.engine
         if engine is None:  # no executor has ever bound: nothing can be validated yet
@@ -374,8 +377,6 @@ class SchedulerService:
         for request_id in aborted:
             engine.abort(request_id)
             self.router.forget(request_id)
-        if executor is not None:
-            executor.release(aborted)
         self._send(sends)
         if aborted:
             self._poke()  # freed blocks are visible at once

@@ -82,6 +82,36 @@ def test_preemption_gives_identical_outputs(tiny_model, caplog) -> None:
     assert small.cache_manager.get_num_free_blocks() == 30
 
 
+def test_async_scheduling_gives_identical_outputs(tiny_model) -> None:
+    """One step ahead vs one step at a time: same tokens and finish reasons, greedy and seeded,
+    with preemptions, chunked prefills and stop tokens found one step late; the extra token a
+    request computes after its stop is never reported, and the executor drops every finished
+    request's state."""
+    model_dir = tiny_model("llama")
+    prompts = random_prompts(1000, seed=2)[:10]
+    options = dict(block_size=16, max_num_batched_tokens=64, num_blocks=30, max_model_len=480)
+    sync = LLM(model_dir, async_scheduling=False, **options)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(prompts))]
+    free_run = sync.generate(prompts, params)
+    # Stop tokens taken from the middle of each free run: requests end early, at a known token.
+    for p, out in zip(params, free_run):
+        p.stop_token_ids = [out.token_ids[7]]
+    want = sync.generate(prompts, params)
+    got_async = LLM(model_dir, **options)
+    got = got_async.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert all(o.finish_reason == "stop" and o.token_ids[-1] in p.stop_token_ids for o, p in zip(got, params))
+    assert sync.scheduler.num_preemptions > 0 and got_async.scheduler.num_preemptions > 0
+    # Finished requests' state leaves the executor with the next step.
+    held = set(got_async.executor.input_batch.requests)
+    assert held <= set(got_async.scheduler.finished_for_executor)
+    got_async.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert not held & set(got_async.executor.input_batch.requests)
+    got_async.cache_manager.check_invariants()
+
+
 def test_seeded_sampling_ignores_batch_mates(tiny_model) -> None:
     llm = LLM(tiny_model("qwen2"), block_size=16)
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)

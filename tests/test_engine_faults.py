@@ -37,11 +37,14 @@ class PoisonedExecutor:
         self.info = inner.info
         self.failed_steps = 0
 
-    def execute_model(self, batch: Any) -> Any:
-        if any("poison" in r for r in batch.request_ids):
+    def execute_model(self, output: Any) -> Any:
+        if any("poison" in r for r in output.scheduled_req_ids):
             self.failed_steps += 1
             raise RuntimeError("poisoned request in the batch")
-        return self.inner.execute_model(batch)
+        return self.inner.execute_model(output)
+
+    def reset(self) -> None:
+        self.inner.reset()
 
 
 @dataclass

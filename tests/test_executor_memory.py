@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.sampling_params import SamplingParams
+from executor.input_batch import Batch
 from executor.model import Linear, row_bucket
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
@@ -63,7 +63,7 @@ def test_executor_runs_packed_linears_on_bucketed_row_counts(tiny_model, monkeyp
                       slot_mapping=list(range(n)), query_lens=[n], seq_lens=[n],
                       block_tables=[list(range(-(-n // 16)))], sample=[True], output_lens=[0],
                       sampling_params=[params])
-        assert ex.execute_model(batch).token_ids[0] >= 0
+        assert ex.execute_batch(batch).token_ids[0] >= 0
     # 300 token counts reach oneDNN as 50 row counts (the lm_head sees one row per step).
     assert set(seen) == {row_bucket(n) for n in token_counts}
     assert len(set(seen)) == 50

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.batch import Batch
 from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.sampling_params import SamplingParams
+from executor.input_batch import Batch
 from executor.model_config import load_config, parse_config
 from executor.model_executor import ModelExecutor
 from executor.ops_torch import write_kv
@@ -60,7 +60,7 @@ def step(ex: ModelExecutor, plan: list[tuple[Seq, int]], logprobs: int = 20) -> 
         b.output_lens.append(len(seq.outputs))
         b.sampling_params.append(SamplingParams(temperature=0.0, logprobs=logprobs))
     b.check()
-    out = ex.execute_model(b)
+    out = ex.execute_batch(b)
     for i, (seq, n) in enumerate(plan):
         seq.computed += n
         if b.sample[i]:
@@ -272,7 +272,7 @@ def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
         seq_lens=[1], block_tables=[[1]], sample=[True], output_lens=[0], sampling_params=[SamplingParams()],
     )
     with pytest.raises(ValueError, match="token ids must be in"):
-        ex.execute_model(b)
+        ex.execute_batch(b)
 
 
 @pytest.mark.parametrize(

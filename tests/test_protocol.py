@@ -1,4 +1,5 @@
-"""Wire protocol: round trips, rejection of malformed messages, dead-lettering, step deltas."""
+"""Wire protocol: round trips, rejection of malformed messages, dead-lettering, and steps (a
+`SchedulerOutput` is a delta the executor's `PersistentBatch` turns into each batch)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import fakeredis
 import msgpack
 import pytest
 
-from common.batch import Batch
 from common.protocol import (
+    PROTOCOL_VERSION,
     AbortRequests,
     BindExecutor,
     EngineStatus,
@@ -20,7 +21,7 @@ from common.protocol import (
     Names,
     ProtocolError,
     Route,
-    StepDelta,
+    SchedulerOutput,
     StepOutputs,
     StepResult,
     SyncRequest,
@@ -31,8 +32,9 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from common.transport import Transport
-from executor.service import RequestStates
-from scheduler.stream_executor import DeltaEncoder
+from executor.input_batch import Batch, PersistentBatch
+
+V = PROTOCOL_VERSION  # raw messages below are of this build's version
 
 
 def _req(request_id: str = "r", prompt: list[int] | None = None, output: list[int] | None = None,
@@ -53,6 +55,11 @@ def _engine_status(**kw: object) -> EngineStatus:
 def test_round_trip_every_type() -> None:
     outputs = StepOutputs()
     outputs.add("x", 4, [9, 10], None, True, "length")
+    step = SchedulerOutput(step=7, epoch=3, finished_req_ids=["gone"])
+    step.add_new("n", SamplingParams(temperature=0.5, seed=2**40, stop_token_ids=[3]), 2, [1, 2, 2**31 - 1], [4, 5])
+    step.add_cached("c", True, [7, 8])
+    step.add_scheduled("n", 3, 0)
+    step.add_scheduled("c", 1, 9)
     msgs = [
         _req("r1", [1, 2, 3, 2**31 - 1], [7, 8], journal_id="resp-1"),
         _req("r2"),  # no earlier output, not resumable
@@ -69,6 +76,8 @@ def test_round_trip_every_type() -> None:
         JournalHeader("resp-1", "chat", '{"messages": []}', "tiny", 1700000000, 16, [1, 2, 3], None),
         JournalHeader("resp-2", "completion", '{"prompt": "hi"}', "tiny", 1700000001, 8, [4], "hi"),
         Route("resp-1~1", "s1"),
+        step,
+        SchedulerOutput(),
     ]
     for msg in msgs:
         back = decode(encode(msg))
@@ -129,7 +138,7 @@ _MISSING = object()  # a field left out of a raw message
 
 
 def _raw_req(**overrides: object) -> bytes:
-    body: dict[str, object] = {"v": 1, "t": "req", "request_id": "r", "gateway_id": "g", "scheduler_id": "s0",
+    body: dict[str, object] = {"v": V, "t": "req", "request_id": "r", "gateway_id": "g", "scheduler_id": "s0",
                                "incarnation": "i", "prompt_token_ids": b"\x01\x00\x00\x00",
                                "output_token_ids": b"", "sampling": {}, "arrival_time": 0.0, "journal_id": ""}
     body.update(overrides)
@@ -146,11 +155,12 @@ def test_raw_request_helper_is_valid() -> None:
         (b"\xc1garbage", "not a msgpack message"),
         (msgpack.packb([1, 2, 3]), "must be a msgpack map"),
         (msgpack.packb({"v": 99, "t": "abort"}), "unsupported protocol version 99"),
-        (msgpack.packb({"v": 1, "t": "nope"}), "unknown message type 'nope'"),
-        (msgpack.packb({"v": 1, "t": "abort", "reason": "x"}), "missing field 'request_ids'"),
-        (msgpack.packb({"v": 1, "t": "abort", "request_ids": "abc", "reason": "x"}), "AbortRequests.request_ids: expected"),
-        (msgpack.packb({"v": 1, "t": "abort", "request_ids": [1], "reason": "x"}), "expected"),
-        (msgpack.packb({"v": 1, "t": "abort", "request_ids": [], "reason": "x", "evil": 1}), "unknown fields ['evil']"),
+        (msgpack.packb({"v": 1, "t": "abort"}), "unsupported protocol version 1"),  # before `SchedulerOutput`
+        (msgpack.packb({"v": V, "t": "nope"}), "unknown message type 'nope'"),
+        (msgpack.packb({"v": V, "t": "abort", "reason": "x"}), "missing field 'request_ids'"),
+        (msgpack.packb({"v": V, "t": "abort", "request_ids": "abc", "reason": "x"}), "AbortRequests.request_ids: expected"),
+        (msgpack.packb({"v": V, "t": "abort", "request_ids": [1], "reason": "x"}), "expected"),
+        (msgpack.packb({"v": V, "t": "abort", "request_ids": [], "reason": "x", "evil": 1}), "unknown fields ['evil']"),
         (_raw_req(prompt_token_ids=b"abc"), "GenerateRequest.prompt_token_ids: packed array of 3 bytes is not a multiple of 4"),
         (_raw_req(prompt_token_ids=[1, 2]), "GenerateRequest.prompt_token_ids: expected packed bytes"),
         (_raw_req(output_token_ids=[3]), "GenerateRequest.output_token_ids: expected packed bytes"),
@@ -161,11 +171,11 @@ def test_raw_request_helper_is_valid() -> None:
         (_raw_req(sampling=[1]), "GenerateRequest.sampling: expected"),
         (_raw_req(arrival_time="now"), "GenerateRequest.arrival_time: expected float"),
         (_raw_req(queue="q"), "GenerateRequest: unknown fields ['queue']"),
-        (msgpack.packb({"v": 1, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": 1.5}),
+        (msgpack.packb({"v": V, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": 1.5}),
          "SyncRequest.from_index: expected int"),
-        (msgpack.packb({"v": 1, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": True}),
+        (msgpack.packb({"v": V, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": True}),
          "SyncRequest.from_index: expected int"),
-        (msgpack.packb({"v": 1, "t": "route", "request_id": "r"}), "Route: missing field 'scheduler_id'"),
+        (msgpack.packb({"v": V, "t": "route", "request_id": "r"}), "Route: missing field 'scheduler_id'"),
     ],
 )
 def test_decode_rejects_malformed(data: bytes, error: str) -> None:
@@ -225,11 +235,17 @@ def test_garbage_is_dead_lettered_and_reader_continues() -> None:
     asyncio.run(run())
 
 
-# -- step deltas: the executor rebuilds exactly the scheduler's batch ------------------------------
-def _batch(reqs: list[tuple[str, list[int], int, int, list[int], bool]], bs: int) -> Batch:
-    """reqs: (id, all tokens, start, end, block table, sample)."""
+# -- steps: the executor rebuilds each batch from its state and the step's delta -----------------
+def _wire(output: SchedulerOutput) -> SchedulerOutput:
+    back = decode(encode(output), expected=(SchedulerOutput,))
+    assert type(back) is SchedulerOutput and back == output
+    return back
+
+
+def _batch(rows: list[tuple[str, list[int], int, int, list[int], int, SamplingParams]], bs: int) -> Batch:
+    """rows: (id, every token the executor knows, start, end, block table, prompt length, params)."""
     b = Batch()
-    for rid, tokens, start, end, table, sample in reqs:
+    for rid, tokens, start, end, table, num_prompt, params in rows:
         b.request_ids.append(rid)
         b.input_ids.extend(tokens[start:end])
         b.positions.extend(range(start, end))
@@ -237,50 +253,148 @@ def _batch(reqs: list[tuple[str, list[int], int, int, list[int], bool]], bs: int
         b.query_lens.append(end - start)
         b.seq_lens.append(end)
         b.block_tables.append(list(table))
-        b.sample.append(sample)
-        b.output_lens.append(max(0, end - 5))
-        b.sampling_params.append(SamplingParams(temperature=0.0, max_tokens=8))
+        b.sample.append(end == len(tokens))
+        b.output_lens.append(len(tokens) - num_prompt)
+        b.sampling_params.append(params)
     return b
 
 
-def test_delta_rebuilds_batches_and_stays_small() -> None:
+def test_steps_rebuild_batches_and_stay_small() -> None:
     bs = 4
-    enc, dec = DeltaEncoder(bs), RequestStates(bs)
+    executor = PersistentBatch(bs, vocab_size=1000)
     rng = random.Random(0)
-    tokens = {r: [rng.randrange(1000) for _ in range(40)] for r in "abc"}
-    tables = {"a": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "b": [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], "c": [20, 21, 22]}
-    steps = [
-        [("a", 0, 6, True), ("b", 0, 3, False)],      # prefill + prefill chunk
-        [("a", 6, 7, True), ("b", 3, 6, True)],       # decode + rest of b's prompt
-        [("a", 7, 8, True), ("b", 6, 7, True), ("c", 0, 5, True)],
-        [("a", 8, 9, True), ("c", 5, 6, True)],
-    ]
-    sizes = []
-    for step_no, step in enumerate(steps, 1):
-        batch = _batch([(r, tokens[r], s, e, tables[r][: -(-e // bs)], smp) for r, s, e, smp in step], bs)
-        delta = enc.encode(batch, epoch=1, step=step_no)
-        wire = decode(encode(delta))
-        assert dec.apply(wire) == batch
-        sizes.append(len(wire.new_tokens))
-    assert sizes == [9, 4, 7, 2]  # each token is sent once, when first scheduled
-    # Preemption: "a" recomputes into different blocks; only the table changes, no tokens resent.
-    enc.release(["b"])
+    tokens = {r: [rng.randrange(1000) for _ in range(n)] for r, n in (("a", 6), ("b", 6), ("c", 5))}
+    prompt = {r: list(t) for r, t in tokens.items()}
+    params = {"a": SamplingParams(temperature=0.0, max_tokens=8), "b": SamplingParams(top_k=5, seed=7),
+              "c": SamplingParams(temperature=0.5, stop_token_ids=[3], logprobs=2)}
+    tables = {"a": [0, 1], "b": [10], "c": [20, 21]}
+
+    def run(output: SchedulerOutput, rows: list[tuple[str, int, int]]) -> SchedulerOutput:
+        """Send ``output`` over the wire; the batch must be ``rows`` (id, start, end) of what the
+        executor knows; then the executor samples a token for each row that reaches its end."""
+        wire = _wire(output)
+        batch = executor.prepare(wire)
+        batch.check()
+        want = _batch([(r, tokens[r], s, e, tables[r], len(prompt[r]), params[r]) for r, s, e in rows], bs)
+        assert batch == want
+        sampled = [rng.randrange(1000) if smp else -1 for smp in batch.sample]
+        executor.append_sampled(batch, sampled)
+        for r, t in zip(batch.request_ids, sampled):
+            if t >= 0:
+                tokens[r].append(t)
+        return wire
+
+    # 1: two new requests (whole prompts and tables); a computes its prompt, b a first chunk.
+    out = SchedulerOutput(step=1, epoch=3)
+    out.add_new("a", params["a"], 6, prompt["a"], tables["a"])
+    out.add_new("b", params["b"], 6, prompt["b"], tables["b"])
+    out.add_scheduled("a", 6, 0)
+    out.add_scheduled("b", 3, 0)
+    wire = run(out, [("a", 0, 6), ("b", 0, 3)])
+    assert wire.new_token_ids == prompt["a"] + prompt["b"] and wire.new_block_ids == [0, 1, 10]
+    assert len(tokens["a"]) == 7 and len(tokens["b"]) == 6  # a sampled; b's chunk did not
+    # 2: a decodes (its table of 2 blocks holds position 6), b's rest needs a new block.
+    out = SchedulerOutput(step=2, epoch=3)
+    tables["b"].append(11)
+    out.add_cached("b", False, [11])
+    out.add_scheduled("a", 1, 6)
+    out.add_scheduled("b", 3, 3)
+    wire = run(out, [("a", 6, 7), ("b", 3, 6)])
+    assert wire.new_req_ids == [] and wire.new_token_ids == []  # no token id travels: the executor has them
+    assert (wire.cached_req_ids, wire.cached_resumed, wire.cached_block_ids) == (["b"], [False], [11])
+    # 3: two decodes, no table grows: nothing but ids and counts; and a new request c.
+    out = SchedulerOutput(step=3, epoch=3)
+    out.add_new("c", params["c"], 5, prompt["c"], tables["c"])
+    out.add_scheduled("a", 1, 7)
+    out.add_scheduled("b", 1, 6)
+    out.add_scheduled("c", 5, 0)
+    wire = run(out, [("a", 7, 8), ("b", 6, 7), ("c", 0, 5)])
+    assert wire.new_token_ids == prompt["c"] and wire.cached_req_ids == [] and wire.cached_block_ids == []
+    # 4: decodes only; a's position 8 opens its third block, which alone is sent.
+    out = SchedulerOutput(step=4, epoch=3)
+    tables["a"].append(2)
+    out.add_cached("a", False, [2])
+    for r, n in (("a", 8), ("b", 7), ("c", 5)):
+        out.add_scheduled(r, 1, n)
+    wire = run(out, [("a", 8, 9), ("b", 7, 8), ("c", 5, 6)])
+    assert wire.new_token_ids == [] and wire.cached_block_ids == [2]
+    body = msgpack.unpackb(encode(wire), raw=False)
+    assert body["new_token_ids"] == b"" and body["num_computed_tokens"] == b"\x08\0\0\0\x07\0\0\0\x05\0\0\0"
+    # A decode step's size does not depend on how long the sequences are.
+    far = SchedulerOutput(step=4, epoch=3, cached_req_ids=["a"], cached_resumed=[False], cached_num_blocks=[1],
+                          cached_block_ids=[200_000], scheduled_req_ids=["a", "b", "c"],
+                          num_scheduled_tokens=[1, 1, 1], num_computed_tokens=[800_000, 700_000, 500_000])
+    assert len(encode(far)) == len(encode(wire)) < 400
+    # 5: b finished (its state is dropped first); a was preempted and resumes in new blocks: its
+    # whole new table is sent, none of its tokens, and it recomputes everything it knows.
+    assert len(tokens["a"]) == 10
+    out = SchedulerOutput(step=5, epoch=3, finished_req_ids=["b"])
     tables["a"] = [30, 31, 32]
-    batch = _batch([("a", tokens["a"], 0, 9, tables["a"], True)], bs)
-    delta = enc.encode(batch, epoch=1, step=5)
-    assert delta.release == ["b"] and delta.new_tokens == [] and delta.new_blocks == [30, 31, 32]
-    assert dec.apply(decode(encode(delta))) == batch and "b" not in dec.states
-    # An explicit slot mapping that does not follow the table is sent as such.
-    batch = _batch([("a", tokens["a"], 9, 10, tables["a"], True)], bs)
-    batch.slot_mapping = [-1]
-    delta = enc.encode(batch, epoch=1, step=6)
-    assert delta.slot_seqs == [0] and dec.apply(decode(encode(delta))) == batch
+    out.add_cached("a", True, tables["a"])
+    out.add_scheduled("c", 1, 6)
+    out.add_scheduled("a", 10, 0)
+    wire = run(out, [("c", 6, 7), ("a", 0, 10)])
+    assert wire.new_token_ids == [] and wire.cached_resumed == [True] and wire.cached_block_ids == [30, 31, 32]
+    assert set(executor.requests) == {"a", "c"}
+    # 6: a finished; the step only names it.
+    out = SchedulerOutput(step=6, epoch=3, finished_req_ids=["a"])
+    out.add_scheduled("c", 1, 7)
+    run(out, [("c", 7, 8)])
+    assert set(executor.requests) == {"c"} and executor.requests["c"].token_ids == tokens["c"]
+    assert executor.requests["c"].params == params["c"] and executor.requests["c"].block_ids == [20, 21]
 
 
-def test_delta_for_unknown_request_is_rejected() -> None:
-    dec = RequestStates(4)
-    delta = StepDelta(epoch=1, step=1, request_ids=["ghost"], query_lens=[1], seq_lens=[1], output_lens=[0],
-                      sample=[True], token_starts=[0], num_new_tokens=[1], new_tokens=[5], block_starts=[0],
-                      num_new_blocks=[1], new_blocks=[0])
-    with pytest.raises(ValueError, match="unknown request 'ghost'"):
-        dec.apply(delta)
+def _known(vocab_size: int | None = 100) -> PersistentBatch:
+    """An executor holding "a": 3 tokens (2 of prompt) in one block of 4."""
+    executor = PersistentBatch(4, vocab_size)
+    out = SchedulerOutput(step=1)
+    out.add_new("a", SamplingParams(), 2, [5, 6, 7], [0])
+    out.add_scheduled("a", 3, 0)
+    executor.prepare(_wire(out))
+    return executor
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (lambda o: o.add_scheduled("ghost", 1, 0), "unknown request 'ghost'"),
+        (lambda o: o.add_cached("ghost", False, [1]), "unknown request 'ghost'"),
+        (lambda o: o.add_cached("ghost", True, [1]), "unknown request 'ghost'"),
+        (lambda o: o.add_scheduled("a", 2, 2), r"positions \[2, 4\) but 3 tokens"),  # past the known tokens
+        (lambda o: o.add_scheduled("a", 1, 3), r"positions \[3, 4\) but 3 tokens"),
+        (lambda o: o.add_scheduled("a", 1, -1), r"positions \[-1, 0\)"),
+        (lambda o: o.add_scheduled("a", 0, 1), r"positions \[1, 1\)"),  # nothing to compute
+        (lambda o: o.add_new("b", SamplingParams(), 5, [1] * 5, [1]) or o.add_scheduled("b", 5, 0),
+         r"positions \[0, 5\) but 5 tokens and 1 blocks"),  # past the block table
+        (lambda o: o.add_new("b", SamplingParams(), 2, [1, 100], [1]), r"token ids must be in \[0, 100\)"),
+        (lambda o: o.add_new("b", SamplingParams(), 2, [-1, 1], [1]), r"token ids must be in \[0, 100\)"),
+        (lambda o: o.add_new("b", SamplingParams(), 3, [1, 2], [1]), "3 prompt tokens of 2"),
+        (lambda o: o.add_new("b", SamplingParams(), 0, [1, 2], [1]), "0 prompt tokens of 2"),
+        (lambda o: o.scheduled_req_ids.append("a"), "scheduled-request columns differ in length"),
+        (lambda o: o.new_num_tokens.append(1), "new-request columns differ in length"),
+        (lambda o: o.add_new("b", SamplingParams(), 1, [1], [1]) or o.new_token_ids.append(2),
+         "new-request token or block columns"),
+        (lambda o: o.add_cached("a", False, [1]) or o.cached_block_ids.append(2), "cached-request block column"),
+    ],
+)
+def test_inconsistent_step_is_rejected(edit, error: str) -> None:
+    """A step the executor's state cannot follow raises `ValueError` (`ProtocolError` is one): the
+    executor then drops everything and the scheduler resends every request as new."""
+    executor = _known()
+    out = SchedulerOutput(step=2)
+    edit(out)
+    with pytest.raises(ValueError, match=error):
+        executor.prepare(_wire(out))
+
+
+def test_finished_ids_drop_state_and_unknown_ones_are_ignored() -> None:
+    executor = _known()
+    out = SchedulerOutput(step=2, finished_req_ids=["a", "never-seen"])
+    assert executor.prepare(_wire(out)) == Batch() and executor.requests == {}
+    # A request named both finished and new (an id reused) starts afresh.
+    executor = _known()
+    out = SchedulerOutput(step=2, finished_req_ids=["a"])
+    out.add_new("a", SamplingParams(), 1, [9], [3])
+    out.add_scheduled("a", 1, 0)
+    batch = executor.prepare(_wire(out))
+    assert batch.input_ids == [9] and batch.slot_mapping == [12] and executor.requests["a"].token_ids == [9]

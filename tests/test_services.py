@@ -105,6 +105,30 @@ def test_64_concurrent_streams(stack: Stack) -> None:
     assert stack.wait_stats(lambda s: s.num_free_blocks == NUM_BLOCKS, 2).num_free_blocks == NUM_BLOCKS
 
 
+def test_one_step_ahead_services_match_step_at_a_time_offline(stack: Stack, tiny_model: Any) -> None:
+    """The services schedule one step ahead (the default); an offline engine that does not gives
+    the same greedy and seeded tokens for concurrent streams."""
+    from scheduler import LLM
+
+    prompts = [[5 + i, 17, 3 * i + 1, 40] * (1 + i % 3) for i in range(12)]
+    params = [SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i, max_tokens=6 + i % 5, ignore_eos=True)
+              for i in range(12)]
+    sync = LLM(str(tiny_model()), num_blocks=NUM_BLOCKS, async_scheduling=False)
+    want = [(o.text, len(o.token_ids)) for o in sync.generate(prompts, params)]
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        p = params[i]
+        r = await client.completions.create(model="", prompt=prompts[i], max_tokens=p.max_tokens,
+                                            temperature=p.temperature, seed=p.seed, extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage.completion_tokens
+
+    async def run() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{stack.urls[0]}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(12)))
+
+    assert asyncio.run(run()) == want
+
+
 def test_two_gateways_never_see_each_others_outputs(stack: Stack) -> None:
     gateway_ids = [httpx.get(f"{url}/health").json()["gateway_id"] for url in stack.urls]
     streams = [stack.names.outputs(g) for g in gateway_ids]

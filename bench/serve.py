@@ -52,7 +52,8 @@ async def http_load(url: str, prompts: list[list[int]], outs: list[int], concurr
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await _one(client, url, prompts[0], 4)  # warm-up
+        # Warm-up: one burst of short requests at the full concurrency (connections, worker threads).
+        await asyncio.gather(*(_one(client, url, p[:8], 2) for p in prompts[:concurrency]))
 
         async def run(p: list[int], n: int) -> tuple[float, list[float], int]:
             async with sem:
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         http = asyncio.run(http_load(args.url, prompts, outs, concurrency))
         cpu1 = cpu_seconds(pids)
         report: dict[str, Any] = {"workload": work.name, "requests": len(prompts), "concurrency": concurrency, "http": http}
-        # Where the machine's CPU went during the load (the warm-up request included).
+        # Where the machine's CPU went during the load (the warm-up burst included).
         report["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
         if before is not None:
             after = read_stats(args.redis_url, args.namespace)

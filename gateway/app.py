@@ -157,6 +157,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if client.down_reason is not None:
             error = ApiError(503, f"engine unavailable: {client.down_reason}", "server_error")
             return JSONResponse(error.body(), status_code=503)
+        if tokenizers.tokenizer is None:  # ready only once requests need not wait for it
+            why = tokenizers.error or "loading the tokenizer"
+            return JSONResponse(ApiError(503, f"gateway not ready: {why}", "server_error").body(), status_code=503)
         return JSONResponse({"status": "ok", "gateway_id": gateway_id})
 
     def model_card(info: EngineStatus) -> dict[str, Any]:

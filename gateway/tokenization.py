@@ -39,12 +39,21 @@ class InputWorkers:
         self.large.shutdown(wait=False, cancel_futures=True)
 
 
+def _load_tokenizer(path: str) -> Any:
+    # transformers is imported here, on a worker thread: the import alone takes seconds of
+    # interpreter time, which on the event loop would stall every stream.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Tokenizers:
     """The tokenizer of the served model, loaded once (off the event loop)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self.tokenizer: Any = None
+        self.error: str | None = None  # why the last load failed
         self.call_lock = threading.Lock()  # see `encode_text`
         self._lock = asyncio.Lock()
 
@@ -52,10 +61,13 @@ class Tokenizers:
         if self.tokenizer is None:
             async with self._lock:
                 if self.tokenizer is None:
-                    from transformers import AutoTokenizer
-
                     path = self.path or info.model_path
-                    self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+                    try:
+                        self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
+                    except Exception as exc:
+                        self.error = f"could not load the tokenizer from {path}: {exc}"
+                        raise
+                    self.error = None
         return self.tokenizer
 
 

@@ -47,6 +47,9 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
     register_engine(r, names, model)
     config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id="gw0", max_body_bytes=20000)
     with TestClient(create_app(config)) as client:
+        deadline = time.time() + 60
+        while client.get("/health").status_code != 200 and time.time() < deadline:  # the tokenizer loads
+            time.sleep(0.05)
         yield {"client": client, "redis": r, "names": names, "model": model}
     for key in r.scan_iter(match=f"{names.namespace}:*"):
         r.delete(key)
@@ -190,3 +193,25 @@ def test_engine_down_gives_503(env: dict[str, Any]) -> None:
     _error(c.get("/health"), 503, "no engine")
     _error(c.post("/v1/completions", json={"prompt": "hi"}), 503, "engine unavailable")
     register_engine(r, names, env["model"])
+
+
+def test_health_is_503_until_the_tokenizer_loads(tmp_path: Path) -> None:
+    """A gateway is ready only once requests need not wait for the tokenizer (a load balancer and
+    the test stack wait on /health); a tokenizer that cannot load keeps it 503 with the reason."""
+    url, proc = find_redis(tmp_path)
+    r = redis.Redis.from_url(url)
+    names = Names(f"test-gw-{time.time_ns()}")
+    register_engine(r, names, tmp_path / "no-such-model")
+    config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id="gw1")
+    try:
+        with TestClient(create_app(config)) as c:
+            deadline = time.time() + 30
+            while "could not load the tokenizer" not in c.get("/health").text and time.time() < deadline:
+                time.sleep(0.1)
+            err = _error(c.get("/health"), 503, "not ready", "could not load the tokenizer", "no-such-model")
+            assert err["type"] == "server_error"
+    finally:
+        for key in r.scan_iter(match=f"{names.namespace}:*"):
+            r.delete(key)
+        if proc is not None:
+            proc.terminate()

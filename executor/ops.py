@@ -1,7 +1,8 @@
 """The kernel interface the model code calls, with one implementation per backend.
 
 The model never branches on the backend: it calls ``ops.<name>``. ``torch`` is the CPU path
-(and the reference); ``triton`` runs the kernels in ``executor/kernels``.
+(and the reference); ``triton`` runs the kernels in ``executor/kernels``. `executor.backends`
+picks one; this module imports neither, so the backends can import it.
 """
 
 from __future__ import annotations
@@ -35,22 +36,3 @@ class Ops:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
-
-
-def get_ops(backend: str) -> Ops:
-    """Ops of ``backend`` (``torch`` or ``triton``) for one executor.
-
-    Call it once per executor (or model) and keep the result: the torch ops carry that executor's
-    per-step memos and buffers (`executor.ops_torch.TorchOpsState`), a new set on every call, so
-    no two executors share state. The Triton ops keep none (one shared, immutable set).
-    The backend modules are imported here, not at the top: `executor.kernels` imports this module.
-    """
-    if backend == "torch":
-        from executor import ops_torch
-
-        return ops_torch.make_ops()
-    if backend == "triton":
-        from executor.kernels import OPS
-
-        return OPS
-    raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")

@@ -19,7 +19,7 @@ import torch
 from common import SamplingParams
 from executor import ops_torch
 from executor.attention_metadata import AttentionMetadata
-from executor.ops import get_ops
+from executor.backends import get_ops
 
 
 def _mutable_globals(module: types.ModuleType) -> list[str]:
@@ -173,7 +173,7 @@ def test_import_order_has_no_cycle() -> None:
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     for first, second in [("executor.ops", "executor.kernels"), ("executor.kernels", "executor.ops"),
                           ("executor.kernels.decode_split", "executor.ops_torch")]:
-        code = f"import {first}, {second}; from executor.ops import get_ops; get_ops('torch')"
+        code = f"import {first}, {second}; from executor.backends import get_ops; get_ops('torch')"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -53,7 +53,8 @@ class DirectClient:
         pipe.execute()
         finished = tokens = 0
         while finished < len(prompts):
-            for _, entries in self.redis.xread({self.names.outputs(GATEWAY_ID): self.cursor}, block=5000) or []:
+            reply: Any = self.redis.xread({self.names.outputs(GATEWAY_ID): self.cursor}, block=5000)
+            for _, entries in reply or []:
                 for entry_id, entry in entries:
                     self.cursor = entry_id
                     out = decode(entry[b"m"], (StepOutputs,))

@@ -292,7 +292,12 @@ class StepOutputs:
     Per request: ``token_index`` is the output index of its first new token (a reader drops
     duplicates and detects gaps with it); ``num_tokens`` new tokens are concatenated in
     ``token_ids``; logprobs are per token, columnar as in `StepResult`, and ``lp_counts`` is
-    empty when no request of the message asked for them.
+    empty when no request of the message asked for them. ``queue_time_s`` is the request's time
+    from arrival at the scheduler to its first scheduling (vLLM's queue time; the gateway observes
+    it), carried once, on the request's first output from that engine: -1 for the others, and
+    empty when no request of the message carries it (the common case). ``stop_reason_ids``: on a
+    request's last output, the stop token id (of its ``stop_token_ids``) that ended it (vLLM's
+    ``stop_reason``); -1 for the others, and empty when no request of the message has one.
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -305,9 +310,12 @@ class StepOutputs:
     lp_counts: list[int] = packed("i")
     lp_token_ids: list[int] = packed("i")
     lp_values: list[float] = packed("d")
+    queue_time_s: list[float] = packed("d")
+    stop_reason_ids: list[int] = packed("i")
 
     def add(self, request_id: str, index: int, tokens: list[int], logprobs: list[dict[int, float] | None] | None,
-            finished: bool = False, finish_reason: str | None = None, error: str | None = None) -> None:
+            finished: bool = False, finish_reason: str | None = None, error: str | None = None,
+            queue_time_s: float | None = None, stop_reason: int | None = None) -> None:
         """Append one request's tokens (the first at output index ``index``)."""
         self.request_ids.append(request_id)
         self.token_index.append(index)
@@ -323,12 +331,33 @@ class StepOutputs:
         self.lp_counts.extend(counts)
         self.lp_token_ids.extend(ids)
         self.lp_values.extend(values)
+        self.queue_time_s.append(-1.0 if queue_time_s is None else queue_time_s)
+        self.stop_reason_ids.append(-1 if stop_reason is None else stop_reason)
 
     def sealed(self) -> StepOutputs:
-        """Ready to send: without logprob columns when no request asked for logprobs."""
+        """Ready to send: without logprob columns when no request asked for logprobs, and without
+        queue times when none is carried."""
         if not self.lp_token_ids:
             self.lp_counts.clear()  # the reader then skips unpacking
+        if self.queue_time_s and max(self.queue_time_s) < 0:
+            self.queue_time_s.clear()
+        if self.stop_reason_ids and max(self.stop_reason_ids) < 0:
+            self.stop_reason_ids.clear()
         return self
+
+    def queue_times(self) -> list[float | None]:
+        """``queue_time_s`` per request, None where not carried (all None if the column is absent
+        or does not match the requests)."""
+        if len(self.queue_time_s) != len(self.request_ids):
+            return [None] * len(self.request_ids)
+        return [q if q >= 0 else None for q in self.queue_time_s]
+
+    def stop_reasons(self) -> list[int | None]:
+        """``stop_reason_ids`` per request: the stop token id that ended it, None where none did
+        (all None if the column is absent or does not match the requests)."""
+        if len(self.stop_reason_ids) != len(self.request_ids):
+            return [None] * len(self.request_ids)
+        return [t if t >= 0 else None for t in self.stop_reason_ids]
 
 
 @dataclass(slots=True)
@@ -456,5 +485,25 @@ _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 
 
 def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`."""
-    return {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`.
+
+    ``logit_bias`` travels as ``[[token id, bias], ...]``: msgpack map keys must be strings here
+    (the codec decodes with ``strict_map_key``). `sampling_from_dict` undoes it.
+    """
+    out = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    if params.logit_bias is not None:
+        out["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
+    return out
+
+
+def sampling_from_dict(sampling: dict[str, Any]) -> SamplingParams:
+    """The `SamplingParams` of a map from `sampling_to_dict` (not validated: call ``validate``).
+
+    Raises ``TypeError`` for unknown fields and ``ValueError`` for a malformed ``logit_bias``.
+    """
+    bias = sampling.get("logit_bias")
+    if isinstance(bias, list):
+        if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
+            raise ValueError("logit_bias must be a list of [token id, bias] pairs")
+        sampling = {**sampling, "logit_bias": {token: value for token, value in bias}}
+    return SamplingParams(**sampling)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,13 @@ class SamplingParams:
     A ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5; 0 included) means greedy, as does
     ``top_k == 1``. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``logprobs`` is how many top logprobs to return per generated token (None: none at all).
+
+    Penalties and biases follow vLLM (applied to the logits in this order, before temperature
+    and the filters): ``logit_bias`` adds its bias to each listed token id; ``repetition_penalty``
+    (transformers' semantics) divides the positive logits and multiplies the negative ones of
+    every token in the prompt or the output so far; ``frequency_penalty`` subtracts itself times
+    the number of times a token was generated, ``presence_penalty`` itself once if it was
+    (OpenAI's semantics: generated tokens only). 0, 0, 1 and no bias leave the logits alone.
     """
 
     temperature: float = 1.0
@@ -48,18 +57,28 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     # The most top logprobs a request may ask for; bounds the executor's top-k work.
     MAX_LOGPROBS = 20
     # The most stop token ids a request may give: the scheduler checks each new token against
     # them every step, so a huge list would slow every request in the batch.
     MAX_STOP_TOKEN_IDS = 1024
+    # The most tokens a request may bias: the biases travel to the executor's device every step.
+    MAX_LOGIT_BIAS = 1024
+    # OpenAI's ranges for the penalties and the biases.
+    MAX_PENALTY = 2.0
+    MAX_LOGIT_BIAS_VALUE = 100.0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad field (the message starts with its name).
 
         Counts and token ids must fit int32 and seeds int64 (how the engine stores them), so no
-        value can overflow downstream; with ``vocab_size``, stop token ids must lie in the vocabulary.
+        value can overflow downstream; with ``vocab_size``, stop token ids and ``logit_bias`` token
+        ids must lie in the vocabulary.
         """
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
             raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
@@ -86,6 +105,41 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {_preview(ids)}")
         if ids and vocab_size is not None and max(ids) >= vocab_size:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {_preview(ids)}")
+        most = self.MAX_PENALTY
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_num(value) or not -most <= value <= most:
+                raise ValueError(f"{name} must be in [{-most}, {most}], got {value!r}")
+        # Finite: a logit of 0 times an infinite penalty is NaN.
+        rep = self.repetition_penalty
+        if not _is_num(rep) or not (rep > 0 and math.isfinite(rep)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > self.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must be a map of at most {self.MAX_LOGIT_BIAS} token ids to biases")
+        ids = list(bias)
+        wrong = [t for t in ids if not (_is_int(t) and 0 <= t <= INT32_MAX)]
+        if wrong:
+            raise ValueError(f"logit_bias token ids must be integers in [0, {INT32_MAX}], got {reprlib.repr(wrong[0])}")
+        if ids and vocab_size is not None and max(ids) >= vocab_size:
+            outside = [t for t in ids if t >= vocab_size]
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), "
+                             f"got {_preview(outside)}")
+        most = self.MAX_LOGIT_BIAS_VALUE
+        bad_values = [b for b in bias.values() if not (_is_num(b) and -most <= b <= most)]
+        if bad_values:
+            raise ValueError(f"logit_bias values must be numbers in [{-most}, {most}], "
+                             f"got {reprlib.repr(bad_values[0])}")
+
+    @property
+    def penalized(self) -> bool:
+        """Any presence, frequency or repetition penalty: sampling needs the token counts."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,11 @@ replace tables) and names the step's requests; `PersistentBatch.prepare` turns i
 `Batch`, the flat lists one forward pass needs. Plain Python: tensors are made from the `Batch`
 in one place (`ModelExecutor`).
 
+Penalties need each request's token counts. They live on the device, one row of a pool per
+request with penalties (`executor.penalties.TokenCountPool`); this module only assigns the rows
+(slots) and says, per step, which tokens are new to them (`TokenCountStep`), so each token is
+counted once, not every step.
+
 The state is a cache of the scheduler's: on any inconsistency it raises `ValueError`, the
 executor drops everything, and the scheduler resends every request as new.
 """
@@ -15,8 +20,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.protocol import SchedulerOutput
+from common.protocol import SchedulerOutput, sampling_from_dict
 from common.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenCountStep:
+    """One step's use of the token-count pool; only built when a sampling row has penalties.
+
+    ``slots``: per sequence of the batch, its pool row (-1: none, or it does not sample). Before
+    sampling, the ``reset`` rows (newly assigned) are zeroed, the ``prompt`` (row, token) pairs
+    are marked as prompt tokens, and each ``output`` pair adds one to its token's count.
+    """
+
+    slots: list[int] = field(default_factory=list)
+    reset: list[int] = field(default_factory=list)
+    prompt_slots: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_slots: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -29,6 +51,7 @@ class Batch:
     step), ``seq_lens`` (KV length after this step: cached prefix + new tokens), ``block_tables``,
     ``sample`` (False for a prefill chunk that does not reach the end of the prompt),
     ``output_lens`` (tokens generated so far: seeds per-step randomness), ``sampling_params``.
+    ``token_counts``: None unless a sampling request has penalties (see `TokenCountStep`).
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -41,6 +64,7 @@ class Batch:
     sample: list[bool] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
     sampling_params: list[SamplingParams] = field(default_factory=list)
+    token_counts: TokenCountStep | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -57,6 +81,7 @@ class Batch:
         assert len(self.sample) == len(self.output_lens) == len(self.sampling_params) == n
         assert sum(self.query_lens) == self.num_tokens == len(self.positions) == len(self.slot_mapping)
         assert all(q >= 1 and s >= q for q, s in zip(self.query_lens, self.seq_lens))
+        assert self.token_counts is None or len(self.token_counts.slots) == n
 
 
 @dataclass(slots=True)
@@ -67,6 +92,8 @@ class CachedRequestState:
     num_prompt_tokens: int
     token_ids: list[int]
     block_ids: list[int]
+    count_slot: int = -1  # its row of the token-count pool (penalties only); -1 until it first samples
+    num_counted: int = 0  # output tokens already counted in that row
 
 
 class PersistentBatch:
@@ -76,14 +103,24 @@ class PersistentBatch:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.requests: dict[str, CachedRequestState] = {}
+        # Token-count pool rows: freed ones for reuse, and the next never used (the pool's size).
+        self.free_slots: list[int] = []
+        self.num_slots = 0
 
     def clear(self) -> None:
         self.requests.clear()
+        self.free_slots.clear()
+        self.num_slots = 0
+
+    def _drop(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.count_slot >= 0:
+            self.free_slots.append(state.count_slot)
 
     def prepare(self, output: SchedulerOutput) -> Batch:
         """Apply ``output``'s edits and return the step's batch; `ValueError` if inconsistent."""
         for request_id in output.finished_req_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
         vocab = self.vocab_size
         for new in output.new_requests():
             tokens = new.token_ids
@@ -91,7 +128,8 @@ class PersistentBatch:
                 raise ValueError(f"request {new.request_id!r}: token ids must be in [0, {vocab})")
             if not 0 < new.num_prompt_tokens <= len(tokens):
                 raise ValueError(f"request {new.request_id!r}: {new.num_prompt_tokens} prompt tokens of {len(tokens)}")
-            self.requests[new.request_id] = CachedRequestState(SamplingParams(**new.sampling), new.num_prompt_tokens,
+            self._drop(new.request_id)
+            self.requests[new.request_id] = CachedRequestState(sampling_from_dict(new.sampling), new.num_prompt_tokens,
                                                                tokens, new.block_ids)
         for request_id, resumed, block_ids in output.cached_requests():
             state = self._state(request_id)
@@ -122,7 +160,33 @@ class PersistentBatch:
             batch.sample.append(end == len(tokens))
             batch.output_lens.append(len(tokens) - state.num_prompt_tokens)
             batch.sampling_params.append(state.params)
+            if end == len(tokens) and state.params.penalized:
+                if batch.token_counts is None:
+                    batch.token_counts = TokenCountStep(slots=[-1] * i)
+                batch.token_counts.slots.append(self._count(state, batch.token_counts))
+            elif batch.token_counts is not None:
+                batch.token_counts.slots.append(-1)
         return batch
+
+    def _count(self, state: CachedRequestState, step: TokenCountStep) -> int:
+        """``state``'s pool row, assigned on first use; its tokens not counted yet go into ``step``."""
+        slot = state.count_slot
+        if slot < 0:
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            else:
+                slot, self.num_slots = self.num_slots, self.num_slots + 1
+            state.count_slot, state.num_counted = slot, 0
+            step.reset.append(slot)
+            if state.params.repetition_penalty != 1.0:  # the only reader of the prompt marks
+                prompt = state.token_ids[: state.num_prompt_tokens]
+                step.prompt_slots.extend([slot] * len(prompt))
+                step.prompt_tokens.extend(prompt)
+        new = state.token_ids[state.num_prompt_tokens + state.num_counted :]
+        step.output_slots.extend([slot] * len(new))
+        step.output_tokens.extend(new)
+        state.num_counted += len(new)
+        return slot
 
     def append_sampled(self, batch: Batch, token_ids: list[int]) -> None:
         """Each sampling request of ``batch`` takes its new token (read by the next step)."""

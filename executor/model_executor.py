@@ -17,11 +17,12 @@ from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
+from executor.backends import get_ops
 from executor.input_batch import Batch, PersistentBatch
 from executor.loader import load_weights
 from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
-from executor.ops import get_ops
+from executor.penalties import TokenCountPool, TokenCounts
 from executor.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class ModelExecutor:
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler(self.device, seed=model_config.seed)
+        self.token_counts = TokenCountPool(cfg.vocab_size, self.device)  # penalties' statistics
         self.info = ExecutorInfo(
             model_name=model_dir.resolve().name,
             num_blocks=self.num_blocks,
@@ -175,6 +177,7 @@ class ModelExecutor:
     def reset(self) -> None:
         """Drop every request's state (after a failed step, or a new binding)."""
         self.input_batch.clear()
+        self.token_counts.clear()
 
     def execute_batch(self, batch: Batch) -> ExecutorOutput:
         """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode."""
@@ -200,7 +203,13 @@ class ModelExecutor:
             params = [batch.sampling_params[i] for i in idx]
             out_lens = [batch.output_lens[i] for i in idx]
             banned = self._banned(params, out_lens)
-            sampled, lps = self.sampler.sample(logits, params, out_lens, banned)
+            counts: TokenCounts | None = None
+            step = batch.token_counts
+            if step is not None:  # some sampled request has penalties
+                self.token_counts.update(step)
+                rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
+                counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
+            sampled, lps = self.sampler.sample(logits, params, out_lens, banned, counts)
         for j, i in enumerate(idx):
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]

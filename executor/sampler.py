@@ -1,4 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, logprobs.
+
+The logits are first edited as in vLLM: ``logit_bias`` added, banned tokens masked, then the
+presence/frequency/repetition penalties applied (`executor.penalties`), each only when some row
+of the batch asks for it.
 
 Rows with ``SamplingParams.greedy`` (a temperature below ``GREEDY_TEMPERATURE``, or top_k 1)
 take the argmax and never divide by their temperature, which could overflow. Filters apply in
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from common.sampling_params import SamplingParams
+from executor.penalties import TokenCounts, apply_logit_bias, penalize
 
 _MASK64 = (1 << 64) - 1
 
@@ -41,23 +47,30 @@ class Sampler:
         params: list[SamplingParams],
         output_lens: list[int],
         banned: list[list[int]] | None = None,
+        counts: TokenCounts | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row of ``logits`` ``[N, vocab]``.
 
         ``banned[i]`` lists tokens row ``i`` may not produce this step (e.g. EOS before
-        ``min_tokens``). Returns token ids and, per row, ``{token: logprob}`` for the sampled
-        token plus the top ``params[i].logprobs`` (None where logprobs were not requested).
-        Logprobs come from the raw logits, before temperature and filters.
+        ``min_tokens``). ``counts``: the token counts of the rows with penalties (the executor's
+        `executor.penalties.TokenCountPool` rows); without them no penalty applies. Returns token
+        ids and, per row, ``{token: logprob}`` for the sampled token plus the top
+        ``params[i].logprobs`` (None where logprobs were not requested).
+        Logprobs come from the raw logits, before biases, penalties, temperature and filters.
         """
         n = logits.shape[0]
         logits = logits.float()
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)
         if banned is not None and any(banned):
             logits = logits.clone()
             for i, toks in enumerate(banned):
                 if toks:
                     logits[i, toks] = float("-inf")
+        if counts is not None:
+            logits = penalize(logits, params, counts)
 
         greedy = [p.greedy for p in params]
         if all(greedy):

@@ -16,6 +16,7 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +30,7 @@ from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece
+from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
     ApiError,
     GenerationSpec,
@@ -71,6 +73,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     tokenizers = Tokenizers(config.model)
     workers = InputWorkers()
 
+    def served_name(info: EngineStatus) -> str:
+        return config.served_model_name or info.model_name
+
+    metrics = GatewayMetrics(client, served_name, config.served_model_name or "")  # per app: tests run several
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
@@ -78,6 +85,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         async def warm() -> None:  # load the tokenizer before the first request needs it
             while client.model_info is None:
                 await asyncio.sleep(0.5)
+            metrics.series(served_name(client.model_info))  # the request series show (at 0) before any request
             try:
                 await tokenizers.get(client.model_info)
             except Exception:
@@ -93,6 +101,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="Conveyor", lifespan=lifespan)
     app.state.client = client
     app.state.config = config
+    app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -143,9 +152,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not hmac.compare_digest(given.encode(), config.api_key.encode()):
             raise ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
-    def served_name(info: EngineStatus) -> str:
-        return config.served_model_name or info.model_name
-
     def ready_info() -> EngineStatus:
         info = client.model_info
         if info is None or client.down_reason is not None:
@@ -181,6 +187,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                            "model_not_found")
         return JSONResponse(model_card(info))
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus metrics of the whole deployment (`gateway.metrics`); no API key, as /health."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": package_version()})
@@ -198,6 +209,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await serve(request, parse_chat(body), body)
 
     async def serve(request: Request, spec: GenerationSpec, body: Any) -> Response:
+        arrival = time.monotonic()
         info = ready_info()
         name = served_name(info)
         if spec.model and spec.model not in (name, info.model_path):  # "" or absent: the served model
@@ -218,7 +230,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         gen = Generation(client, tokenizer, request_id, prompt_ids, spec.sampling, spec.stop,
-                         spec.include_stop_str_in_output, spec.skip_special_tokens)
+                         spec.include_stop_str_in_output, spec.skip_special_tokens,
+                         metrics.request(name, n_prompt, arrival))
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
         fmt = ResponseFormatter(spec, request_id, name, tokenizer, n_prompt, echo)
         if not spec.stream:
@@ -245,7 +258,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
         spec.sampling.max_tokens = header.max_tokens
         gen = Generation(client, tokenizer, response_id, header.prompt_token_ids, spec.sampling, spec.stop,
-                         spec.include_stop_str_in_output, spec.skip_special_tokens)
+                         spec.include_stop_str_in_output, spec.skip_special_tokens,
+                         metrics.request(header.served_model, len(header.prompt_token_ids), None))
         fmt = ResponseFormatter(spec, response_id, header.served_model, tokenizer, len(header.prompt_token_ids),
                                 header.echo_text)
         fmt.created = header.created

@@ -3,7 +3,7 @@
 Parsing is by hand rather than with pydantic models so every rejection carries OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
-values we cannot honour (``n > 1``, penalties, ``logit_bias``, tools...) are rejected.
+values we cannot honour (``n > 1``, ``best_of``, ``suffix``, tools...) are rejected.
 
 No input gets past here as a 500 or as work that would slow other requests: the body must be
 JSON (no ``NaN``), nested at most `MAX_JSON_DEPTH` levels, with every string valid Unicode;
@@ -212,9 +212,9 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     if body.get("n") is not None and body.get("n") != 1:
         _int(body, "n", 1)
         raise bad("only n = 1 is supported", "n")
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                          ("best_of", 1), ("logit_bias", {}), ("suffix", None)):
+    for name, neutral in (("best_of", 1), ("suffix", None)):
         _unsupported(body, name, neutral)
+    logit_bias = _logit_bias(body)
     stream = _bool(body, "stream", False)
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", None)
     if options is not None and not stream:
@@ -249,6 +249,10 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         ignore_eos=_bool(body, "ignore_eos", False),
         seed=_int(body, "seed", None),
         logprobs=logprobs,
+        presence_penalty=_num(body, "presence_penalty", 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        logit_bias=logit_bias,
     )
     if sampling.top_k == -1:
         sampling.top_k = 0
@@ -265,6 +269,27 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         add_special_tokens=_bool(body, "add_special_tokens", kind == "completion"),
         logprobs=logprobs,
     )
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
+    """``logit_bias`` with integer keys (JSON object keys are strings); its ids and values are
+    range-checked by `SamplingParams.validate`, the ids against the vocabulary once it is known."""
+    value = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object mapping token ids to biases", None)
+    if value is None:
+        return None
+    most = SamplingParams.MAX_LOGIT_BIAS
+    if len(value) > most:
+        raise bad(f"'logit_bias' may hold at most {most} token ids, got {len(value)}", "logit_bias")
+    out: dict[int, Any] = {}
+    for key, bias in value.items():
+        # Decimal ASCII digits only (int() would also take " 7", "+7", "7_0" or other scripts' digits),
+        # and few of them: no id has more.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad(f"'logit_bias' keys must be token ids (decimal integers), got {_preview(key)}", "logit_bias")
+        if not _is_num(bias):
+            raise bad(f"'logit_bias' values must be numbers, got {_typename(bias)} {_preview(bias)}", "logit_bias")
+        out[int(key)] = bias
+    return out or None
 
 
 def _max_tokens(body: dict[str, Any], *names: str) -> int | None:

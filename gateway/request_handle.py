@@ -16,6 +16,9 @@ class EngineEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    queue_time_s: float | None = None  # on a request's first output from an engine (see `StepOutputs`)
+    stop_reason: int | None = None  # on the last: the stop token id that ended it (see `StepOutputs`)
+    replayed: bool = False  # from a journal: another gateway delivered these tokens first
 
 
 @dataclass(slots=True)

@@ -65,13 +65,15 @@ class ResponseFormatter:
     def full_response(self, pieces: list[Piece], completion_tokens: int) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
         reason = pieces[-1].finish_reason if pieces else "stop"
+        stop_reason = pieces[-1].stop_reason if pieces else None
         logprobs = self.logprobs(pieces)
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": logprobs, "finish_reason": reason}
+                                      "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": (self.echo_text or "") + text, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": 0, "text": (self.echo_text or "") + text, "logprobs": logprobs, "finish_reason": reason,
+                      "stop_reason": stop_reason}
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage(completion_tokens)}
@@ -88,9 +90,10 @@ class ResponseFormatter:
     def stream_start(self) -> list[dict[str, Any]]:
         if self.chat:
             return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None})]
+                                 "finish_reason": None, "stop_reason": None})]
         if self.echo_text:
-            return [self._chunk({"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None})]
+            return [self._chunk({"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None,
+                                 "stop_reason": None})]
         return []
 
     def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
@@ -99,9 +102,11 @@ class ResponseFormatter:
         if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
             if self.chat:
                 delta = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason,
+                          "stop_reason": piece.stop_reason}
             else:
-                choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+                choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason,
+                          "stop_reason": piece.stop_reason}
             chunks.append(self._chunk(choice))
         if piece.finish_reason is not None and self.spec.include_usage:
             chunks.append({"id": self.request_id, "object": self._chunk({})["object"], "created": self.created,

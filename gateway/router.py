@@ -83,6 +83,7 @@ class EngineClient:
         self.down_reason: str | None = "no engine has registered yet"
         self.run_id: str | None = None
         self.num_migrations = 0  # requests moved to another engine (a metric's source)
+        self.redis_rtt_s: float | None = None  # the last engine refresh's first round trip (a metric's source)
         # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
         self.settle_until = 0.0
         self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
@@ -265,6 +266,7 @@ class EngineClient:
                                engine_request_id=route.request_id, scheduler_id=route.scheduler_id,
                                attempts=int(number) + 1 if tilde and number.isdigit() else 1)
         for msg in outputs:  # as `_dispatch` would deliver them: in order, without duplicates
+            stop_reasons = msg.stop_reasons()
             for i, index in enumerate(msg.token_index):
                 if index > handle.next_index:
                     break  # a gap (outputs lost with the old gateway): the engine resends from here
@@ -275,7 +277,7 @@ class EngineClient:
                 handle.output_token_ids.extend(tokens)
                 self._deliver(handle, EngineEvent(tokens, lps[start + skip : start + msg.num_tokens[i]] if lps else
                                                   [None] * len(tokens), msg.finished[i], msg.finish_reasons[i],
-                                                  msg.errors[i]))
+                                                  msg.errors[i], stop_reason=stop_reasons[i], replayed=True))
                 if handle.done:
                     return handle  # the whole stream is in the journal
         status = self.engines.get(route.scheduler_id)
@@ -316,6 +318,8 @@ class EngineClient:
     async def _dispatch(self, msg: StepOutputs) -> None:
         """Deliver one step's outputs; resumable streams are journaled before their clients see them."""
         logprobs = unpack_logprobs(msg.lp_counts, msg.lp_token_ids, msg.lp_values) if msg.lp_counts else None
+        queue_times = msg.queue_times()
+        stop_reasons = msg.stop_reasons()
         journal: list[Outgoing] = []
         ready: list[tuple[RequestHandle, EngineEvent]] = []
         migrate: list[RequestHandle] = []
@@ -342,11 +346,12 @@ class EngineClient:
             if not tokens and not msg.finished[i]:
                 continue  # nothing new (duplicates, or a resend with nothing after its index)
             handle.output_token_ids.extend(tokens)
-            event = EngineEvent(tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i])
+            event = EngineEvent(tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i], queue_times[i],
+                                stop_reason=stop_reasons[i])
             if handle.journal_id:
                 entry = StepOutputs()
                 entry.add(engine_request_id, handle.next_index - len(tokens), tokens, lps, event.finished,
-                          event.finish_reason, event.error)
+                          event.finish_reason, event.error, stop_reason=event.stop_reason)
                 journal.append(Outgoing(self.names.journal(handle.journal_id), encode(entry.sealed()), OUTPUTS_MAXLEN,
                                         self.journal_ttl_ms))
             ready.append((handle, event))
@@ -379,7 +384,9 @@ class EngineClient:
     async def _refresh(self) -> None:
         """Re-read the live engines and decide whether this gateway can serve (``down_reason``)."""
         t = self.transport
+        t0 = time.perf_counter()
         run_id = await t.run_id(deadline_s=2)
+        self.redis_rtt_s = time.perf_counter() - t0  # one round trip (plus retries, if Redis is slow to answer)
         restarted = self.run_id is not None and run_id != self.run_id
         self.run_id = run_id
         ids = [sid.decode() for sid in await t.call(t.redis.zrange, self.names.engines, 0, -1, deadline_s=2)]

@@ -32,6 +32,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     logprobs: list[dict[int, float]] | None
+    stop_reason: int | None = None  # the stop token id (of ``stop_token_ids``) that ended it; EOS, length: None
 
 
 def split_engine_options(options: dict[str, Any]) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
@@ -124,8 +125,9 @@ class LLM:
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
         requests: list[Request] = []
+        vocab = self.executor.info.vocab_size
         for prompt, params in zip(batch, params_list):
-            params.validate()
+            params.validate(vocab)
             text, ids = self._prompt_ids(prompt)
             if len(ids) > self.max_model_len:
                 raise ValueError(
@@ -157,4 +159,5 @@ class LLM:
             text=cast(str, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)),
             finish_reason=request.finish_reason or "stop",
             logprobs=list(request.output_logprobs) if wants_logprobs else None,  # type: ignore[arg-type]
+            stop_reason=request.stop_reason,
         )

@@ -26,6 +26,7 @@ class _Route:
     journal_id: str  # "" when the request cannot be resumed
     orphaned_until: float = 0.0
     orphaned_from: str = ""  # the gateway that was declared dead (it may only have been late)
+    queue_time_sent: bool = False  # the request's queue time went out (with its first output)
 
 
 class OutputRouter:
@@ -63,9 +64,12 @@ class OutputRouter:
             if route is None:
                 continue
             stream = self.names.outputs(route.gateway_id) if route.gateway_id else self.names.journal(route.journal_id)
+            queue_time_s = None
+            if not route.queue_time_sent and out.queue_time_s is not None:  # once: it is a per-request metric
+                queue_time_s, route.queue_time_sent = out.queue_time_s, True
             by_stream.setdefault(stream, StepOutputs()).add(
                 out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_logprobs,
-                out.finished, out.finish_reason)
+                out.finished, out.finish_reason, queue_time_s=queue_time_s, stop_reason=out.stop_reason)
             if out.finished:
                 del self.routes[out.request_id]
         return [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]

@@ -40,9 +40,17 @@ class Request:
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
     finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id (of ``stop_token_ids``) that ended it; EOS: None
     num_preemptions: int = 0
     cache_salt: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    scheduled_time: float | None = None  # first scheduled (time.monotonic, as ``arrival_time``)
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Arrival to first scheduling (vLLM's queue time); None until scheduled. A preempted
+        request's wait to resume is not counted, as in vLLM."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
 
     @property
     def num_tokens(self) -> int:
@@ -72,3 +80,5 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_output_tokens: int  # generated so far, including new_token_ids
+    queue_time_s: float | None = None  # `Request.queue_time_s` (the router sends it once per request)
+    stop_reason: int | None = None  # on the last output: the stop token id that ended it (vLLM's)

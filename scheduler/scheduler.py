@@ -31,6 +31,7 @@ the culprit and is failed by the caller (``abort(id, "error")``), while the othe
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -210,8 +211,7 @@ class Scheduler:
             if admitted is None:
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             scheduled[request.request_id] = admitted
             budget -= admitted
         return scheduled
@@ -266,9 +266,15 @@ class Scheduler:
             self._preempt(victim)
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
         return {request.request_id: n}
+
+    def _start_running(self, request: Request) -> None:
+        """A waiting request (out of its queue) joins the running ones; the first time ends its queue time."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
 
     def schedule(self) -> SchedulerOutput:
         """Decide one step and describe it for the executor (no tensors, no I/O).
@@ -339,7 +345,7 @@ class Scheduler:
                 request.finish_reason = reason
             outputs.append(
                 StepOutput(request.request_id, [token], [logprobs], reason is not None, reason,
-                           request.num_output_tokens)
+                           request.num_output_tokens, request.queue_time_s, stop_reason=request.stop_reason)
             )
         for request in finished:
             (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
@@ -347,12 +353,15 @@ class Scheduler:
         return outputs
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
+        """The finish reason ``token`` ends ``request`` with, or None. A stop token id (checked
+        after EOS, as in vLLM) is also kept as the request's ``stop_reason``."""
         params = request.sampling_params
         n = request.num_output_tokens
         if n >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in params.stop_token_ids:
+                request.stop_reason = token
                 return "stop"
         if n >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"

@@ -44,8 +44,8 @@ from common.protocol import (
     StepResult,
     SyncRequest,
     decode,
+    sampling_from_dict,
 )
-from common.sampling_params import SamplingParams
 from common.transport import Outgoing, SyncTransport
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore
@@ -391,7 +391,7 @@ class SchedulerService:
             return None
         assert self.hello is not None
         try:
-            params = SamplingParams(**msg.sampling)
+            params = sampling_from_dict(msg.sampling)
             vocab = self.hello.vocab_size
             params.validate(vocab)
             if any(not 0 <= t < vocab for t in msg.prompt_token_ids + msg.output_token_ids):

@@ -19,10 +19,10 @@ def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(hf, prompt: list[int], n: int, **kwargs) -> tuple[list[int], torch.Tensor]:
     out = hf.generate(
         torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-        return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True, pad_token_id=0, **kwargs,
     )
     logprobs = torch.log_softmax(torch.stack(out.logits, 1)[0].float(), -1)
     return out.sequences[0, len(prompt):].tolist(), logprobs
@@ -52,6 +52,94 @@ def test_greedy_parity_with_transformers(tiny_model, arch: str) -> None:
             top = torch.topk(hf_logprobs[step], 5).indices.tolist()
             assert set(top) <= set(lp)
     llm.cache_manager.check_invariants()
+
+
+def test_repetition_penalty_parity_with_transformers(tiny_model) -> None:
+    """Greedy with ``repetition_penalty=1.3`` (over prompt and output) is transformers' greedy
+    with the same penalty; half the prompts run without it in the same batches (the penalised
+    rows are a subset of the sampled ones) and match plain greedy."""
+    model_dir = tiny_model("llama")
+    llm = LLM(model_dir, dtype="float32", block_size=16, max_num_batched_tokens=48, max_num_seqs=8)
+    prompts = random_prompts(llm.executor.info.vocab_size, seed=3)
+    n = 24
+    penalised = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=1.3)
+    plain = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    params = [penalised if i % 2 == 0 else plain for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    unpenalised = llm.generate(prompts[::2], plain)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        want, _ = hf_greedy(hf, prompt, n, **({"repetition_penalty": 1.3} if i % 2 == 0 else {}))
+        assert out.token_ids == want, f"prompt {i} ({len(prompt)} tokens) diverged"
+    assert any(a.token_ids != b.token_ids for a, b in zip(outputs[::2], unpenalised)), "the penalty changed nothing"
+    llm.cache_manager.check_invariants()
+
+
+def reference_penalised_greedy(hf, prompt: list[int], n: int, presence: float, frequency: float,
+                               repetition: float) -> list[int]:
+    """Greedy decoding with vLLM's penalties applied by hand to transformers' logits, token by token."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            for token in set(ids):  # repetition: prompt and output
+                x = logits[token]
+                logits[token] = x / repetition if x > 0 else x * repetition
+            for token in set(out):  # presence and frequency: the output only
+                logits[token] -= frequency * out.count(token) + presence
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_presence_and_frequency_penalties(tiny_model) -> None:
+    """Presence and frequency penalties (and all three together) match a by-hand reference,
+    change the output, and are deterministic, greedy and seeded."""
+    model_dir = tiny_model("llama")
+    llm = LLM(model_dir, dtype="float32", block_size=16, max_num_batched_tokens=48)
+    prompts = random_prompts(llm.executor.info.vocab_size, seed=4)[:6]
+    n = 16
+    kinds = [dict(presence_penalty=1.5), dict(frequency_penalty=0.7),
+             dict(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.2)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kinds[i % 3]) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, p, out in zip(prompts, params, outputs):
+        want = reference_penalised_greedy(hf, prompt, n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        assert out.token_ids == want, p
+    for kind in range(3):
+        assert any(o.token_ids != q.token_ids for o, q in zip(outputs[kind::3], plain[kind::3])), kinds[kind]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in outputs]
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True, presence_penalty=1.0,
+                             frequency_penalty=0.5) for i in range(len(prompts))]
+    first = [o.token_ids for o in llm.generate(prompts, seeded)]
+    alone = llm.generate(prompts[2], seeded[2])[0].token_ids
+    assert first == [o.token_ids for o in llm.generate(prompts, seeded)] and alone == first[2]
+    unpenalised_seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i in range(len(prompts))]
+    assert first != [o.token_ids for o in llm.generate(prompts, unpenalised_seeded)]
+    assert llm.executor.input_batch.num_slots <= len(prompts)  # pool rows are reused across requests
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
+    llm = LLM(tiny_model("llama"), block_size=16)
+    prompt = [5, 6, 7, 8]
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    forced_token = next(t for t in range(100, 1000) if t not in base)
+    for p in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={forced_token: 100}),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logit_bias={forced_token: 100.0})):
+        assert llm.generate([prompt], p)[0].token_ids == [forced_token] * 8
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                    logit_bias={base[0]: -100}))[0].token_ids
+    assert base[0] not in banned and banned != base
+    vocab = llm.executor.info.vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias token ids must be in \[0, {vocab}\)"):
+        llm.generate([prompt], SamplingParams(logit_bias={vocab: 1.0}))
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids == base
 
 
 def test_text_prompts_and_mixed_params(tiny_model) -> None:
@@ -103,6 +191,8 @@ def test_async_scheduling_gives_identical_outputs(tiny_model) -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert all(o.finish_reason == "stop" and o.token_ids[-1] in p.stop_token_ids for o, p in zip(got, params))
+    assert [o.stop_reason for o in got] == [o.token_ids[-1] for o in got]  # vLLM's stop_reason: the stop token
+    assert all(o.stop_reason is None and o.finish_reason == "length" for o in free_run)
     assert sync.scheduler.num_preemptions > 0 and got_async.scheduler.num_preemptions > 0
     # Finished requests' state leaves the executor with the next step.
     held = set(got_async.executor.input_batch.requests)
@@ -135,6 +225,10 @@ def test_seeded_sampling_ignores_batch_mates(tiny_model) -> None:
         ("hi", SamplingParams(temperature=-1), "temperature"),
         ([1] * 600, SamplingParams(), "max_model_len"),
         ([10**9], SamplingParams(), "token ids"),
+        ("hi", SamplingParams(presence_penalty=3), "presence_penalty"),
+        ("hi", SamplingParams(repetition_penalty=0), "repetition_penalty"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+        ("hi", SamplingParams(logit_bias={5: -101}), "logit_bias"),
     ],
 )
 def test_bad_input_raises_and_engine_stays_usable(tiny_model, prompt, params, match) -> None:

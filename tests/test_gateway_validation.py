@@ -19,7 +19,16 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
-from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
+from common.protocol import (
+    AbortRequests,
+    EngineStatus,
+    GenerateRequest,
+    Names,
+    StepOutputs,
+    decode,
+    encode,
+    sampling_from_dict,
+)
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from infra.stack import find_redis
@@ -89,6 +98,17 @@ def test_malformed_json_and_non_object(env: dict[str, Any]) -> None:
         ({"prompt": ""}, "prompt", ["empty"]),
         ({"max_tokens": 3}, "prompt", ["required"]),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", ["[-2.0, 2.0]", "2.5"]),
+        ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", ["[-2.0, 2.0]", "-3"]),
+        ({"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty", ["number"]),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", ["> 0"]),
+        ({"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias", ["object"]),
+        ({"prompt": "hi", "logit_bias": {"dog": 1}}, "logit_bias", ["token ids", "dog"]),
+        ({"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias", ["token ids"]),
+        ({"prompt": "hi", "logit_bias": {"5": "up"}}, "logit_bias", ["numbers"]),
+        ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", ["[-100.0, 100.0]", "101"]),
+        ({"prompt": "hi", "logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias", [f"[0, {VOCAB_SIZE})", "vocabulary"]),
+        ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", ["at most 1024"]),
     ],
 )
 def test_bad_parameters(env: dict[str, Any], body: dict[str, Any], param: str, words: list[str]) -> None:
@@ -136,22 +156,30 @@ def test_models_and_health(env: dict[str, Any]) -> None:
     assert version == importlib.metadata.version("conveyor")
 
 
-def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path: str) -> threading.Thread:
-    """Answer the next request on the stream with the tokens of ``texts``, one output per text."""
+def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path: str, after: bytes | str = "0",
+                 stop_token: int | None = None, seen: list[GenerateRequest] | None = None) -> threading.Thread:
+    """Answer the next request on the stream (after entry ``after``) with the tokens of ``texts``,
+    one output per text; the last ends with "length", or with ``stop_token`` appended as a stop
+    token id. The request is appended to ``seen``."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
 
     def run() -> None:
-        reply = r.xread({names.requests(ENGINE): "0"}, block=10_000, count=1)
+        reply = r.xread({names.requests(ENGINE): after}, block=10_000, count=1)
         req = decode(reply[0][1][0][1][b"m"], (GenerateRequest,))
+        if seen is not None:
+            seen.append(req)
         index = 0
         for i, text in enumerate(texts):
             ids = tok(text, add_special_tokens=False)["input_ids"]
             last = i == len(texts) - 1
             out = StepOutputs([req.request_id], [index], [len(ids)], ids, [last], ["length" if last else None], [None],
                               [], [], [])
-            r.xadd(names.outputs(req.gateway_id), {b"m": encode(out)})
+            if last and stop_token is not None:
+                out = StepOutputs()
+                out.add(req.request_id, index, ids + [stop_token], None, True, "stop", stop_reason=stop_token)
+            r.xadd(names.outputs(req.gateway_id), {b"m": encode(out.sealed())})
             index += len(ids)
             time.sleep(0.05)
 
@@ -182,6 +210,34 @@ def test_stream_stop_string_aborts_in_engine(env: dict[str, Any]) -> None:
     entries = r.xrange(names.requests(ENGINE))
     aborts = [decode(e[b"m"], (AbortRequests,)) for _, e in entries[requests_before + 1 :]]
     assert any(chunks[0]["id"] in a.request_ids for a in aborts)
+
+
+def test_penalties_and_logit_bias_reach_the_engine_and_stop_reason_comes_back(env: dict[str, Any]) -> None:
+    """The parameters arrive in the scheduler's `GenerateRequest` (``logit_bias`` with integer
+    ids, as pairs on the wire); a stop token id the engine reports is the choice's ``stop_reason``
+    (non-streaming, and on the final streaming chunk only)."""
+    c, r, names = env["client"], env["redis"], env["names"]
+    body = {"prompt": "hi", "max_tokens": 20, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.1, "logit_bias": {"7": -100, "12": 5.5}}
+    seen: list[GenerateRequest] = []
+    for stream in (False, True):
+        last = (r.xrevrange(names.requests(ENGINE), count=1) or [(b"0", None)])[0][0]
+        thread = _fake_engine(r, names, ["Hello", " world"], str(env["model"]), last, stop_token=9, seen=seen)
+        response = c.post("/v1/completions", json={**body, "stream": stream})
+        thread.join(5)
+        assert response.status_code == 200, response.text
+        if not stream:
+            choice = response.json()["choices"][0]
+            assert choice["text"].startswith("Hello world") and choice["finish_reason"] == "stop"
+            assert choice["stop_reason"] == 9
+            continue
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        assert [ch["choices"][0]["stop_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + [9]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    for req in seen:
+        params = sampling_from_dict(req.sampling)
+        assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1, 1.1)
+        assert params.logit_bias == {7: -100, 12: 5.5}
 
 
 def test_engine_down_gives_503(env: dict[str, Any]) -> None:

@@ -189,6 +189,8 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
     *[("chat/completions", f'{{"messages": [{{"role": "user", "content": "x"}}], "max_completion_tokens": {v}}}',
        "max_tokens", "max_tokens") for v in BIG],
     ("completions", '{"prompt": "x", "temperature": 1e400}', "temperature", "temperature"),
+    ("completions", '{"prompt": "x", "repetition_penalty": 1e400}', "repetition_penalty", "finite"),
+    ("completions", '{"prompt": "x", "logit_bias": {"5": -1e400}}', "logit_bias", "[-100.0, 100.0]"),
     ("completions", '{"prompt": [-1]}', "prompt", "non-negative"),
     ("completions", '{"prompt": [1, true]}', "prompt", "token ids"),
     # sizes that would cost every other request
@@ -200,7 +202,8 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
     ("chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 3}]
                                      * (MAX_CONTENT_PARTS // 3 + 1)}), "messages", "content parts"),
     ("completions", json.dumps({"prompt": "x", "stop": 5, "logit_bias": {"1": list(range(100_000))}}), "logit_bias",
-     "not supported"),
+     "must be numbers"),
+    ("completions", json.dumps({"prompt": "x", "logit_bias": {"9" * 100_000: 1}}), "logit_bias", "token ids"),
 ]
 
 

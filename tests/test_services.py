@@ -259,6 +259,126 @@ def test_bad_input_gets_clear_errors_and_stack_keeps_serving(stack: Stack, clien
     assert r.usage.completion_tokens == 5
 
 
+PENALTY_CASES = [  # SamplingParams keywords (temperature 0 unless given)
+    dict(repetition_penalty=1.3),
+    dict(presence_penalty=1.5, frequency_penalty=0.5),
+    dict(frequency_penalty=-1.0, repetition_penalty=0.9, logit_bias={11: 3.0, 40: -100}),
+    dict(temperature=0.9, seed=5, presence_penalty=0.8, repetition_penalty=1.2),
+]
+
+
+def _http_sampling(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The openai client's arguments for ``kw``: native ones, and ``extra_body`` (vLLM's extras)."""
+    native = {k: v for k, v in kw.items() if k in ("presence_penalty", "frequency_penalty", "seed")}
+    if "logit_bias" in kw:
+        native["logit_bias"] = {str(t): b for t, b in kw["logit_bias"].items()}  # JSON keys are strings
+    extra = {"ignore_eos": True, **({"repetition_penalty": kw["repetition_penalty"]} if "repetition_penalty" in kw else {})}
+    return native, extra
+
+
+def test_penalties_and_logit_bias_match_offline_llm(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
+    """Completions (plain and streamed) and chat with penalties and biases give exactly the
+    offline engine's output for the same parameters; the penalties do change the output."""
+    prompts = ["def hello(", "import os\nimport sys\n"]
+    messages = [{"role": "user", "content": "Say hi in Python."}]
+    chat_text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat_ids = llm.tokenizer(chat_text, add_special_tokens=False)["input_ids"]
+    n = 24
+    changed = 0
+    for kw in PENALTY_CASES:
+        params = SamplingParams(**{"temperature": 0.0, **kw, "max_tokens": n, "ignore_eos": True})
+        expected = llm.generate(prompts, params)
+        plain = llm.generate(prompts, SamplingParams(**{"temperature": params.temperature, "seed": params.seed,
+                                                        "max_tokens": n, "ignore_eos": True}))
+        changed += sum(e.token_ids != q.token_ids for e, q in zip(expected, plain))
+        native, extra = _http_sampling(kw)
+        for prompt, exp in zip(prompts, expected):
+            r = client.completions.create(model="", prompt=prompt, max_tokens=n, temperature=params.temperature,
+                                          extra_body=extra, **native)
+            assert r.choices[0].text == exp.text and r.usage.completion_tokens == n, kw
+            chunks = list(client.completions.create(model="", prompt=prompt, max_tokens=n,
+                                                    temperature=params.temperature, stream=True, extra_body=extra,
+                                                    **native))
+            assert "".join(c.choices[0].text for c in chunks) == exp.text, kw
+        exp_chat = llm.generate([chat_ids], params)[0]
+        r = client.chat.completions.create(model="", messages=messages, max_tokens=n, temperature=params.temperature,
+                                           extra_body=extra, **native)
+        assert r.choices[0].message.content == exp_chat.text, kw
+    assert changed >= len(PENALTY_CASES), "penalties and biases should change most outputs"
+
+
+def _openai_error(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == "invalid_request_error"
+    return body["error"]
+
+
+def test_bad_penalties_and_logit_bias_get_400(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
+    vocab = llm.executor.info.vocab_size
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (dict(presence_penalty=2.5), "presence_penalty", "[-2.0, 2.0]"),
+        (dict(frequency_penalty=-3), "frequency_penalty", "[-2.0, 2.0]"),
+        (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "> 0"),
+        (dict(extra_body={"repetition_penalty": -1.5}), "repetition_penalty", "> 0"),
+        (dict(logit_bias={str(vocab): 5}), "logit_bias", f"[0, {vocab}) (the vocabulary)"),
+        (dict(logit_bias={"5": 150}), "logit_bias", "[-100.0, 100.0]"),
+        (dict(logit_bias={"five": 1}), "logit_bias", "token ids"),
+    ]
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="", prompt="hi", max_tokens=4, **kwargs)
+        err = _openai_error(info.value)
+        assert info.value.status_code == 400 and err["param"] == param and words in err["message"], err
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="", messages=messages, max_tokens=4, stream=True, **kwargs)
+        assert _openai_error(info.value)["param"] == param
+    r = client.completions.create(model="", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3  # still serving
+
+
+def _first_new_token(token_ids: list[int]) -> tuple[int, int]:
+    """A token of a greedy output (and its index) that does not occur before it, well inside it."""
+    return next((i, t) for i, t in enumerate(token_ids) if i >= 4 and t not in token_ids[:i])
+
+
+def test_stop_reason(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
+    """``stop_reason`` (vLLM's): the stop string or the stop token id that ended the choice, else
+    null (length); non-streaming and on the final streaming chunk (null before), completions and chat."""
+    n = 30
+    prompt = "import os\n"
+    messages = [{"role": "user", "content": "Say hi in Python."}]
+    chat_text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat_ids = llm.tokenizer(chat_text, add_special_tokens=False)["input_ids"]
+    for kind in ("completion", "chat"):
+        exp = llm.generate([prompt if kind == "completion" else chat_ids], _greedy(n))[0]
+        k, token = _first_new_token(exp.token_ids)
+        stop = next(exp.text[i : i + 3] for i in range(4, len(exp.text) - 3)
+                    if "\ufffd" not in exp.text[i : i + 3] and exp.text[i : i + 3].strip())
+        cases: list[tuple[dict[str, Any], str, int | str | None, int]] = [
+            (dict(stop=[stop, "\x00never"]), "stop", stop, -1),
+            (dict(extra_body={"stop_token_ids": [token], "ignore_eos": True}), "stop", token, k + 1),
+            (dict(max_tokens=5, extra_body={"ignore_eos": True}), "length", None, 5),
+        ]
+        for kwargs, reason, stop_reason, num_tokens in cases:
+            kwargs = {"max_tokens": n, "temperature": 0, **kwargs}
+            if kind == "completion":
+                r: Any = client.completions.create(model="", prompt=prompt, **kwargs)
+                chunks = [c for c in client.completions.create(model="", prompt=prompt, stream=True, **kwargs)
+                          if c.choices]
+            else:
+                r = client.chat.completions.create(model="", messages=messages, **kwargs)
+                chunks = [c for c in client.chat.completions.create(model="", messages=messages, stream=True, **kwargs)
+                          if c.choices]
+            choice = r.choices[0]
+            assert (choice.finish_reason, choice.model_extra["stop_reason"]) == (reason, stop_reason), (kind, kwargs)
+            if num_tokens > 0:
+                assert r.usage.completion_tokens == num_tokens  # a stop token ends the output on it
+            assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop_reason]
+            assert chunks[-1].choices[0].finish_reason == reason
+
+
 def test_executor_death_is_a_pause_not_an_error(stack: Stack, llm: Any) -> None:
     """kill -9 the executor mid-stream, restart it: the stream pauses, then completes exactly."""
     prompt, n = "def f(", 60

@@ -12,6 +12,8 @@ import logging
 import re
 from collections.abc import Iterable
 
+from common.logs import STRUCTURED
+
 REDACTED = "***"
 # Query parameters that carry a secret (redis-py reads ``?password=`` too).
 _SECRET_QUERY = re.compile(r"([?&;](?:password|passwd|pass|secret|token|access_token|api_key|apikey|auth)=)[^&;#\s]*",
@@ -52,7 +54,8 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
 
 
 class RedactingFilter(logging.Filter):
-    """A handler filter that redacts each record's message, exception and stack text."""
+    """A handler filter that redacts each record's message, exception and stack text, and the
+    string fields of a structured record (`common.logs.log_event`), which JSON logs show as such."""
 
     def __init__(self, secrets: Iterable[str | None] = ()) -> None:
         super().__init__()
@@ -74,4 +77,10 @@ class RedactingFilter(logging.Filter):
             record.exc_text = redact_text(record.exc_text, self.secrets)
         if record.stack_info:
             record.stack_info = redact_text(record.stack_info, self.secrets)
+        structured = getattr(record, STRUCTURED, None)
+        if structured:
+            event, fields = structured
+            # A new dict: the record's own may be shared with other handlers (or the caller).
+            setattr(record, STRUCTURED, (event, {k: redact_text(v, self.secrets) if isinstance(v, str) else v
+                                                 for k, v in fields.items()}))
         return True

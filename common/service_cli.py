@@ -9,12 +9,14 @@ import signal
 from collections.abc import Callable, Iterable
 
 from common.config import ServiceDefaults
+from common.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS, formatter
 from common.redact import RedactingFilter
 from common.transport import RedisAuthFailed
 
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
-    """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--log-level``."""
+    """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--log-level``,
+    ``--log-format``."""
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url))
@@ -24,7 +26,17 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     p.add_argument("--heartbeat-ttl-ms", type=int,
                    default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms)))
     p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
+    # type= as well as choices=: argparse checks a default from the environment only through its type.
+    p.add_argument("--log-format", choices=LOG_FORMATS, type=_log_format,
+                   default=env("CONVEYOR_LOG_FORMAT", DEFAULT_LOG_FORMAT),
+                   help="text: one line per record; json: one JSON object per line, for log shippers")
     return p
+
+
+def _log_format(value: str) -> str:
+    if value not in LOG_FORMATS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_FORMATS)}, got {value!r}")
+    return value
 
 
 def add_engine_id(p: argparse.ArgumentParser, role: str, pair: str) -> None:
@@ -42,11 +54,13 @@ def add_recovery_flags(p: argparse.ArgumentParser, recovery_help: str, resume_he
                    default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)), help=resume_help)
 
 
-def setup_logging(level: str, secrets: Iterable[str | None] = ()) -> None:
-    """Log to stderr, with URL passwords and ``secrets`` (an API key...) redacted from every record."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, secrets: Iterable[str | None] = (), log_format: str = DEFAULT_LOG_FORMAT) -> None:
+    """Log to stderr in ``log_format`` (`common.logs.LOG_FORMATS`), with URL passwords and ``secrets``
+    (an API key...) redacted from every record, in either format."""
+    logging.basicConfig(level=level.upper())  # a stderr handler, unless the root logger has one
     redacting = RedactingFilter(secrets)
     for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter(log_format))
         # One filter per handler: a second call (tests) replaces the first rather than stacking.
         for old in [f for f in handler.filters if isinstance(f, RedactingFilter)]:
             handler.removeFilter(old)

@@ -36,6 +36,7 @@ from common.protocol import ENTRY_FIELD, MAX_MESSAGE_BYTES, Names, ProtocolError
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
+FIRST_ENTRY_ID = "0-1"  # the lowest stream entry id: `Transport.create_stream`
 DEAD_LETTER_MAXLEN = 10_000
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 CLIENT_OPTIONS: dict[str, Any] = dict(
@@ -228,6 +229,22 @@ class Transport(TransportCore[aioredis.Redis]):
         """XADD every message (and refresh TTLs) in one pipelined round trip."""
         if sends:  # a new pipeline per try: a failed execute() leaves its own empty
             await self.call(lambda: self._pipeline(sends, None, None).execute(), deadline_s=deadline_s)
+
+    async def create_stream(self, first: Outgoing, deadline_s: float | None = None) -> bool:
+        """Create ``first.stream`` with ``first`` as its first entry (and its TTL), unless the stream
+        exists: False then. Atomic, whoever else tries: the entry gets the lowest id there is
+        (`FIRST_ENTRY_ID`), which XADD refuses once a stream has or had any entry."""
+        def attempt() -> Any:
+            pipe: Any = self.redis.pipeline(transaction=False)
+            pipe.xadd(**self._xadd(first.stream, first.data, first.maxlen), id=FIRST_ENTRY_ID)
+            if first.ttl_ms is not None:
+                # Run even when the XADD was refused: it then refreshes the existing stream's TTL to
+                # the same value, which is harmless, where a second round trip would not be.
+                pipe.pexpire(first.stream, first.ttl_ms)
+            return pipe.execute(raise_on_error=False)
+
+        added = (await self.call(attempt, deadline_s=deadline_s))[0]
+        return not isinstance(added, redis.ResponseError)
 
     async def trim_through(self, stream: str, entry_id: bytes | str) -> None:
         """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_config.validate()
     except ValueError as exc:
         parser.error(str(exc))
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, log_format=args.log_format)
     stop_on_sigterm()
     from executor.model_executor import ModelExecutor  # heavy (torch): only here
 

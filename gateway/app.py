@@ -1,5 +1,12 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
-and ``GET /v1/streams/{id}``, which resumes a streaming response on any gateway.
+vLLM's /tokenize and /detokenize, and ``GET /v1/streams/{id}``, which resumes a streaming
+response on any gateway.
+
+Request ids: a completion's response id is the client's ``X-Request-Id`` when it sends one (else
+``cmpl-<hex>`` / ``chatcmpl-<hex>``), and every completion response (errors included, once the
+id is known) carries it back in an ``X-Request-Id`` header. What makes ids that clients chose
+safe to share is in `gateway.router`: the engine id gets a random suffix, and a stream's id must
+be free (no journal under it), else 409.
 
 Resumable streams: every SSE event carries an ``id:`` (1, 2, ...). A streaming response is
 journaled in Redis (``journal:<response id>``: a `JournalHeader`, the `Route` of each attempt,
@@ -29,18 +36,29 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
-from gateway.generation import Generation, Piece
+from gateway.generation import Generation, Piece, RequestLog
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
+    BYTES_PER_TOKEN_ID,
     ApiError,
     GenerationSpec,
     parse_chat,
     parse_completion,
+    parse_detokenize,
     parse_json,
+    parse_request_id,
+    parse_tokenize,
 )
 from gateway.responses import ResponseFormatter
-from gateway.router import EngineClient
-from gateway.tokenization import LARGE_INPUT_BYTES, InputWorkers, Tokenizers, tokenize
+from gateway.router import EngineClient, RequestIdInUse
+from gateway.tokenization import (
+    LARGE_INPUT_BYTES,
+    InputWorkers,
+    Tokenizers,
+    detokenize,
+    tokenize,
+    tokenize_only,
+)
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -104,8 +122,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else {}
+        response_id = getattr(request.state, "response_id", None)
+        if response_id is not None:  # set once a completion request's id is known (`serve`)
+            headers["X-Request-Id"] = response_id
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -158,6 +179,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(503, f"engine unavailable: {client.down_reason}", "server_error", code="engine_unavailable")
         return info
 
+    def check_model(model: str | None, info: EngineStatus) -> str:
+        """The served name; a 404 unless ``model`` names it or its path ("" or None: the served model)."""
+        name = served_name(info)
+        if model and model not in (name, info.model_path):
+            raise ApiError(404, f"The model `{model[:200]}` does not exist (this server serves `{name}`).",
+                           "not_found_error", "model", "model_not_found")
+        return name
+
     @app.get("/health")
     async def health() -> Response:
         if client.down_reason is not None:
@@ -199,22 +228,50 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
+        client_id = client_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        return await serve(request, parse_completion(body), body)
+        return await serve(request, parse_completion(body), body, client_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
+        client_id = client_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        return await serve(request, parse_chat(body), body)
+        return await serve(request, parse_chat(body), body, client_id)
 
-    async def serve(request: Request, spec: GenerationSpec, body: Any) -> Response:
+    def client_request_id(request: Request) -> str | None:
+        """The client's valid ``X-Request-Id`` (a 400 if it is not valid), echoed from here on."""
+        client_id = parse_request_id(request.headers.get("x-request-id"))
+        request.state.response_id = client_id
+        return client_id
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(request: Request) -> Response:
+        """vLLM's ``/tokenize``: a prompt's, or chat messages', token ids as a request would carry them."""
+        check_key(request)
+        spec = parse_tokenize(await read_json(request, config.max_body_bytes, workers))
+        info = ready_info()
+        check_model(spec.model, info)
+        tokenizer = await tokenizers.get(info)
+        return JSONResponse(await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize_only, tokenizer,
+                                              tokenizers.call_lock, spec, info))
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(request: Request) -> Response:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        check_key(request)
+        model, tokens = parse_detokenize(await read_json(request, config.max_body_bytes, workers))
+        info = ready_info()
+        check_model(model, info)
+        tokenizer = await tokenizers.get(info)
+        text = await workers.run(BYTES_PER_TOKEN_ID * len(tokens) > LARGE_INPUT_BYTES, detokenize, tokenizer, tokens,
+                                 info)
+        return JSONResponse({"prompt": text})
+
+    async def serve(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
         arrival = time.monotonic()
         info = ready_info()
-        name = served_name(info)
-        if spec.model and spec.model not in (name, info.model_path):  # "" or absent: the served model
-            raise ApiError(404, f"The model `{spec.model[:200]}` does not exist (this server serves `{name}`).",
-                           "not_found_error", "model", "model_not_found")
+        name = check_model(spec.model, info)
         tokenizer = await tokenizers.get(info)
         prompt_ids, prompt_text, max_tokens = await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize,
                                                                 tokenizer, tokenizers.call_lock, spec, info)
@@ -227,22 +284,31 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if len(client.requests) >= config.max_inflight:
             raise ApiError(429, f"too many requests in flight ({config.max_inflight}); retry shortly",
                            "rate_limit_error", code="too_many_requests")
-        prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        gen = Generation(client, tokenizer, request_id, prompt_ids, spec.sampling, spec.stop,
+        if client_id is None:
+            prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
+            response_id = engine_id = f"{prefix}-{uuid.uuid4().hex}"
+            request.state.response_id = response_id
+        else:  # vLLM's rule: the engine id gets a random suffix, so requests sharing a client's id never mix
+            response_id, engine_id = client_id, f"{client_id}-{uuid.uuid4().hex[:8]}"
+        gen = Generation(client, tokenizer, engine_id, prompt_ids, spec.sampling, spec.stop,
                          spec.include_stop_str_in_output, spec.skip_special_tokens,
-                         metrics.request(name, n_prompt, arrival))
+                         metrics.request(name, n_prompt, arrival),
+                         RequestLog(response_id, name, spec.kind, spec.stream, arrival))
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
-        fmt = ResponseFormatter(spec, request_id, name, tokenizer, n_prompt, echo)
+        fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo)
         if not spec.stream:
             await gen.start()
-            return JSONResponse(await collect(request, gen, fmt))
-        header = JournalHeader(request_id, spec.kind, journal_body(body, spec.kind), name, fmt.created, max_tokens,
+            return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
+        header = JournalHeader(response_id, spec.kind, journal_body(body, spec.kind), name, fmt.created, max_tokens,
                                prompt_ids, echo)
-        await gen.start([Outgoing(client.names.journal(request_id), encode(header), None, client.journal_ttl_ms)])
-        return event_stream(stream_events(gen, fmt, 0), request_id)
+        first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
+        if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip
+            await gen.start(response_id, [first])
+        else:  # a client's id may be taken: the journal is claimed first
+            await gen.start(response_id, claim=first)
+        return event_stream(stream_events(gen, fmt, 0), response_id)
 
-    @app.get("/v1/streams/{response_id}")
+    @app.get("/v1/streams/{response_id:path}")  # a client's id may hold "/"
     async def resume_stream(request: Request, response_id: str) -> Response:
         """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
         check_key(request)
@@ -257,14 +323,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tokenizer = await tokenizers.get(info)
         spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
         spec.sampling.max_tokens = header.max_tokens
-        gen = Generation(client, tokenizer, response_id, header.prompt_token_ids, spec.sampling, spec.stop,
+        try:
+            handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route,
+                                        outputs)
+        except RequestIdInUse as exc:
+            raise ApiError(409, str(exc), code="stream_in_use") from None
+        gen = Generation(client, tokenizer, handle.request_id, header.prompt_token_ids, spec.sampling, spec.stop,
                          spec.include_stop_str_in_output, spec.skip_special_tokens,
-                         metrics.request(header.served_model, len(header.prompt_token_ids), None))
+                         metrics.request(header.served_model, len(header.prompt_token_ids), None),
+                         RequestLog(response_id, header.served_model, header.kind, True, None))
+        gen.handle = handle
         fmt = ResponseFormatter(spec, response_id, header.served_model, tokenizer, len(header.prompt_token_ids),
                                 header.echo_text)
         fmt.created = header.created
-        gen.handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route,
-                                        outputs)
         return event_stream(stream_events(gen, fmt, int(last)), response_id)
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> StreamingResponse:

@@ -8,19 +8,25 @@ KV blocks are freed at the next scheduler step.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.logs import log_event
 from common.protocol import sampling_to_dict
 from common.sampling_params import SamplingParams
 from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import RequestMetrics
 from gateway.openai_schema import ApiError
-from gateway.request_handle import EngineUnavailable, RequestHandle
+from gateway.request_handle import EngineUnavailable, RequestHandle, RequestIdInUse
 from gateway.router import EngineClient
 from gateway.stop import StopMatcher
+
+# One line per finished request (`RequestLog`), under a logger of its own: easy to route or mute.
+request_logger = logging.getLogger("conveyor.gateway.requests")
 
 
 @dataclass(slots=True)
@@ -38,14 +44,58 @@ class Piece:
     stop_reason: int | str | None = None
 
 
+@dataclass(slots=True)
+class RequestLog:
+    """What a request's log line says besides its tokens and its engine: `Generation` logs it once,
+    as the request ends (`log_event`: ``request finished: request_id=... model=...``, or as JSON).
+
+    Times are this gateway's: from ``arrival`` (`time.monotonic()` when it got the request; None
+    for a stream resumed here, whose times began on another gateway) to the first token (TTFT) and
+    to the end.
+    """
+
+    response_id: str
+    model: str
+    kind: str  # "completion" | "chat"
+    stream: bool
+    arrival: float | None
+    first_token_at: float | None = None
+    logged: bool = False
+
+    def emit(self, handle: RequestHandle | None, gateway_id: str, prompt_tokens: int, completion_tokens: int,
+             finish_reason: str) -> None:
+        """Log the finished request once (``finish_reason``: stop, length, abort, error or rejected)."""
+        if self.logged:
+            return
+        self.logged = True
+        now = time.monotonic()
+        arrival, first = self.arrival, self.first_token_at
+        log_event(request_logger, logging.INFO, "request finished", {
+            "request_id": self.response_id,
+            "model": self.model,
+            "kind": self.kind,
+            "stream": self.stream,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "ttft_s": first - arrival if arrival is not None and first is not None else None,
+            "total_s": now - arrival if arrival is not None else None,
+            "finish_reason": finish_reason,
+            "engine": handle.scheduler_id if handle is not None else None,
+            "engine_request_id": handle.engine_request_id if handle is not None else None,
+            "migrations": max(handle.attempts - 1, 0) if handle is not None else 0,
+            "gateway": gateway_id,
+            "resumed": arrival is None,
+        })
+
+
 class Generation:
     """Drives one submitted request and yields `Piece`s until it finishes."""
 
     def __init__(self, client: EngineClient, tokenizer: Any, request_id: str, prompt_token_ids: list[int],
                  sampling: SamplingParams, stop: list[str], include_stop: bool, skip_special_tokens: bool,
-                 metrics: RequestMetrics | None = None) -> None:
+                 metrics: RequestMetrics | None = None, log: RequestLog | None = None) -> None:
         self.client = client
-        self.request_id = request_id
+        self.request_id = request_id  # unique: `RequestHandle.request_id`
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
@@ -54,13 +104,19 @@ class Generation:
         self.handle: RequestHandle | None = None
         self.finished = False
         self.metrics = metrics  # observed before each last piece is yielded: a client that has it sees it counted
+        self.log = log  # likewise logged
 
-    async def start(self, journal: list[Outgoing] | None = None) -> None:
-        """Submit to the engine (``journal``: a resumable stream's first entries, written first);
-        errors here become HTTP errors (nothing was streamed yet)."""
+    async def start(self, journal_id: str = "", journal: list[Outgoing] | None = None,
+                    claim: Outgoing | None = None) -> None:
+        """Submit to the engine (a resumable stream: see `EngineClient.submit`); errors here become
+        HTTP errors (nothing was streamed yet)."""
         try:
             self.handle = await self.client.submit(self.request_id, self.prompt_token_ids,
-                                                   sampling_to_dict(self.sampling), journal)
+                                                   sampling_to_dict(self.sampling), journal_id, journal, claim)
+        except RequestIdInUse:
+            raise ApiError(409, f"X-Request-Id {journal_id!r} names a stream in flight or still resumable (GET "
+                                f"/v1/streams/{journal_id} resumes it); send another id", param="X-Request-Id",
+                           code="duplicate_request_id") from None
         except EngineUnavailable as exc:
             raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
         except TRANSIENT_ERRORS as exc:
@@ -74,9 +130,12 @@ class Generation:
                 if event.error is not None:
                     self.finished = True
                     if event.finish_reason == "rejected":  # never ran (bad parameters): not a served request
+                        self._finish("rejected")
                         raise ApiError(400, event.error, param="max_tokens" if "max_tokens" in event.error else None)
-                    self._observe_finish("error")
+                    self._finish("error")
                     raise ApiError(503, event.error, "server_error", code="engine_error")
+                if self.log is not None and self.log.first_token_at is None and event.token_ids and not event.replayed:
+                    self.log.first_token_at = time.monotonic()
                 self.num_completion_tokens += len(event.token_ids)
                 if self.metrics is not None:
                     self.metrics.on_event(event)
@@ -88,13 +147,13 @@ class Generation:
                     if not event.finished:
                         self.client.abort(self.request_id)  # the engine would go on generating
                     self.finished = True
-                    self._observe_finish("stop")
+                    self._finish("stop")
                     yield Piece(out, event.token_ids, event.logprobs, "stop", self.stop.matched)
                     return
                 if event.finished:
                     self.finished = True
                     reason = "length" if event.finish_reason == "length" else "stop"
-                    self._observe_finish(reason)
+                    self._finish(reason)
                     yield Piece(out + self.stop.flush(), event.token_ids, event.logprobs, reason,
                                 event.stop_reason if reason == "stop" else None)
                     return
@@ -105,8 +164,12 @@ class Generation:
                 self.client.release(self.request_id)
             else:  # the consumer went away (client disconnect) or something raised
                 self.client.abort(self.request_id)
-                self._observe_finish("abort")
+                self._finish("abort")
 
-    def _observe_finish(self, reason: str) -> None:
-        if self.metrics is not None:
+    def _finish(self, reason: str) -> None:
+        """The request ended: counted (unless the engine rejected it: it never ran, as in vLLM) and logged."""
+        if self.metrics is not None and reason != "rejected":
             self.metrics.finish(reason)
+        if self.log is not None:
+            self.log.emit(self.handle, self.client.gateway_id, len(self.prompt_token_ids), self.num_completion_tokens,
+                          reason)

@@ -29,6 +29,8 @@ MAX_JSON_DEPTH = 64
 # Messages and content parts are checked one by one on the event loop, so their number is bounded.
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096
+# About how many bytes of a JSON body one token id takes, to size inputs given as ids.
+BYTES_PER_TOKEN_ID = 4
 
 
 class ApiError(Exception):
@@ -143,8 +145,8 @@ class GenerationSpec:
     logprobs: int | None = None  # top-N per token; None: no logprobs
 
     def input_size(self) -> int:
-        """About how many bytes the prompt is (4 per token id), to tell large inputs apart."""
-        return (len(self.prompt or "") + 4 * len(self.prompt_token_ids or ())
+        """About how many bytes the prompt is, to tell large inputs apart."""
+        return (len(self.prompt or "") + BYTES_PER_TOKEN_ID * len(self.prompt_token_ids or ())
                 + sum(len(m["content"]) for m in self.messages or ()))
 
 
@@ -266,9 +268,15 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         include_usage=include_usage, stop=list(stop),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        add_special_tokens=_bool(body, "add_special_tokens", kind == "completion"),
+        add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
     )
+
+
+def _add_special_tokens(body: dict[str, Any], chat: bool) -> bool:
+    """``add_special_tokens``, by default (vLLM's) true for a prompt and false for chat messages: a
+    chat template already writes the special tokens it wants."""
+    return _bool(body, "add_special_tokens", not chat)
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
@@ -352,6 +360,12 @@ def parse_chat(body: Any) -> GenerationSpec:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"),
                    (top or 0) if want_logprobs else None)
+    spec.messages = _messages(body)
+    return spec
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """``messages`` as ``{"role", "content"}`` maps, content parts joined (text parts only)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array", "messages")
@@ -381,8 +395,85 @@ def parse_chat(body: Any) -> GenerationSpec:
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string, got {_typename(content)}", "messages")
         parsed.append({"role": role, "content": content})
-    spec.messages = parsed
-    return spec
+    return parsed
+
+
+@dataclass(slots=True)
+class TokenizeSpec:
+    """A validated ``/tokenize`` request, in vLLM's shapes: a ``prompt``, or chat ``messages``
+    rendered by the chat template as the chat endpoint renders them."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+    @property
+    def param(self) -> str:
+        """The field that holds the input, for errors about it."""
+        return "prompt" if self.messages is None else "messages"
+
+    def input_size(self) -> int:
+        """About how many bytes the input is, to tell large inputs apart."""
+        return len(self.prompt or "") + sum(len(m["content"]) for m in self.messages or ())
+
+
+def parse_tokenize(body: Any) -> TokenizeSpec:
+    """Validate a ``/tokenize`` body: ``{"prompt", "add_special_tokens"?}`` or ``{"messages",
+    "add_generation_prompt"?, "add_special_tokens"?}``, each with ``model``? and ``return_token_strs``?."""
+    if not isinstance(body, dict):
+        raise bad(f"request body must be a JSON object, got {_typename(body)}")
+    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
+    return_token_strs = _bool(body, "return_token_strs", False)
+    if body.get("messages") is not None:
+        if body.get("prompt") is not None:
+            raise bad("give either 'prompt' or 'messages', not both", "prompt")
+        for name, neutral in (("continue_final_message", False), ("chat_template", None),
+                              ("chat_template_kwargs", None), ("tools", None)):
+            _unsupported(body, name, neutral)
+        return TokenizeSpec(model, None, _messages(body), _add_special_tokens(body, True),
+                            _bool(body, "add_generation_prompt", True), return_token_strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad("'prompt' (a string) or 'messages' is required" if prompt is None else
+                  f"'prompt' must be a string, got {_typename(prompt)}", "prompt")
+    return TokenizeSpec(model, prompt, None, _add_special_tokens(body, False), False, return_token_strs)
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, list[Any]]:
+    """Validate a ``/detokenize`` body ``{"model"?, "tokens": [...]}``: its model and token ids
+    (checked later, off the event loop, by `check_token_ids`: there may be many)."""
+    if not isinstance(body, dict):
+        raise bad(f"request body must be a JSON object, got {_typename(body)}")
+    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise bad("'tokens' (an array of token ids) is required" if tokens is None else
+                  f"'tokens' must be an array of token ids, got {_typename(tokens)}", "tokens")
+    return model, tokens
+
+
+# -- the X-Request-Id header -------------------------------------------------------------------
+# A client's request id becomes the response id and a prefix of the engine request id: it shows in
+# logs, Redis key names and URLs (``/v1/streams/{id}``), so it is short and visible ASCII only.
+MAX_REQUEST_ID_CHARS = 128
+
+
+def parse_request_id(value: str | None) -> str | None:
+    """The client's ``X-Request-Id`` (None when absent or blank); a 400 unless it is at most
+    `MAX_REQUEST_ID_CHARS` visible ASCII characters (no spaces or control characters)."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise bad(f"X-Request-Id may be at most {MAX_REQUEST_ID_CHARS} characters, got {len(value)}",
+                  "X-Request-Id", "invalid_request_id")
+    if not all("!" <= c <= "~" for c in value):
+        raise bad(f"X-Request-Id must be visible ASCII characters (no spaces or control characters), got "
+                  f"{ascii(value)[:80]}", "X-Request-Id", "invalid_request_id")
+    return value
 
 
 # -- after tokenization ------------------------------------------------------------------------
@@ -396,11 +487,12 @@ def check_token_ids(ids: list[Any], vocab_size: int, param: str) -> None:
     for start in range(0, len(ids), _CHUNK):
         chunk = ids[start : start + _CHUNK]
         if not _all_ints(chunk):
-            raise bad(f"'{param}' must be a non-empty string or a non-empty array of token ids (integers)", param)
-        if min(chunk) < 0:
-            raise bad(f"'{param}' token ids must be non-negative", param)
-        if max(chunk) >= vocab_size:
-            raise bad(f"prompt token ids must be in [0, {vocab_size})", param)
+            wrong = next(v for v in chunk if type(v) is not int)
+            raise bad(f"'{param}' token ids must be integers, got {_typename(wrong)} {_preview(wrong)}", param)
+        if (low := min(chunk)) < 0:
+            raise bad(f"'{param}' token ids must be non-negative, got {low}", param)
+        if (high := max(chunk)) >= vocab_size:
+            raise bad(f"'{param}' token ids must be in [0, {vocab_size}) (the vocabulary), got {high}", param)
 
 
 def fit_context(spec: GenerationSpec, num_prompt_tokens: int, max_model_len: int, at_least: bool = False) -> int:

@@ -25,10 +25,13 @@ class EngineEvent:
 class RequestHandle:
     """One request in flight from this gateway, and what it takes to continue it elsewhere."""
 
-    request_id: str  # the response id the client sees
+    # This gateway's id for the request, unique in the deployment: the engine request id of its first
+    # attempt. The response id the client sees, unless the client chose that (``X-Request-Id``):
+    # then this is that id with a random suffix, as in vLLM, so two requests that share it never mix.
+    request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
-    journal_id: str = ""
+    journal_id: str = ""  # a resumable stream's response id: its journal is ``journal:<journal_id>``
     engine_request_id: str = ""  # the current attempt's id in the engine
     scheduler_id: str = ""
     incarnation: str = ""
@@ -50,3 +53,8 @@ class RequestHandle:
 
 class EngineUnavailable(RuntimeError):
     """No live engine to serve requests (answered as 503)."""
+
+
+class RequestIdInUse(RuntimeError):
+    """A response id a client chose already names a stream in flight or still resumable (its
+    journal exists), or a stream this gateway is already serving (answered as 409)."""

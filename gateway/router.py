@@ -17,11 +17,18 @@ prompt, sampling parameters and the tokens already streamed to the client):
 - Redis restarted (its ``run_id`` changed): every request asks its engine to resend what this
   gateway has not seen; an engine that lost the request answers ``unknown`` and it migrates.
 - No engine at all: the request waits up to ``recovery_timeout_s`` for one, then fails.
+
+Request ids: the engine request id of a request is its response id, or, when the client chose
+that (``X-Request-Id``), the client's id plus ``-`` and 8 random hex digits (vLLM's rule), so
+requests that share an id never share engine state or outputs. A stream's journal is named by
+its response id (``GET /v1/streams/{id}`` finds it), so a client's id names at most one stream at
+a time: `submit` creates the journal only if it does not exist yet (`Transport.create_stream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import random
@@ -48,9 +55,9 @@ from common.protocol import (
     unpack_logprobs,
 )
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
-from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle
+from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 
-__all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle"]
+__all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -132,17 +139,29 @@ class EngineClient:
 
     # -- requests ------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-                     journal: list[Outgoing] | None = None) -> RequestHandle:
-        """Send a new request to the least-loaded live engine (``journal``: entries to write first)."""
+                     journal_id: str = "", journal: list[Outgoing] | None = None,
+                     claim: Outgoing | None = None) -> RequestHandle:
+        """Send a new request (``request_id``: unique, see `RequestHandle`) to the best live engine.
+
+        A resumable stream has a ``journal_id`` (its response id) and the journal's first entries:
+        ``journal``, written in the same round trip as the request; or, when the client chose the
+        response id, ``claim``, written first and only if that journal does not exist yet, so that
+        an id names one stream whichever gateways serve it (else `RequestIdInUse`).
+        """
         if self.down_reason is not None:
             raise EngineUnavailable(self.down_reason)
-        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id=request_id if journal else "")
+        if claim is not None and not await self.transport.create_stream(claim, deadline_s=5):
+            raise RequestIdInUse(f"a stream with id {journal_id!r} is in flight or still resumable")
+        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id=journal_id)
         self.requests[request_id] = handle
         try:
             if not await self._route(handle, journal or []):
                 raise EngineUnavailable("no live engine")
         except Exception:
             self._forget(handle)
+            if claim is not None:  # the stream never started: its id is free again
+                with contextlib.suppress(Exception):
+                    await self.transport.call(self.transport.redis.delete, claim.stream, deadline_s=2)
             raise
         return handle
 
@@ -261,10 +280,14 @@ class EngineClient:
                     outputs: list[StepOutputs]) -> RequestHandle:
         """A handle for a journaled stream: its journaled events first, then (unless it finished)
         the live ones, once its engine routes the request here (`SyncRequest`)."""
-        _, tilde, number = route.request_id.rpartition("~")  # attempt n > 1 runs as "<id>~<n-1>"
-        handle = RequestHandle(response_id, prompt_token_ids, sampling, journal_id=response_id,
+        base, tilde, number = route.request_id.rpartition("~")  # attempt n > 1 runs as "<id>~<n-1>"
+        retried = bool(tilde) and number.isdigit()
+        request_id = base if retried else route.request_id
+        if request_id in self.requests:  # two handles of one stream: each would take the other's outputs
+            raise RequestIdInUse(f"stream {response_id!r} is already being served by this gateway")
+        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id=response_id,
                                engine_request_id=route.request_id, scheduler_id=route.scheduler_id,
-                               attempts=int(number) + 1 if tilde and number.isdigit() else 1)
+                               attempts=int(number) + 1 if retried else 1)
         for msg in outputs:  # as `_dispatch` would deliver them: in order, without duplicates
             stop_reasons = msg.stop_reasons()
             for i, index in enumerate(msg.token_index):
@@ -282,7 +305,7 @@ class EngineClient:
                     return handle  # the whole stream is in the journal
         status = self.engines.get(route.scheduler_id)
         handle.incarnation = status.incarnation if status is not None else ""  # else: the watcher migrates it
-        self.requests[response_id] = self.attempts[route.request_id] = handle
+        self.requests[request_id] = self.attempts[route.request_id] = handle
         await self._sync(handle)
         return handle
 

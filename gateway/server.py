@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level, secrets=[args.api_key])  # the key never reaches a log, whoever logs it
+    # The key never reaches a log, whoever logs it.
+    setup_logging(args.log_level, secrets=[args.api_key], log_format=args.log_format)
     logger.info("gateway: Redis %s, namespace %r, API key %s", redact_url(args.redis_url), args.namespace,
                 "required" if args.api_key else "not required")
     import uvicorn

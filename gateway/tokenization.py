@@ -2,7 +2,8 @@
 
 `Tokenizers` loads the served model's tokenizer once; `InputWorkers` runs parsing and
 tokenization in worker threads; `tokenize` turns a request into prompt token ids, checking the
-vocabulary and the context (`fit_context`) without ever materializing millions of ids.
+vocabulary and the context (`fit_context`) without ever materializing millions of ids;
+`tokenize_only` and `detokenize` answer ``/tokenize`` and ``/detokenize`` the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from common.protocol import EngineStatus
-from gateway.openai_schema import ApiError, GenerationSpec, check_token_ids, fit_context
+from gateway.openai_schema import ApiError, GenerationSpec, TokenizeSpec, check_token_ids, fit_context
 
 T = TypeVar("T")
 # Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
@@ -83,15 +84,7 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec,
     text = spec.prompt
     if spec.kind == "chat":
         assert spec.messages is not None
-        if getattr(tokenizer, "chat_template", None):
-            from jinja2 import TemplateError
-
-            try:
-                text = tokenizer.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
-            except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
-                raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param=param) from None
-        else:  # a checkpoint without a template: a plain, documented fallback
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in spec.messages) + "assistant:"
+        text = chat_text(tokenizer, spec.messages, add_generation_prompt=True)
     ids: list[int] | None
     if text is None:
         assert spec.prompt_token_ids is not None
@@ -104,6 +97,55 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec,
     assert ids is not None  # fit_context rejects every prompt longer than max_model_len
     check_token_ids(ids, info.vocab_size, param)
     return ids, text, max_tokens
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """The prompt text of chat ``messages``: the tokenizer's chat template (a 400 when the
+    template rejects them), or, for a checkpoint without one, a plain, documented fallback. The
+    chat endpoint and ``/tokenize`` both render messages here, so they count the same tokens."""
+    if getattr(tokenizer, "chat_template", None):
+        from jinja2 import TemplateError
+
+        try:
+            return str(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt))
+        except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
+            raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + "assistant:" if add_generation_prompt else text
+
+
+def tokenize_only(tokenizer: Any, lock: threading.Lock, spec: TokenizeSpec, info: EngineStatus) -> dict[str, Any]:
+    """The body of a ``/tokenize`` answer (vLLM's: ``count``, ``max_model_len``, ``tokens``, and
+    ``token_strs`` if asked for): the very tokens a completion or chat request would carry.
+
+    For a worker thread (`InputWorkers`). An input longer than the context is a 400 that gives its
+    count, rather than up to millions of ids (vLLM returns them): nothing that long can be served,
+    and counting it costs a fraction of tokenizing it (`encode_text`).
+    """
+    text = spec.prompt if spec.messages is None else chat_text(tokenizer, spec.messages, spec.add_generation_prompt)
+    assert text is not None
+    limit = info.max_model_len
+    count, exact, ids = encode_text(tokenizer, lock, text, spec.add_special_tokens, limit)
+    if ids is None:
+        some = "" if exact else "at least "
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, '{spec.param}' holds "
+                            f"{some}{count} tokens.", param=spec.param, code="context_length_exceeded")
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
+    if spec.return_token_strs:
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(tokenizer: Any, ids: list[Any], info: EngineStatus) -> str:
+    """The text of token ``ids`` (``/detokenize``: the tokenizer's own ``decode``, special tokens
+    kept, as vLLM's); a 400 for ids outside the vocabulary or more than the context holds. For a
+    worker thread: a decode holds the GIL for its whole length."""
+    if len(ids) > info.max_model_len:
+        raise ApiError(400, f"'tokens' may hold at most {info.max_model_len} token ids (the model's context), got "
+                            f"{len(ids)}", param="tokens")
+    check_token_ids(ids, info.vocab_size, "tokens")
+    return str(tokenizer.decode(ids))
 
 
 # Freeing an encoding of millions of tokens holds the GIL for up to seconds, wherever it happens,

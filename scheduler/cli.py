@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, log_format=args.log_format)
     stop_on_sigterm()
     config = SchedulerServiceConfig(
         redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id,

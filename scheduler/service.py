@@ -409,6 +409,8 @@ class SchedulerService:
         except (TypeError, ValueError) as exc:
             return str(exc)
         self.router.add(msg.request_id, msg.gateway_id, msg.journal_id)
+        logger.debug("request %s admitted from gateway %s: %d prompt tokens, %d already generated", msg.request_id,
+                     msg.gateway_id, len(msg.prompt_token_ids), len(msg.output_token_ids))
         return None
 
     def _send(self, sends: list[Outgoing]) -> None:

@@ -27,7 +27,7 @@ from common.protocol import (
     unpack_logprobs,
 )
 from common.transport import Outgoing
-from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle
+from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 
 NAMES = Names("t-client")
 SAMPLING = {"temperature": 0.0, "max_tokens": 10}
@@ -219,7 +219,7 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
     client = make_client(resume_window_s=30.0)
     await publish(client, engine("s0"))
     header = JournalHeader("resp", "chat", "{}", "tiny", 1, 10, [1, 2, 3], None)
-    h = await client.submit("resp", [1, 2, 3], SAMPLING,
+    h = await client.submit("resp", [1, 2, 3], SAMPLING, "resp",
                             journal=[Outgoing(NAMES.journal("resp"), encode(header), None, client.journal_ttl_ms)])
     plain = await client.submit("plain", [1], SAMPLING)
     assert h.journal_id == "resp" and plain.journal_id == ""
@@ -256,7 +256,7 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
     assert await client.transport.redis.exists(NAMES.journal("plain")) == 0
 
     # A journal write that fails delivers nothing: no client sees an event that cannot be replayed.
-    h2 = await client.submit("resp2", [1], SAMPLING, journal=[Outgoing(NAMES.journal("resp2"), encode(header))])
+    h2 = await client.submit("resp2", [1], SAMPLING, "resp2", journal=[Outgoing(NAMES.journal("resp2"), encode(header))])
 
     async def broken(sends: list[Outgoing], deadline_s: float | None = None) -> None:
         raise ConnectionError("redis down")
@@ -267,12 +267,46 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
     assert drain(h2) == []
 
 
+@async_test
+async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
+    """A stream whose id a client chose claims its journal first (`submit`'s ``claim``): a second
+    claim, on the same gateway or another, is refused before anything reaches an engine; the
+    claim of a request that cannot start is released."""
+    server = fakeredis.FakeServer()
+    g1, g2 = make_client("g1", server), make_client("g2", server)
+    await publish(g1, engine("s0"))
+    await g2._refresh()
+    header = JournalHeader("mine", "completion", "{}", "tiny", 1, 10, [1], None)
+    first = Outgoing(NAMES.journal("mine"), encode(header), None, g1.journal_ttl_ms)
+    h = await g1.submit("mine-0a1b2c3d", [1], SAMPLING, "mine", claim=first)
+    assert h.journal_id == "mine" and h.engine_request_id == "mine-0a1b2c3d"
+    assert await journal(g1, "mine") == [header, Route("mine-0a1b2c3d", "s0")]
+    assert 0 < await g1.transport.redis.pttl(NAMES.journal("mine")) <= g1.journal_ttl_ms
+    for gateway in (g1, g2):
+        with pytest.raises(RequestIdInUse):
+            await gateway.submit("mine-ffffffff", [1], SAMPLING, "mine", claim=first)
+        assert "mine-ffffffff" not in gateway.requests
+    assert [m.request_id for m in await sent(g1, "s0") if isinstance(m, GenerateRequest)] == ["mine-0a1b2c3d"]
+    assert await journal(g1, "mine") == [header, Route("mine-0a1b2c3d", "s0")]  # untouched
+    # Two resumes of the stream on one gateway would split its outputs: the second is refused.
+    _, route, journaled = await g2.read_journal("mine")
+    await g2.adopt("mine", [1], SAMPLING, route, journaled)
+    with pytest.raises(RequestIdInUse):
+        await g2.adopt("mine", [1], SAMPLING, route, journaled)
+    # The request cannot start (no engine left to take it): the id is free again.
+    g1.engines.clear()
+    free = Outgoing(NAMES.journal("free"), encode(header), None, g1.journal_ttl_ms)
+    with pytest.raises(EngineUnavailable):
+        await g1.submit("free-00000000", [1], SAMPLING, "free", claim=free)
+    assert await g1.transport.redis.exists(NAMES.journal("free")) == 0 and not g1.requests.get("free-00000000")
+
+
 # -- migration ---------------------------------------------------------------------------------------
 @async_test
 async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     client = make_client()
     await publish(client, engine("s0"), engine("s1", running=1))
-    h = await client.submit("resp", [1, 2, 3], SAMPLING,
+    h = await client.submit("resp", [1, 2, 3], SAMPLING, "resp",
                             journal=[Outgoing(NAMES.journal("resp"), encode(JournalHeader("resp", "completion", "{}",
                                                                                           "tiny", 1, 10, [1, 2, 3])))])
     assert h.scheduler_id == "s0" and h.engine_request_id == "resp" and h.attempts == 1
@@ -380,7 +414,7 @@ async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     await publish(g1, engine("s0"))
     await g2._refresh()
     header = JournalHeader("resp", "completion", '{"prompt": "hi"}', "tiny", 7, 10, [1, 2], "hi")
-    h1 = await g1.submit("resp", [1, 2], SAMPLING, journal=[Outgoing(NAMES.journal("resp"), encode(header))])
+    h1 = await g1.submit("resp", [1, 2], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
     await g1._dispatch(outputs(("resp", 0, [5, 6])))
     await g1._dispatch(outputs(("resp", 2, [7])))
     assert tokens_of(drain(h1)) == [5, 6, 7]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import subprocess
@@ -77,8 +78,32 @@ def test_services_install_the_filter_once(tmp_path: Path) -> None:
     assert "url redis://a:***@h key ***" in result.stderr and "hunter2" not in result.stderr
 
 
-def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path) -> None:
-    """The gateway with wrong Redis credentials: it says so, and stops, showing neither secret."""
+def test_json_logs_are_redacted_too(tmp_path: Path) -> None:
+    """``log_format="json"``: one JSON object per line, with secrets redacted from the message, the
+    exception text and a structured record's fields."""
+    code = ("import logging; from common.service_cli import setup_logging; from common.logs import log_event\n"
+            "setup_logging('INFO', ['sk-1234'], 'json')\n"
+            "log = logging.getLogger('x')\n"
+            "log.info('url %s key %s', 'redis://a:hunter2@h', 'sk-1234')\n"
+            "log_event(log, logging.INFO, 'request finished', {'request_id': 'sk-1234-x', 'url': 'redis://:hunter2@h',"
+            " 'n': 5})\n"
+            "try:\n    raise ConnectionError('auth failed for redis://:hunter2@db (key sk-1234)')\n"
+            "except ConnectionError:\n    log.exception('startup failed')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert "hunter2" not in result.stderr and "sk-1234" not in result.stderr, result.stderr
+    first, event, failure = (json.loads(line) for line in result.stderr.splitlines())
+    assert first["message"] == "url redis://a:***@h key ***" and first["level"] == "INFO" and first["logger"] == "x"
+    assert event == {**event, "message": "request finished", "request_id": "***-x", "url": "redis://:***@h", "n": 5}
+    assert failure["message"] == "startup failed" and "ConnectionError: auth failed for redis://:***@db (key ***)" \
+        in failure["exception"]
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path, log_format: str) -> None:
+    """The gateway with wrong Redis credentials: it says so, and stops, showing neither secret, in
+    either log format (chosen here by ``CONVEYOR_LOG_FORMAT``)."""
     url, redis_proc = find_redis(tmp_path)
     try:
         host_port = url.split("://", 1)[1].split("/", 1)[0]
@@ -87,7 +112,7 @@ def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path)
             [sys.executable, "-m", "infra.cli", "gateway", "--host", "127.0.0.1", "--port", str(free_port()),
              "--redis-url", bad_url, "--api-key", "sk-never-logged", "--log-level", "DEBUG"],
             cwd=REPO, capture_output=True, text=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+            env={**os.environ, "PYTHONPATH": str(REPO), "CONVEYOR_LOG_FORMAT": log_format})
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
@@ -95,3 +120,6 @@ def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path)
     assert result.returncode != 0, out[-2000:]
     assert "credentials" in out and f"redis://nobody:***@{host_port}/0" in out, out[-2000:]
     assert "hunter2" not in out and "sk-never-logged" not in out, out[-2000:]
+    if log_format == "json":  # every line a JSON object, the failure among them
+        records = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+        assert any("credentials" in json.dumps(rec) and rec["level"] == "ERROR" for rec in records), out[-2000:]

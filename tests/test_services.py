@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ import redis
 
 from common.protocol import GenerateRequest, StepOutputs, decode, encode
 from common.sampling_params import SamplingParams
+from infra.launcher import free_port, wait_healthy
 from infra.stack import Stack
 
 NUM_BLOCKS = 256
@@ -377,6 +379,111 @@ def test_stop_reason(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
                 assert r.usage.completion_tokens == num_tokens  # a stop token ends the output on it
             assert [c.choices[0].model_extra["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [stop_reason]
             assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_tokenize_and_detokenize_match_the_tokenizer_and_the_chat_count(stack: Stack, client: openai.OpenAI,
+                                                                          llm: Any) -> None:
+    tok, url = llm.tokenizer, stack.urls[0]
+    text = "import os\nprint(os.getcwd())  # where am I?"
+    got = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == tok(text)["input_ids"] and got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == stack.stats().max_model_len
+    assert httpx.post(f"{url}/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": tok.decode(got["tokens"])}
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to three."}]
+    count = httpx.post(f"{stack.urls[1]}/tokenize", json={"model": "", "messages": messages}).json()["count"]
+    assert client.chat.completions.create(model="", messages=messages, max_tokens=2).usage.prompt_tokens == count
+    err = httpx.post(f"{url}/detokenize", json={"tokens": [len(tok) + 10**6]})
+    assert err.status_code == 400 and err.json()["error"]["param"] == "tokens"
+
+
+def _request_log(stack: Stack, request_id: str) -> list[dict[str, str]]:
+    """The gateways' ``request finished`` log lines of ``request_id`` (text format), as dicts."""
+    found = []
+    for name in stack.procs:
+        path = stack.workdir / f"{name}.log"
+        if name.startswith("gateway") and path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                if f"request finished: request_id={request_id} " in line:
+                    found.append(dict(re.findall(r"(\w+)=(\S+)", line.split("request finished: ", 1)[1])))
+    return found
+
+
+def test_x_request_id_is_the_response_id_and_shared_ids_never_mix(stack: Stack, llm: Any) -> None:
+    """Four requests with one client id, two on each gateway, at once: each gets its own output
+    and its own engine id (the client's id plus a random suffix), which the request log lines show."""
+    prompts = ["def add(a, b):", "class Stack:", "import json\n", "for i in range(10):"]
+    expected = llm.generate(prompts, _greedy(12))
+
+    async def run() -> list[Any]:
+        clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) for url in stack.urls]
+        try:
+            return await asyncio.gather(*(
+                c.completions.with_raw_response.create(model="", prompt=p, max_tokens=12, temperature=0,
+                                                       extra_headers={"X-Request-Id": "svc-dup-1"})
+                for c, p in zip((clients[0], clients[0], clients[1], clients[1]), prompts)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    raws = asyncio.run(run())
+    for raw, exp in zip(raws, expected):
+        r = raw.parse()
+        assert raw.headers["x-request-id"] == r.id == "svc-dup-1"
+        assert r.choices[0].text == exp.text
+    lines = _request_log(stack, "svc-dup-1")
+    assert len(lines) == 4, stack.logs()
+    assert len({line["engine_request_id"] for line in lines}) == 4
+    assert all(re.fullmatch(r"svc-dup-1-[0-9a-f]{8}", line["engine_request_id"]) for line in lines)
+    assert sorted(int(line["completion_tokens"]) for line in lines) == sorted(len(e.token_ids) for e in expected)
+    assert sorted(int(line["prompt_tokens"]) for line in lines) == sorted(len(e.prompt_token_ids) for e in expected)
+    assert {(line["engine"], line["migrations"], line["finish_reason"]) for line in lines} == {("0", "0", "length")}
+
+
+def test_a_streams_client_id_is_refused_while_taken_on_every_gateway(stack: Stack, llm: Any) -> None:
+    expected = llm.generate(["def f("], _greedy(40))[0].text
+    clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) for url in stack.urls]
+    kwargs: dict[str, Any] = dict(model="", max_tokens=40, temperature=0, stream=True,
+                                  extra_headers={"X-Request-Id": "svc-stream-1"})
+    stream = clients[0].completions.create(prompt="def f(", **kwargs)
+    chunks = [next(iter(stream))]  # in flight
+    for c in clients:
+        with pytest.raises(openai.ConflictError) as info:
+            c.completions.create(prompt="x = 1", **kwargs)
+        assert info.value.code == "duplicate_request_id"
+    chunks.extend(stream)
+    assert {c.id for c in chunks} == {"svc-stream-1"}
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    with pytest.raises(openai.ConflictError):  # still resumable: still taken
+        clients[1].completions.create(prompt="x = 1", **kwargs)
+
+
+def test_a_gateway_logs_json_lines_with_secrets_redacted(stack: Stack, llm: Any) -> None:
+    """``--log-format json``: the gateway's every log line is a JSON object; its request log line has
+    the request's counts as fields, and a secret in a field (the API key sent as a request id) is
+    redacted as it is in messages."""
+    key = "sk-json-gateway-secret"
+    port = free_port()
+    proc = stack.spawn("gateway-json", "gateway", "--host", "127.0.0.1", "--port", str(port), "--log-format", "json",
+                       "--api-key", key)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", 120, [proc])
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
+        r = c.completions.create(model="", prompt="def f(x):", max_tokens=7, temperature=0,
+                                 extra_headers={"X-Request-Id": "svc-json-1"}, extra_body={"ignore_eos": True})
+        c.completions.create(model="", prompt="x", max_tokens=2, extra_headers={"X-Request-Id": key})
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    text = (stack.workdir / "gateway-json.log").read_text()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    assert key not in text
+    rec = next(rec for rec in records if rec.get("request_id") == "svc-json-1")
+    assert rec["message"] == "request finished" and rec["level"] == "INFO"
+    assert (rec["prompt_tokens"], rec["completion_tokens"]) == (r.usage.prompt_tokens, r.usage.completion_tokens) == \
+        (len(llm.tokenizer("def f(x):")["input_ids"]), 7)
+    assert (rec["finish_reason"], rec["engine"], rec["migrations"]) == ("length", "0", 0)
+    assert re.fullmatch(r"svc-json-1-[0-9a-f]{8}", rec["engine_request_id"]) and 0 < rec["ttft_s"] <= rec["total_s"]
+    assert any(rec.get("request_id") == "***" for rec in records)
 
 
 def test_executor_death_is_a_pause_not_an_error(stack: Stack, llm: Any) -> None:

@@ -1,0 +1,431 @@
+"""/tokenize and /detokenize, X-Request-Id (echo, engine id, duplicates) and the request log line,
+through two real gateways (uvicorn on real ports, real HTTP) sharing a real Redis.
+
+The engine is played by `FakeEngine`, a thread on the engine's requests stream: it answers each
+request with its own prompt's tokens (so a response shows whose prompt it got), which makes
+mixed-up outputs visible. The whole stack with a real model: `tests/test_services.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from common.logs import STRUCTURED, formatter
+from common.protocol import AbortRequests, GenerateRequest, Names, StepOutputs, decode, encode
+from common.redact import RedactingFilter
+from gateway.config import GatewayConfig
+from gateway.openai_schema import MAX_REQUEST_ID_CHARS
+from infra.launcher import free_port, wait_healthy
+from infra.stack import find_redis
+from tests.test_gateway_validation import ENGINE, MAX_MODEL_LEN, VOCAB_SIZE, _error, register_engine
+
+API_KEY = "sk-extras-secret-1234"
+HOLD_MAX_TOKENS = 77  # a request with this max_tokens stops after its first token until `FakeEngine.release`
+
+
+class FakeEngine:
+    """Plays scheduler `ENGINE`: answers every `GenerateRequest` with its prompt's ids after the
+    first (an echo), one token per step, the last with finish reason ``length``; records requests
+    and aborts."""
+
+    def __init__(self, r: redis.Redis, names: Names) -> None:
+        self.r, self.names = r, names
+        self.seen: list[GenerateRequest] = []
+        self.aborted: set[str] = set()
+        self.release = threading.Event()
+        self.stopped = threading.Event()
+        last = r.xrevrange(names.requests(ENGINE), count=1)
+        self.cursor: bytes | str = last[0][0] if last else "0-0"
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def reply(prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+        return prompt_token_ids[1:][:max_tokens]
+
+    def _read(self) -> None:
+        while not self.stopped.is_set():
+            for _, entries in self.r.xread({self.names.requests(ENGINE): self.cursor}, block=100) or []:
+                for entry_id, entry in entries:
+                    self.cursor = entry_id
+                    msg = decode(entry[b"m"])
+                    if isinstance(msg, GenerateRequest):
+                        self.seen.append(msg)
+                        threading.Thread(target=self._answer, args=(msg,), daemon=True).start()
+                    elif isinstance(msg, AbortRequests):
+                        self.aborted.update(msg.request_ids)
+
+    def _answer(self, req: GenerateRequest) -> None:
+        max_tokens = int(req.sampling["max_tokens"])
+        tokens = self.reply(req.prompt_token_ids, max_tokens)
+        for i, token in enumerate(tokens):
+            if req.request_id in self.aborted or self.stopped.is_set():
+                return
+            if i == 1 and max_tokens == HOLD_MAX_TOKENS:
+                self.release.wait(30)
+            last = i == len(tokens) - 1
+            out = StepOutputs()
+            out.add(req.request_id, i, [token], None, last, "length" if last else None)
+            self.r.xadd(self.names.outputs(req.gateway_id), {b"m": encode(out.sealed())})
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[dict[str, Any]]:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from gateway.app import create_app
+
+    model = tiny_model()
+    url, proc = find_redis(Path(tmp_path_factory.mktemp("extras")))
+    r = redis.Redis.from_url(url)
+    names = Names(f"test-extras-{uuid.uuid4().hex[:10]}")
+    register_engine(r, names, model)
+    engine = FakeEngine(r, names)
+    servers, threads, clients, apps = [], [], [], []
+    for gateway_id in ("gwA", "gwB"):
+        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_key=API_KEY)
+        port = free_port()
+        apps.append(create_app(config))
+        server = uvicorn.Server(uvicorn.Config(apps[-1], host="127.0.0.1", port=port, log_level="critical"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append(server)
+        threads.append(thread)
+        wait_healthy(f"http://127.0.0.1:{port}/health", 60, [])
+        clients.append(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                                    headers={"Authorization": f"Bearer {API_KEY}"}))
+    try:
+        yield {"a": clients[0], "b": clients[1], "apps": apps, "redis": r, "names": names, "engine": engine,
+               "tokenizer": AutoTokenizer.from_pretrained(model), "model": model}
+    finally:
+        for client in clients:
+            client.close()
+        for server in servers:
+            server.should_exit = True
+        engine.release.set()
+        engine.stop()
+        for thread in threads:
+            thread.join(10)
+        for key in r.scan_iter(match=f"{names.namespace}:*"):
+            r.delete(key)
+        if proc is not None:
+            proc.terminate()
+
+
+def _engine_request(env: dict[str, Any], engine_prefix: str) -> GenerateRequest:
+    found = [req for req in env["engine"].seen if req.request_id.startswith(engine_prefix)]
+    assert len(found) == 1, [req.request_id for req in env["engine"].seen]
+    return found[0]
+
+
+def _sse(response: httpx.Response) -> list[dict[str, Any]]:
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", response.text
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+# -- /tokenize and /detokenize ------------------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip_equal_the_tokenizer(env: dict[str, Any]) -> None:
+    c, tok = env["a"], env["tokenizer"]
+    text = "def hello(name):\n    return f'Hello, {name}!'  # ünïcode"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id  # add_special_tokens defaults to true for a prompt
+    got = c.post("/tokenize", json={"model": "tiny", "prompt": text}).json()
+    assert got == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    plain = tok(text, add_special_tokens=False)["input_ids"]
+    got = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()
+    assert got["tokens"] == plain and got["token_strs"] == tok.convert_ids_to_tokens(plain)
+    assert c.post("/tokenize", json={"model": str(env["model"]), "prompt": ""}).json()["tokens"] == tok("")["input_ids"]
+    for tokens in (ids, plain, [], list(range(VOCAB_SIZE))):
+        assert c.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": tok.decode(tokens)}
+    assert c.post("/detokenize", json={"model": "tiny", "tokens": plain}).json()["prompt"] == tok.decode(plain) == text
+
+
+def test_chat_tokenize_equals_what_the_chat_endpoint_counts(env: dict[str, Any]) -> None:
+    c, tok = env["a"], env["tokenizer"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    got = c.post("/tokenize", json={"messages": messages}).json()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and got["count"] == len(got["tokens"])
+    # What the chat endpoint sends the engine, and answers as usage.prompt_tokens.
+    response = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3},
+                      headers={"X-Request-Id": "chat-count-1"})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == got["count"]
+    assert _engine_request(env, "chat-count-1-").prompt_token_ids == got["tokens"]
+    # Content parts are joined as the chat endpoint joins them; the generation prompt is optional.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
+    assert c.post("/tokenize", json={"messages": parts}).json()["tokens"] == \
+        c.post("/tokenize", json={"messages": [{"role": "user", "content": "Say hi"}]}).json()["tokens"]
+    bare = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    got = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                    "add_special_tokens": True}).json()
+    assert got["tokens"] == tok(bare, add_special_tokens=True)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param, words",
+    [
+        ("/detokenize", {"tokens": [1, VOCAB_SIZE]}, 400, "tokens", [f"[0, {VOCAB_SIZE})", str(VOCAB_SIZE)]),
+        ("/detokenize", {"tokens": [5, -1]}, 400, "tokens", ["non-negative", "-1"]),
+        ("/detokenize", {"tokens": [5, "6"]}, 400, "tokens", ["integers", "'6'"]),
+        ("/detokenize", {"tokens": [5, True]}, 400, "tokens", ["integers"]),
+        ("/detokenize", {"tokens": [5, 2.0]}, 400, "tokens", ["integers"]),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens", ["array"]),
+        ("/detokenize", {}, 400, "tokens", ["required"]),
+        ("/detokenize", {"tokens": [1] * (MAX_MODEL_LEN + 1)}, 400, "tokens", [str(MAX_MODEL_LEN)]),
+        ("/detokenize", {"model": "gpt-9", "tokens": [1]}, 404, "model", ["gpt-9"]),
+        ("/detokenize", [1, 2], 400, None, ["JSON object"]),
+        ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, 404, "model", ["gpt-9"]),
+        ("/tokenize", {}, 400, "prompt", ["required"]),
+        ("/tokenize", {"prompt": 5}, 400, "prompt", ["string"]),
+        ("/tokenize", {"prompt": [1, 2]}, 400, "prompt", ["string"]),
+        ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt", ["not both"]),
+        ("/tokenize", {"messages": []}, 400, "messages", ["non-empty"]),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", ["role"]),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"}, 400,
+         "chat_template", ["not supported"]),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+         "continue_final_message", ["not supported"]),
+        ("/tokenize", {"prompt": "hi", "return_token_strs": "yes"}, 400, "return_token_strs", ["boolean"]),
+        ("/tokenize", {"prompt": "hi", "add_special_tokens": 1}, 400, "add_special_tokens", ["boolean"]),
+        ("/tokenize", {"prompt": "hello world " * 2000}, 400, "prompt", [str(MAX_MODEL_LEN), "tokens"]),
+    ],
+)
+def test_tokenize_errors(env: dict[str, Any], path: str, body: Any, status: int, param: str | None,
+                         words: list[str]) -> None:
+    err = _error(env["a"].post(path, json=body), status, *words)
+    assert err["param"] == param
+    if "hello world" in json.dumps(body):
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_tokenize_needs_the_api_key(env: dict[str, Any]) -> None:
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        for auth in ("", "Bearer wrong"):
+            err = _error(env["a"].post(path, json=body, headers={"Authorization": auth}), 401, "API key")
+            assert err["code"] == "invalid_api_key"
+
+
+# -- X-Request-Id ----------------------------------------------------------------------------
+def _completion(client: httpx.Client, prompt: str, request_id: str | None = None, **body: Any) -> httpx.Response:
+    headers = {"X-Request-Id": request_id} if request_id is not None else {}
+    return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, **body}, headers=headers)
+
+
+def _expected_text(env: dict[str, Any], prompt: str, max_tokens: int = 5) -> str:
+    tok = env["tokenizer"]
+    return tok.decode(FakeEngine.reply(tok(prompt)["input_ids"], max_tokens), skip_special_tokens=True)
+
+
+def test_x_request_id_is_the_response_id_and_the_engine_ids_prefix(env: dict[str, Any]) -> None:
+    c = env["a"]
+    response = _completion(c, "one two three four five six", "trace-0001")
+    assert response.status_code == 200, response.text
+    assert response.json()["id"] == "trace-0001" and response.headers["x-request-id"] == "trace-0001"
+    assert response.json()["choices"][0]["text"] == _expected_text(env, "one two three four five six")
+    req = _engine_request(env, "trace-0001-")
+    assert re.fullmatch(r"trace-0001-[0-9a-f]{8}", req.request_id), req.request_id
+    # Streaming: every chunk has the id, the header too, and the journal is under it.
+    with c.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "trace/0002:x"},
+                  json={"messages": [{"role": "user", "content": "alpha beta gamma"}], "max_tokens": 4,
+                        "stream": True}) as streamed:
+        streamed.read()
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "trace/0002:x"
+    chunks = _sse(streamed)
+    assert {ch["id"] for ch in chunks} == {"trace/0002:x"}
+    assert env["redis"].exists(env["names"].journal("trace/0002:x"))
+    assert re.fullmatch(r"trace/0002:x-[0-9a-f]{8}", _engine_request(env, "trace/0002:x-").request_id)
+    # Such a stream resumes by that id (it holds a "/"), on the other gateway, event for event.
+    replay = env["b"].get("/v1/streams/trace/0002:x")
+    assert replay.status_code == 200, replay.text
+    assert _sse(replay) == chunks and replay.headers["x-request-id"] == "trace/0002:x"
+    # Without the header: a fresh id, which is the engine id too, echoed as well.
+    response = _completion(c, "no header here")
+    rid = response.json()["id"]
+    assert rid.startswith("cmpl-") and response.headers["x-request-id"] == rid
+    assert _engine_request(env, rid).request_id == rid
+    # Errors carry the client's id back too.
+    err = _completion(c, "x", "trace-0003", max_tokens=-1)
+    assert err.status_code == 400 and err.headers["x-request-id"] == "trace-0003"
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("x" * (MAX_REQUEST_ID_CHARS + 1), [f"at most {MAX_REQUEST_ID_CHARS}", str(MAX_REQUEST_ID_CHARS + 1)]),
+        ("two words", ["visible ASCII"]),
+        ("tab\there", ["visible ASCII"]),
+        ("caf\u00e9".encode("latin-1"), ["visible ASCII", "\\xe9"]),
+    ],
+)
+def test_bad_x_request_id_is_a_clear_400(env: dict[str, Any], value: str | bytes, words: list[str]) -> None:
+    seen = len(env["engine"].seen)
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = _error(env["a"].post(path, json=body, headers={"X-Request-Id": value}), 400, "X-Request-Id", *words)
+        assert err["param"] == "X-Request-Id" and err["code"] == "invalid_request_id"
+    assert len(env["engine"].seen) == seen  # nothing reached the engine
+    assert _completion(env["a"], "fine", "x" * MAX_REQUEST_ID_CHARS).status_code == 200
+
+
+def _concurrently(*calls: Any) -> list[httpx.Response]:
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_same_id_twice_in_flight_does_not_mix_on_one_gateway_or_two(env: dict[str, Any]) -> None:
+    """Requests sharing a client's id (non-streaming) are all served, each with its own output:
+    their engine ids differ by their suffix."""
+    prompts = ["red green blue yellow", "one two three four", "cat dog bird fish", "sun moon star sky"]
+    calls = [lambda c=c, p=p: _completion(c, p, "dup-1", max_tokens=HOLD_MAX_TOKENS)
+             for c, p in zip((env["a"], env["a"], env["b"], env["b"]), prompts)]
+    env["engine"].release.clear()
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        deadline = time.time() + 10  # all four in flight at once, then let them finish
+        while sum(r.request_id.startswith("dup-1-") for r in env["engine"].seen) < 4 and time.time() < deadline:
+            time.sleep(0.02)
+        env["engine"].release.set()
+        responses = [f.result() for f in futures]
+    for prompt, response in zip(prompts, responses):
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == "dup-1"
+        assert response.json()["choices"][0]["text"] == _expected_text(env, prompt, HOLD_MAX_TOKENS)
+    engine_ids = [r.request_id for r in env["engine"].seen if r.request_id.startswith("dup-1-")]
+    assert len(engine_ids) == len(set(engine_ids)) == 4
+    assert sorted(r.gateway_id for r in env["engine"].seen if r.request_id in engine_ids) == ["gwA", "gwA", "gwB", "gwB"]
+
+
+def test_a_streams_id_is_taken_while_it_is_in_flight_or_resumable(env: dict[str, Any]) -> None:
+    """A stream is resumed by its id, so one id names one stream: a second stream with a client's
+    id that is in flight, on the same gateway or another, or finished but still resumable, gets a
+    409 and never reaches the engine; a non-streaming request with it is served, unmixed."""
+    a, b, engine = env["a"], env["b"], env["engine"]
+    engine.release.clear()
+    body = {"prompt": "first stream words here", "max_tokens": HOLD_MAX_TOKENS, "stream": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(lambda: a.post("/v1/completions", json=body, headers={"X-Request-Id": "stream-1"}))
+        deadline = time.time() + 10
+        while not any(r.request_id.startswith("stream-1-") for r in engine.seen) and time.time() < deadline:
+            time.sleep(0.02)
+        for client in (a, b):
+            err = _error(client.post("/v1/completions", json={**body, "prompt": "second"},
+                                     headers={"X-Request-Id": "stream-1"}), 409, "stream-1", "/v1/streams/stream-1")
+            assert err["code"] == "duplicate_request_id" and err["param"] == "X-Request-Id"
+        other = _completion(b, "not a stream at all", "stream-1")
+        assert other.status_code == 200 and other.json()["choices"][0]["text"] == _expected_text(env, "not a stream at all")
+        engine.release.set()
+        response = first.result()
+    assert response.status_code == 200
+    text = "".join(ch["choices"][0]["text"] for ch in _sse(response))
+    assert text == _expected_text(env, "first stream words here", HOLD_MAX_TOKENS)
+    assert [r.request_id.startswith("stream-1-") for r in engine.seen].count(True) == 2  # the stream, the other
+    # Finished, but resumable for the resume window: still taken.
+    _error(_completion(b, "again", "stream-1", stream=True), 409, "stream-1")
+    # A refused claim leaves the journal as it was: the stream replays whole.
+    assert "".join(ch["choices"][0]["text"] for ch in _sse(b.get("/v1/streams/stream-1"))) == text
+
+
+def test_a_claimed_id_is_freed_when_the_stream_cannot_start(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The journal was claimed, then no engine took the request (it vanished meanwhile): the 503
+    leaves the id free, for the client's retry."""
+    async def no_engine(*_: Any) -> bool:
+        return False
+
+    monkeypatch.setattr(env["apps"][0].state.client, "_route", no_engine)
+    _error(_completion(env["a"], "hi", "orphan-1", stream=True), 503, "engine unavailable")
+    assert not env["redis"].exists(env["names"].journal("orphan-1"))
+    monkeypatch.undo()
+    assert _completion(env["a"], "hi there", "orphan-1", stream=True).status_code == 200
+
+
+# -- the request log ---------------------------------------------------------------------------
+@pytest.fixture()
+def request_log() -> Iterator[dict[str, io.StringIO]]:
+    """The gateways' request log lines, as text and as JSON (each handler redacting the API key)."""
+    logger = logging.getLogger("conveyor.gateway.requests")
+    streams = {"text": io.StringIO(), "json": io.StringIO()}
+    handlers = []
+    for name, stream in streams.items():
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(formatter(name))
+        handler.addFilter(RedactingFilter([API_KEY]))
+        logger.addHandler(handler)
+        handlers.append(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield streams
+    finally:
+        logger.setLevel(level)
+        for handler in handlers:
+            logger.removeHandler(handler)
+
+
+def _json_records(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]  # every line is one JSON object
+
+
+def test_one_request_log_line_per_finished_request(env: dict[str, Any], request_log: dict[str, io.StringIO]) -> None:
+    response = _completion(env["a"], "alpha beta gamma delta epsilon", "log-1", max_tokens=4)
+    usage = response.json()["usage"]
+    with env["b"].stream("POST", "/v1/completions", headers={"X-Request-Id": "log-2"},
+                         json={"prompt": "zeta eta theta iota", "max_tokens": 3, "stream": True,
+                               "stop": ["never"]}) as streamed:
+        streamed.read()
+    records = {rec["request_id"]: rec for rec in _json_records(request_log["json"])}
+    rec = records["log-1"]
+    engine_id = _engine_request(env, "log-1-").request_id
+    assert rec["message"] == "request finished" and rec["logger"] == "conveyor.gateway.requests"
+    assert rec["level"] == "INFO" and rec["time"].endswith("+00:00")
+    assert (rec["prompt_tokens"], rec["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert rec["completion_tokens"] == 4 and rec["finish_reason"] == "length"
+    assert (rec["model"], rec["kind"], rec["stream"], rec["resumed"]) == ("tiny", "completion", False, False)
+    assert (rec["engine"], rec["engine_request_id"], rec["gateway"], rec["migrations"]) == (ENGINE, engine_id, "gwA", 0)
+    assert 0 < rec["ttft_s"] <= rec["total_s"] < 30
+    rec = records["log-2"]
+    assert (rec["completion_tokens"], rec["stream"], rec["gateway"]) == (3, True, "gwB")
+    # The text line says the same, as key=value pairs.
+    line = next(line for line in request_log["text"].getvalue().splitlines() if "request_id=log-1 " in line)
+    assert "INFO conveyor.gateway.requests: request finished: request_id=log-1 model=tiny" in line
+    assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens=4 " in line
+    assert f"finish_reason=length engine={ENGINE} engine_request_id={engine_id} migrations=0" in line
+
+
+def test_request_log_redacts_secrets_in_both_formats(env: dict[str, Any], request_log: dict[str, io.StringIO]) -> None:
+    """A secret that reaches a structured field (here: a client sends the API key as its request
+    id) is redacted in the JSON fields as in the text."""
+    assert _completion(env["a"], "one two three", API_KEY).status_code == 200
+    for stream in request_log.values():
+        assert API_KEY not in stream.getvalue() and "***" in stream.getvalue()
+    rec = _json_records(request_log["json"])[-1]
+    assert rec["request_id"] == "***" and re.fullmatch(r"\*\*\*-[0-9a-f]{8}", rec["engine_request_id"])
+
+
+def test_redacting_filter_leaves_the_callers_fields_alone() -> None:
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    fields = {"a": "key sk-1", "n": 1}
+    setattr(record, STRUCTURED, ("event", fields))
+    RedactingFilter(["sk-1"]).filter(record)
+    assert getattr(record, STRUCTURED) == ("event", {"a": "key ***", "n": 1}) and fields["a"] == "key sk-1"

@@ -102,7 +102,11 @@ class StreamExecutor:
         """Send what is queued and return the oldest step's result (raises `StepFailed`/`ExecutorLost`)."""
         step, num_seqs = self.in_flight.popleft()
         sends, self.outbox = self.outbox, []
-        result = self.early.pop(step, None) or self._round_trip(sends, step)
+        result = self.early.pop(step, None)
+        if result is None:
+            result = self._round_trip(sends, step)
+        elif sends:  # its result came with the previous one's; what is queued (the next step) goes now
+            self.transport.exchange(sends)
         if result.error is not None:
             raise StepFailed(f"executor {self.executor_id} failed step {step}: {result.error}")
         if len(result.token_ids) != num_seqs:

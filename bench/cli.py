@@ -8,7 +8,7 @@ BENCHES = {"offline": "bench.offline", "serve": "bench.serve", "prefix-overhead"
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench offline [options]``."""
+    """Run ``conveyor bench {offline,serve,prefix-overhead} [options]``."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

@@ -1,14 +1,29 @@
-"""HTTP streaming load against a running stack, and where an engine step's time goes.
+"""`conveyor bench serve`: a serving benchmark against any OpenAI-compatible endpoint (ours or vLLM's).
 
-    python -m bench.serve --start --model DIR              # start a private stack, then measure
-    python -m bench.serve --url http://127.0.0.1:8000 --redis-url ... --namespace ...
+    conveyor bench serve --base-url http://127.0.0.1:8000 --model NAME --num-prompts 200 --request-rate 8
+    conveyor bench serve --start --model DIR --ignore-eos --offline   # a private stack; in-process LLM too
+    conveyor bench serve --endpoint chat --dataset prompts.jsonl --result-file out.json
+    python -m bench.serve ...                                         # the same command
 
-Sends bench.offline's workload (token-id prompts, greedy, ``ignore_eos``) as streaming
-completions, all at once or under ``--max-concurrency``, and reports output tokens/s, TTFT and
-inter-token latency. With the scheduler's stats key (``--redis-url``/``--namespace``, automatic
-with ``--start``) it also reports the mean step time and the share spent outside the executor's
-``execute_model`` (scheduling, delta encoding, Redis round trip). ``--offline`` runs the same work
-in-process through `LLM` and splits its step into scheduling, forward pass and sampling.
+Streams every request (``stream_options.include_usage``), sends them at once or as Poisson
+arrivals (``--request-rate``) under ``--max-concurrency``, after one warm-up burst, and reports
+vLLM's ``benchmark_serving`` result fields with the same definitions: TTFT, TPOT (per request,
+``(e2el - ttft) / (output_tokens - 1)``, only requests of 2+ tokens), ITL (every gap between
+chunks that carry output) and end-to-end latency, in mean / median / p99 ms. Token counts are the
+server's ``usage``; a failed request is counted, not fatal.
+
+Datasets: ``random`` (random prompts of ``--random-input-len`` tokens, ``--random-range-ratio``
+spreads the lengths), ``shared-prefix`` (the same, after one common prefix of
+``--random-prefix-len`` tokens) or a ``.jsonl`` file with one ``{"prompt": text or token ids,
+"output_len": n}`` per line (``output_len`` defaults to ``--random-output-len``; lines are reused
+in order when ``--num-prompts`` asks for more). Completions get token-id prompts, so no tokenizer
+is needed; chat gets text (random words, or decoded random ids with ``--tokenizer``).
+
+With the scheduler's stats key (``--redis-url``/``--namespace``, automatic with ``--start``) it
+also reports the mean engine step and the share spent outside the executor's ``execute_model``;
+with ``--start`` the CPU seconds of every process. ``--offline`` runs the same requests in-process
+through `LLM`, splits its step into scheduling, forward pass and sampling, and reports the HTTP /
+offline ratio of output throughput.
 """
 
 from __future__ import annotations
@@ -16,61 +31,349 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
-import statistics
+import random
+import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
+import numpy as np
 
-from bench.offline import make_workload, prompt_ids
-
-
-async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> tuple[float, list[float], int]:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("choices"):
-                stamps.append(time.perf_counter() - t0)
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return (stamps[0] if stamps else float("nan")), stamps, tokens
+DATASETS = ("random", "shared-prefix")
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Token ids sent when the vocabulary is unknown (no --tokenizer): inside every vocabulary we serve
+# (the tiny test model has 1024 ids; real ones tens of thousands) and above the special tokens
+# that sit at the bottom of most vocabularies (<s>, </s>, <pad>, chat markers).
+SAFE_IDS = (16, 1024)
+WARMUP_PROMPT_LEN = 8  # short random prompts of their own: nothing the timed ones could find in a prefix cache
+WARMUP_OUTPUT_LEN = 2
+# Prompt text for chat without a tokenizer: common words, roughly one token each for most tokenizers.
+WORDS = """the of and to in is that it for on with as was at by an be this from or are have not but which one all
+their there been has when who will more no if out so said what up its about into than them can only other new some could
+time these two may then do first any my now such like our over man me even most made after also did many before must
+through back years where much your way well down should because each just those people how too little state good very
+make world still own see men work long get here between both life being under never day same another know while last
+might us great old year off come since against go came right used take three""".split()
 
 
-async def http_load(url: str, prompts: list[list[int]], outs: list[int], concurrency: int) -> dict[str, float]:
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        # Warm-up: one burst of short requests at the full concurrency (connections, worker threads).
-        await asyncio.gather(*(_one(client, url, p[:8], 2) for p in prompts[:concurrency]))
+# -- requests and their results ----------------------------------------------------------------
+@dataclass(slots=True)
+class BenchRequest:
+    """One request of the benchmark: its prompt, prompt length if known here, and ``max_tokens``."""
 
-        async def run(p: list[int], n: int) -> tuple[float, list[float], int]:
+    prompt: str | list[int]
+    prompt_len: int | None  # tokens, when known without the server (token ids, or a tokenizer)
+    output_len: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw of one streamed request (seconds from the moment it was sent)."""
+
+    success: bool = False
+    ttft: float = 0.0  # to the first chunk that carries output
+    itl: list[float] = field(default_factory=list)  # gaps between consecutive output chunks
+    latency: float = 0.0  # to the end of the stream
+    prompt_tokens: int | None = None  # the server's usage, when it sent one
+    output_tokens: int | None = None
+    chunks: int = 0  # output chunks: the output count of last resort
+    text: str = ""
+    error: str = ""
+
+
+# -- datasets ----------------------------------------------------------------------------------
+class TokenSource:
+    """Random prompt material: token ids in a range every vocabulary of the model has, and text.
+
+    Without a tokenizer, ids come from `SAFE_IDS` and text is random common words (the server's
+    ``usage`` gives the true count); with one, ids avoid its special tokens and text is decoded
+    from random ids, re-encoded and cut to length as vLLM's random dataset does.
+    """
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            self.ids = list(range(*SAFE_IDS))
+        else:
+            special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+            self.ids = [i for i in range(min(SAFE_IDS[0], tokenizer.vocab_size - 1), tokenizer.vocab_size)
+                        if i not in special]
+
+    def random_ids(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` random token ids of the safe range."""
+        return [rng.choice(self.ids) for _ in range(n)]
+
+    def random_text(self, rng: random.Random, n: int) -> str:
+        """Text of about ``n`` tokens (exactly, where re-encoding the cut text is stable)."""
+        if self.tokenizer is None:
+            return " ".join(rng.choice(WORDS) for _ in range(n))
+        text = self.tokenizer.decode(self.random_ids(rng, n))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[:n]
+        return cast(str, self.tokenizer.decode(ids))
+
+    def count(self, text: str) -> int | None:
+        """Tokens of ``text``, when a tokenizer is at hand."""
+        return None if self.tokenizer is None else len(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list[int]:
+    # vLLM's --random-range-ratio: uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1.
+    lo, hi = max(1, math.floor(mean * (1 - ratio))), max(1, math.ceil(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_requests(source: TokenSource, n: int, input_len: int, output_len: int, *, range_ratio: float = 0.0,
+                    prefix_len: int = 0, text: bool = False, seed: int = 0) -> list[BenchRequest]:
+    """``n`` prompts of one common prefix of ``prefix_len`` tokens then ``input_len`` (spread by
+    ``range_ratio``) random ones; token ids, or ``text`` (for chat)."""
+    rng = random.Random(seed)
+    in_lens, out_lens = _lengths(rng, n, input_len, range_ratio), _lengths(rng, n, output_len, range_ratio)
+    out: list[BenchRequest] = []
+    if text:
+        prefix = source.random_text(rng, prefix_len) + " " if prefix_len else ""
+        for i, o in zip(in_lens, out_lens):
+            prompt = prefix + source.random_text(rng, i)
+            out.append(BenchRequest(prompt, source.count(prompt), o))
+        return out
+    prefix_ids = source.random_ids(rng, prefix_len)
+    for i, o in zip(in_lens, out_lens):
+        ids = prefix_ids + source.random_ids(rng, i)
+        out.append(BenchRequest(ids, len(ids), o))
+    return out
+
+
+def jsonl_requests(path: Path, n: int | None, default_output_len: int, source: TokenSource,
+                   chat: bool = False) -> list[BenchRequest]:
+    """Requests from a ``.jsonl`` file, one ``{"prompt": ..., "output_len": ...}`` per line; the
+    first ``n`` (lines reused in order when there are fewer), all of them when ``n`` is None."""
+    rows: list[BenchRequest] = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if chat:  # chat takes text only
+                if source.tokenizer is None:
+                    raise ValueError(f"{path}:{number}: token-id prompts need --tokenizer for --endpoint chat")
+                prompt = cast(str, source.tokenizer.decode(prompt))
+        elif not (isinstance(prompt, str) and prompt):
+            raise ValueError(f"{path}:{number}: 'prompt' must be a non-empty string or list of token ids")
+        output_len = obj.get("output_len", default_output_len)
+        if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
+            raise ValueError(f"{path}:{number}: 'output_len' must be a positive integer")
+        prompt_len = len(prompt) if isinstance(prompt, list) else source.count(prompt)
+        rows.append(BenchRequest(prompt, prompt_len, output_len))
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    return rows if n is None else [rows[i % len(rows)] for i in range(n)]
+
+
+def arrival_delays(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds to wait before sending each of ``n`` requests: Poisson arrivals at ``rate`` per
+    second (exponential gaps, the first request at once), all zero when ``rate`` is infinite."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(rate) for _ in range(n - 1)]
+
+
+# -- the client --------------------------------------------------------------------------------
+class BenchError(RuntimeError):
+    """The benchmark cannot run as asked: no model served, or every warm-up request failed (a
+    wrong URL, model or key rather than a load to measure)."""
+
+
+def _output_chunk(chunk: dict[str, Any]) -> bool:
+    """Whether an SSE chunk carries output. Our chat stream opens with a role-only chunk before any
+    token exists (vLLM's arrives with the first token): it must not count as the first token."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    choice = choices[0]
+    content = choice.get("text") if "delta" not in choice else (choice.get("delta") or {}).get("content")
+    return bool(content) or choice.get("finish_reason") is not None or bool(choice.get("logprobs"))
+
+
+def request_body(endpoint: str, model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    """A streaming, greedy request body with usage in the stream."""
+    body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        content = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        body.update(messages=[{"role": "user", "content": content}], max_completion_tokens=max_tokens)
+    else:
+        body.update(prompt=prompt, max_tokens=max_tokens)
+    if ignore_eos:  # not an OpenAI parameter: sent only when asked for
+        body["ignore_eos"] = True
+    return body
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+    """Stream one request and time its chunks; any failure comes back as ``success=False``."""
+    result = RequestResult()
+    start = last = time.perf_counter()
+    done_at = 0.0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                result.error = f"HTTP {response.status_code}: {detail}"
+                return result
+            async for line in response.aiter_lines():
+                # Read to the end of the body, even past [DONE] or an error: a response left
+                # unread closes its connection, and the timed run would then open new ones
+                # instead of reusing the warm-up's as a keep-alive client does (on our gateway
+                # that alone changes tiny's throughput by ~1.5x).
+                if done_at or result.error or not line.startswith("data:"):
+                    continue  # also blank separators, ``id:`` lines and comments
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done_at = time.perf_counter()
+                    continue
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    error = chunk["error"]
+                    result.error = str(error.get("message", error) if isinstance(error, dict) else error)
+                    continue
+                now = time.perf_counter()
+                if _output_chunk(chunk):
+                    if result.chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.chunks += 1
+                    choice = chunk["choices"][0]
+                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    result.text += piece or ""
+                if usage := chunk.get("usage"):
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.output_tokens = usage.get("completion_tokens")
+        if result.error:
+            return result
+        result.latency = (done_at or time.perf_counter()) - start
+        if result.chunks == 0:
+            result.ttft = result.latency
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(base_url: str, endpoint: str, model: str, requests: Sequence[BenchRequest], *, ignore_eos: bool,
+                   request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
+                   warmup: Sequence[BenchRequest] = (), headers: dict[str, str] | None = None,
+                   progress: bool = True, timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
+    """Warm up with one burst of ``warmup`` at once, then send ``requests`` (Poisson arrivals at
+    ``request_rate``, at most ``max_concurrency`` in flight). Returns the results in request
+    order and the timed duration (first send to last completion); `BenchError` if no warm-up
+    request succeeded."""
+    from tqdm import tqdm
+
+    url = base_url + ENDPOINTS[endpoint]
+    width = max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=width + 8, max_keepalive_connections=width + 8)
+    sem = asyncio.Semaphore(width)
+    delays = arrival_delays(len(requests), request_rate, seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
+        # One burst of short requests at the full concurrency opens the connections and wakes the
+        # server's worker threads, so the timed run does not pay for them.
+        warm = await asyncio.gather(*(send_request(client, url, request_body(endpoint, model, r.prompt, r.output_len,
+                                                                              ignore_eos)) for r in warmup))
+        if warm and not any(r.success for r in warm):
+            raise BenchError(f"every warm-up request failed, e.g. {warm[0].error}")
+        bar = tqdm(total=len(requests), disable=not progress, desc="requests")
+
+        async def one(r: BenchRequest) -> RequestResult:
             async with sem:
-                return await _one(client, url, p, n)
+                out = await send_request(client, url, request_body(endpoint, model, r.prompt, r.output_len, ignore_eos))
+            bar.update(1)
+            return out
 
-        t = time.perf_counter()
-        results = await asyncio.gather(*(run(p, n) for p, n in zip(prompts, outs)))
-        elapsed = time.perf_counter() - t
-    produced = sum(r[2] for r in results)
-    assert produced == sum(outs), (produced, sum(outs))
-    itl = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
-    ttft = [r[0] for r in results]
-    return {"elapsed_s": elapsed, "output_tokens": produced, "tokens_per_s": produced / elapsed,
-            "ttft_p50_ms": 1e3 * statistics.median(ttft), "itl_p50_ms": 1e3 * statistics.median(itl) if itl else 0.0,
-            "itl_p99_ms": 1e3 * sorted(itl)[int(0.99 * (len(itl) - 1))] if itl else 0.0}
+        tasks = []
+        start = time.perf_counter()
+        for r, delay in zip(requests, delays):
+            if delay:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(r)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+        bar.close()
+    return results, duration
 
 
+# -- metrics -----------------------------------------------------------------------------------
+def _stats(name: str, values: Sequence[float]) -> dict[str, float]:
+    # As vLLM: an empty series reports 0; seconds in, ms out; p99 interpolated linearly.
+    arr = np.asarray(values or [0.0], dtype=float) * 1e3
+    return {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+            f"std_{name}_ms": float(arr.std()), f"p99_{name}_ms": float(np.percentile(arr, 99))}
+
+
+def output_tokens(result: RequestResult, tokenizer: Any = None) -> int:
+    """The server's completion count; else the tokenizer's count of the text; else the chunks."""
+    if result.output_tokens is not None:
+        return result.output_tokens
+    if tokenizer is not None:
+        return len(tokenizer.encode(result.text, add_special_tokens=False))
+    return result.chunks
+
+
+def compute_metrics(requests: Sequence[BenchRequest], results: Sequence[RequestResult], duration: float,
+                    tokenizer: Any = None) -> dict[str, Any]:
+    """vLLM's ``benchmark_serving`` metrics over the successful requests (failures only counted)."""
+    ttfts, tpots, itls, e2els = [], [], [], []
+    total_in = total_out = completed = 0
+    for request, r in zip(requests, results):
+        if not r.success:
+            continue
+        completed += 1
+        n_out = output_tokens(r, tokenizer)
+        total_out += n_out
+        total_in += r.prompt_tokens if r.prompt_tokens is not None else (request.prompt_len or 0)
+        ttfts.append(r.ttft)
+        e2els.append(r.latency)
+        itls += r.itl
+        if n_out > 1:  # TPOT excludes the first token; one-token requests have none
+            tpots.append((r.latency - r.ttft) / (n_out - 1))
+    dur = max(duration, 1e-9)
+    return {"completed": completed, "failed": len(results) - completed, "duration": duration,
+            "total_input_tokens": total_in, "total_output_tokens": total_out,
+            "request_throughput": completed / dur, "output_throughput": total_out / dur,
+            "total_token_throughput": (total_in + total_out) / dur,
+            **_stats("ttft", ttfts), **_stats("tpot", tpots), **_stats("itl", itls), **_stats("e2el", e2els)}
+
+
+def format_report(metrics: dict[str, Any]) -> str:
+    """vLLM's result table."""
+    rows: list[tuple[str, Any]] = [
+        ("Successful requests:", metrics["completed"]), ("Failed requests:", metrics["failed"]),
+        ("Benchmark duration (s):", f"{metrics['duration']:.2f}"),
+        ("Total input tokens:", metrics["total_input_tokens"]),
+        ("Total generated tokens:", metrics["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{metrics['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{metrics['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{metrics['total_token_throughput']:.2f}")]
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    lines += [f"{k:<40} {v:<10}" for k, v in rows]
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+        name = key.upper()
+        lines += [f"{f'{label} {name} (ms):':<40} {metrics[f'{stat}_{key}_ms']:<10.2f}"
+                  for label, stat in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+# -- what the stack and the engine report ------------------------------------------------------
 def read_stats(redis_url: str, namespace: str, scheduler_id: str = "0") -> Any:
     """The `EngineStatus` of one engine (its step timing sums)."""
     import redis
@@ -81,45 +384,14 @@ def read_stats(redis_url: str, namespace: str, scheduler_id: str = "0") -> Any:
     return decode(cast(bytes, r.get(names.engine(scheduler_id))), (EngineStatus,))
 
 
-def offline_breakdown(model: str, prompts: list[list[int]], outs: list[int], engine_kw: dict[str, Any],
-                      concurrency: int) -> dict[str, float]:
-    """In-process run (``concurrency`` prompts per `generate` call) with timers around
-    execute_model, the forward pass and sampling."""
-    from common.sampling_params import SamplingParams
-    from scheduler.llm import LLM
-
-    llm = LLM(model, **engine_kw)
-    ex = llm.executor
-    timers = {"execute": 0.0, "forward": 0.0, "sample": 0.0}
-
-    def timed(name: str, fn: Any) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                timers[name] += time.perf_counter() - t
-        return wrapper
-
-    ex.execute_model = timed("execute", ex.execute_model)  # type: ignore[method-assign]
-    ex.model.forward = timed("forward", ex.model.forward)  # type: ignore[method-assign]
-    ex.sampler.sample = timed("sample", ex.sampler.sample)  # type: ignore[method-assign]
-    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    for key in timers:
-        timers[key] = 0.0
-    steps0 = llm.scheduler.num_steps
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
-    t = time.perf_counter()
-    results = []
-    for i in range(0, len(prompts), concurrency):
-        results += llm.generate(prompts[i : i + concurrency], params[i : i + concurrency])
-    elapsed = time.perf_counter() - t
-    steps = llm.scheduler.num_steps - steps0
-    produced = sum(len(r.token_ids) for r in results)
-    return {"elapsed_s": elapsed, "tokens_per_s": produced / elapsed, "steps": steps,
-            "step_ms": 1e3 * elapsed / steps, "execute_ms": 1e3 * timers["execute"] / steps,
-            "forward_ms": 1e3 * timers["forward"] / steps, "sample_ms": 1e3 * timers["sample"] / steps,
-            "outside_execute_ms": 1e3 * (elapsed - timers["execute"]) / steps}
+def step_breakdown(before: Any, after: Any) -> dict[str, float]:
+    """Mean engine step between two `EngineStatus` reads, and its part outside ``execute_model``."""
+    n = after.step_count - before.step_count
+    wall = after.step_wall_s - before.step_wall_s
+    fwd = after.step_forward_s - before.step_forward_s
+    if n <= 0:
+        return {"steps": 0}
+    return {"steps": n, "step_ms": 1e3 * wall / n, "execute_ms": 1e3 * fwd / n, "outside_execute_ms": 1e3 * (wall - fwd) / n}
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -135,28 +407,161 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--url", help="gateway base URL of a running stack")
-    p.add_argument("--start", action="store_true", help="start a private stack (needs --model)")
-    p.add_argument("--model", help="checkpoint directory (for --start / --offline)")
-    p.add_argument("--redis-url")
-    p.add_argument("--namespace")
-    p.add_argument("--workload", default="uniform", choices=["uniform", "mixed"])
-    p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--output-len", type=int, default=None, help="override every request's output length")
-    p.add_argument("--max-concurrency", type=int, default=0, help="0: all requests at once")
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--offline", action="store_true", help="also run the same work in-process (LLM)")
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--scheduler-arg", action="append", default=[],
-                   help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling")
-    args = p.parse_args(argv)
+def offline_breakdown(model: str, requests: Sequence[BenchRequest], ignore_eos: bool, engine_kw: dict[str, Any],
+                      concurrency: int, chat: bool = False) -> dict[str, float]:
+    """The same requests in-process (``concurrency`` per `generate` call; arrival times are not
+    reproduced), with timers around execute_model, the forward pass and sampling."""
+    from common.sampling_params import SamplingParams
+    from scheduler.llm import LLM
 
-    work = make_workload(args.workload, args.num_requests)
-    outs = [args.output_len or n for n in work.output_lens]
-    prompts = prompt_ids(work, args.vocab, 8)
-    concurrency = args.max_concurrency or len(prompts)
+    llm = LLM(model, **engine_kw)
+    prompts: list[Any] = [r.prompt for r in requests]  # token ids or text, as sent
+    if chat:  # as the gateway renders a one-message chat
+        tok = llm.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": str(p)}], tokenize=False, add_generation_prompt=True)
+                   if getattr(tok, "chat_template", None) else f"user: {p}\nassistant:" for p in prompts]
+    ex = llm.executor
+    timers = {"execute": 0.0, "forward": 0.0, "sample": 0.0}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[name] += time.perf_counter() - t
+        return wrapper
+
+    ex.execute_model = timed("execute", ex.execute_model)  # type: ignore[method-assign]
+    ex.model.forward = timed("forward", ex.model.forward)  # type: ignore[method-assign]
+    ex.sampler.sample = timed("sample", ex.sampler.sample)  # type: ignore[method-assign]
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.reset_prefix_cache()  # as the stack: the timed run finds only what it caches itself
+    for key in timers:
+        timers[key] = 0.0
+    steps0 = llm.scheduler.num_steps
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=ignore_eos) for r in requests]
+    t = time.perf_counter()
+    results = []
+    for i in range(0, len(prompts), concurrency):
+        results += llm.generate(prompts[i : i + concurrency], params[i : i + concurrency])
+    elapsed = time.perf_counter() - t
+    steps = max(llm.scheduler.num_steps - steps0, 1)
+    produced = sum(len(r.token_ids) for r in results)
+    return {"elapsed_s": elapsed, "output_tokens": produced, "tokens_per_s": produced / elapsed, "steps": steps,
+            "step_ms": 1e3 * elapsed / steps, "execute_ms": 1e3 * timers["execute"] / steps,
+            "forward_ms": 1e3 * timers["forward"] / steps, "sample_ms": 1e3 * timers["sample"] / steps,
+            "outside_execute_ms": 1e3 * (elapsed - timers["execute"]) / steps}
+
+
+def _names(model: str, card: dict[str, Any]) -> bool:
+    # The served name, or the checkpoint as the server was given it, or the same directory spelled otherwise.
+    root = card.get("root")
+    if model in (card.get("id"), root):
+        return True
+    return bool(root) and Path(model).is_dir() and Path(str(root)).is_dir() and \
+        Path(model).resolve() == Path(str(root)).resolve()
+
+
+def served_model(base_url: str, model: str | None, headers: dict[str, str]) -> tuple[str, int | None]:
+    """The name to send as ``model`` and the server's ``max_model_len`` (None if it does not say),
+    from ``GET /v1/models``; ``model`` may be the served name or the checkpoint path (``root``)."""
+    try:
+        cards = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).raise_for_status().json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        cards = []
+    match = [c for c in cards if model is None or _names(model, c)]
+    if not match:
+        if model is None:
+            raise BenchError(f"{base_url}/v1/models lists no model; pass --model")
+        return model, None
+    card = match[0]
+    return str(card["id"]), card.get("max_model_len")
+
+
+def build_requests(args: argparse.Namespace, source: TokenSource) -> list[BenchRequest]:
+    """The timed requests the arguments describe."""
+    chat = args.endpoint == "chat"
+    if args.dataset in DATASETS:
+        prefix = args.random_prefix_len
+        if prefix is None:
+            prefix = 512 if args.dataset == "shared-prefix" else 0
+        return random_requests(source, args.num_prompts or 64, args.random_input_len, args.random_output_len,
+                               range_ratio=args.random_range_ratio, prefix_len=prefix, text=chat, seed=args.seed)
+    return jsonl_requests(Path(args.dataset), args.num_prompts, args.random_output_len, source, chat=chat)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="conveyor bench serve", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--base-url", "--url", dest="base_url", default=None,
+                   help="server base URL without /v1 (default http://127.0.0.1:8000; --start: its own)")
+    p.add_argument("--model", default=None,
+                   help="served model name (default: the first of /v1/models); with --start/--offline a checkpoint dir")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer (HF name or dir) for exact text prompts; optional, counts come from the server")
+    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
+    p.add_argument("--dataset", default="random", help="random, shared-prefix or a .jsonl file")
+    p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=None,
+                   help="default 64 (a .jsonl file: all its lines)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--random-input-len", type=int, default=32)
+    p.add_argument("--random-output-len", type=int, default=128, help="also the default output_len of a .jsonl line")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--random-prefix-len", type=int, default=None,
+                   help="shared prefix tokens (default: shared-prefix 512, random 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
+    p.add_argument("--result-file", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also write per-request input_lens, output_lens, ttfts, itls, e2els, generated_texts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may wait for its next bytes before it counts as failed")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
+    g = p.add_argument_group("this engine")
+    g.add_argument("--start", action="store_true", help="start a private stack of --model DIR (infra.stack.Stack)")
+    g.add_argument("--redis-url", help="with --namespace: report the engine step breakdown (automatic with --start)")
+    g.add_argument("--namespace")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks for --start and --offline")
+    g.add_argument("--scheduler-arg", action="append", default=[],
+                   help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling")
+    g.add_argument("--offline", action="store_true", help="also run the same requests in-process (LLM of --model DIR)")
+    args = p.parse_args(argv)
+    if (args.start or args.offline) and not (args.model and Path(args.model).is_dir()):
+        p.error("--start and --offline need --model DIR (a local checkpoint)")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        p.error("--num-prompts must be at least 1")
+    if args.request_rate <= 0:
+        p.error("--request-rate must be positive")
+    if args.dataset not in DATASETS and not Path(args.dataset).is_file():
+        p.error(f"--dataset: {args.dataset!r} is neither {' nor '.join(DATASETS)} nor a file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print vLLM's result table (and this engine's extras), write --result-file."""
+    args = parse_args(argv)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    source = TokenSource(tokenizer)
+    try:
+        requests = build_requests(args, source)
+    except (OSError, ValueError) as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 2
+    width = args.max_concurrency or len(requests)
+    rng = random.Random(args.seed + 1)  # warm-up prompts of their own: nothing shared with the timed ones
+    warmup = [BenchRequest(source.random_text(rng, WARMUP_PROMPT_LEN) if args.endpoint == "chat"
+                           else source.random_ids(rng, WARMUP_PROMPT_LEN), WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN)
+              for _ in range(width)]
+
     stack = None
     if args.start:
         import tempfile
@@ -166,31 +571,64 @@ def main(argv: list[str] | None = None) -> int:
         extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
         stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="bench-serve-")), executor_args=extra,
                       scheduler_args=tuple(args.scheduler_arg)).start()
-        args.url, args.redis_url, args.namespace = stack.urls[0], stack.redis_url, stack.namespace
+        args.base_url, args.redis_url, args.namespace = stack.urls[0], stack.redis_url, stack.namespace
+    base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1")
+    extras: dict[str, Any] = {}
     try:
-        before = read_stats(args.redis_url, args.namespace) if args.redis_url else None
+        model, max_model_len = served_model(base_url, args.model, headers)
+        longest = max((r.prompt_len or 0) + r.output_len for r in requests)
+        if max_model_len and args.dataset in DATASETS and longest > max_model_len:
+            print(f"bench serve: requests need up to {longest} tokens, more than the server's max_model_len "
+                  f"({max_model_len}): lower --random-input-len/--random-output-len", file=sys.stderr)
+            return 2
+        before = read_stats(args.redis_url, args.namespace) if args.redis_url and args.namespace else None
         pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
         cpu0 = cpu_seconds(pids)
-        http = asyncio.run(http_load(args.url, prompts, outs, concurrency))
+        results, duration = asyncio.run(run_load(
+            base_url, args.endpoint, model, requests, ignore_eos=args.ignore_eos, request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency, seed=args.seed, warmup=warmup, headers=headers,
+            progress=not args.disable_tqdm, timeout_s=args.request_timeout))
         cpu1 = cpu_seconds(pids)
-        report: dict[str, Any] = {"workload": work.name, "requests": len(prompts), "concurrency": concurrency, "http": http}
         # Where the machine's CPU went during the load (the warm-up burst included).
-        report["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
+        extras["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
         if before is not None:
-            after = read_stats(args.redis_url, args.namespace)
-            n = after.step_count - before.step_count
-            wall = after.step_wall_s - before.step_wall_s
-            fwd = after.step_forward_s - before.step_forward_s
-            report["service_steps"] = {"steps": n, "step_ms": 1e3 * wall / n, "execute_ms": 1e3 * fwd / n,
-                                       "outside_execute_ms": 1e3 * (wall - fwd) / n}
+            extras["service_steps"] = step_breakdown(before, read_stats(args.redis_url, args.namespace))
+    except BenchError as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 1
     finally:
         if stack is not None:
             stack.stop()
+    metrics = compute_metrics(requests, results, duration, tokenizer)
     if args.offline:
         kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
-        report["offline"] = offline_breakdown(args.model, prompts, outs, kw, concurrency)
-        report["http_vs_offline"] = report["http"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
-    print(json.dumps(report, indent=2))
+        extras["offline"] = offline_breakdown(args.model, requests, args.ignore_eos, kw, width, args.endpoint == "chat")
+        extras["http_vs_offline"] = metrics["output_throughput"] / extras["offline"]["tokens_per_s"]
+
+    print(format_report(metrics))
+    if "service_steps" in extras:
+        print(f"engine steps (EngineStatus): {json.dumps(extras['service_steps'])}")
+    print(f"CPU seconds: {json.dumps(extras['cpu_s'])}")
+    if args.offline:
+        print(f"offline (in-process LLM): {json.dumps(extras['offline'])}")
+        print(f"HTTP / offline output throughput: {extras['http_vs_offline']:.3f}x")
+    errors = [r.error for r in results if not r.success]
+    if errors:
+        print(f"first error of {len(errors)}: {errors[0]}")
+    if args.result_file:
+        result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if args.endpoint == "chat"
+                  else "openai", "base_url": base_url, "endpoint": ENDPOINTS[args.endpoint], "model_id": model,
+                  "tokenizer_id": args.tokenizer, "dataset": args.dataset, "num_prompts": len(requests),
+                  "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": 1.0,
+                  "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,
+                  **metrics, **extras, "errors": errors}
+        if args.save_detailed:  # vLLM's per-request lists (0 / "" for a failed request)
+            result.update(input_lens=[r.prompt_tokens if r.prompt_tokens is not None else q.prompt_len
+                                      for q, r in zip(requests, results)],
+                          output_lens=[output_tokens(r, tokenizer) if r.success else 0 for r in results],
+                          ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                          e2els=[r.latency for r in results], generated_texts=[r.text for r in results])
+        args.result_file.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("scheduler.cli", "run the scheduler service"),
     "executor": ("executor.service", "run the executor service"),
     "up": ("infra.launcher", "start Redis, executor, scheduler and gateway together"),
-    "bench": ("bench.cli", "run a benchmark (offline)"),
+    "bench": ("bench.cli", "run a benchmark (offline, serve, prefix-overhead)"),
 }
 
 

@@ -46,6 +46,10 @@ CLIENT_OPTIONS: dict[str, Any] = dict(
     health_check_interval=30,
     max_connections=64,
 )
+# A call that finds every pooled connection busy waits this long for one (a blocking pool): the
+# default pool would fail it at once with "Too many connections", a burst of requests would
+# retry with backoff, and every stream would stall.
+POOL_WAIT_S = 20.0
 
 Received = tuple[str, bytes, Any]  # (stream, entry id, message) of one entry read
 Rejected = tuple[str, bytes, dict[bytes, bytes], str]  # (stream, entry id, entry, reason): one to dead-letter
@@ -199,7 +203,8 @@ class Transport(TransportCore[aioredis.Redis]):
     """One process's connection to the shared Redis, with protocol encode/decode built in (async)."""
 
     def _connect(self, url: str) -> aioredis.Redis:
-        return aioredis.from_url(url, **CLIENT_OPTIONS)
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=POOL_WAIT_S, **CLIENT_OPTIONS)
+        return aioredis.Redis(connection_pool=pool)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -296,7 +301,8 @@ class SyncTransport(TransportCore[redis.Redis]):
     """
 
     def _connect(self, url: str) -> redis.Redis:
-        return redis.Redis.from_url(url, **CLIENT_OPTIONS)
+        pool = redis.BlockingConnectionPool.from_url(url, timeout=POOL_WAIT_S, **CLIENT_OPTIONS)
+        return redis.Redis(connection_pool=pool)
 
     def close(self) -> None:
         self.redis.close()

@@ -86,3 +86,30 @@ def test_a_step_error_is_step_failed_and_rebind_starts_a_new_epoch(env: tuple[re
     entries: Any = r.xrange(names.steps("0"))
     last = decode(entries[-1][1][ENTRY_FIELD])
     assert (type(last).__name__, last.epoch, last.executor_id) == ("BindExecutor", EPOCH + 1, "e")
+
+
+def test_a_burst_beyond_the_pool_waits_instead_of_failing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """More concurrent calls than pooled connections (a gateway under a burst of requests) wait
+    for a connection: none fails with "Too many connections" and none is retried with backoff."""
+    import asyncio
+
+    from common.transport import CLIENT_OPTIONS, Transport
+
+    url, proc = find_redis(tmp_path)
+
+    async def burst() -> list[Any]:
+        t = Transport(url, Names("test-pool"), owner="test")
+        try:
+            # BLPOP on a missing key holds its connection for 50 ms: all 64 are busy at once.
+            calls = [t.call(t.redis.blpop, [f"test-pool:none:{i}"], 0.05, deadline_s=5)
+                     for i in range(3 * CLIENT_OPTIONS["max_connections"])]
+            return await asyncio.gather(*calls)
+        finally:
+            await t.close()
+
+    try:
+        assert asyncio.run(burst()) == [None] * (3 * CLIENT_OPTIONS["max_connections"])
+        assert "redis unavailable" not in caplog.text
+    finally:
+        if proc is not None:
+            proc.terminate()

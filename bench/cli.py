@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = {"offline": "bench.offline", "serve": "bench.serve", "prefix-overhead": "bench.prefix_overhead"}
+BENCHES = {"offline": "bench.offline", "serve": "bench.serve", "prefix-overhead": "bench.prefix_overhead",
+           "engine-redis": "bench.engine_redis", "cpu-threads": "bench.cpu_threads"}
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench {offline,serve,prefix-overhead} [options]``."""
+    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads} [options]``."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

@@ -53,6 +53,7 @@ class ModelConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton ("auto": triton on CUDA, torch on CPU)
     seed: int = 0
+    num_threads: int | None = None  # CPU intra-op threads; None: CONVEYOR_NUM_THREADS, else OMP_NUM_THREADS, else the usable CPUs
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option, before anything is loaded.
@@ -70,6 +71,7 @@ class ModelConfig:
             )
         _check_int("max_model_len", self.max_model_len, optional=True)
         _check_int("seed", self.seed, _INT64_MIN, _INT64_MAX)
+        _check_int("num_threads", self.num_threads, 1, 4096, optional=True)
         device = _device_type(self.device)
         if self.attention_backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

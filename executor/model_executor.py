@@ -24,6 +24,7 @@ from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
 from executor.penalties import TokenCountPool, TokenCounts
 from executor.sampler import Sampler
+from executor.threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class ModelExecutor:
         model_config.validate()
         parallel_config.validate()
         cache_config.validate()
+        self.num_threads = configure_cpu_threads(model_config.num_threads)
         self.model_config = model_config
         self.cache_config = cache_config
         model_dir = Path(model_config.model)

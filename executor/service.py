@@ -163,16 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=float(env("CONVEYOR_GPU_MEMORY_UTILIZATION", "0.9")))
     p.add_argument("--seed", type=int, default=int(env("CONVEYOR_SEED", "0")))
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU intra-op threads (default: CONVEYOR_NUM_THREADS, OMP_NUM_THREADS, else the usable CPUs)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from executor.threads import set_openmp_env_defaults
+
+    set_openmp_env_defaults()  # before anything imports torch: libgomp reads it once, when loaded
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or CONVEYOR_MODEL) is required")
     model_config = ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                               attention_backend=args.attention_backend, seed=args.seed)
+                               attention_backend=args.attention_backend, seed=args.seed,
+                               num_threads=args.num_threads)
     cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                                gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks)
     try:  # bad options are a usage error, reported before anything is loaded

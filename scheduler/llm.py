@@ -57,10 +57,14 @@ class LLM:
 
     Options: ``dtype``, ``device``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``,
-    ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True).
+    ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``num_threads``
+    (CPU intra-op threads).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
+        from executor.threads import set_openmp_env_defaults
+
+        set_openmp_env_defaults()  # effective only if nothing imported torch yet (see executor.threads)
         from transformers import AutoTokenizer
 
         from executor.model_executor import ModelExecutor

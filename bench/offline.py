@@ -22,9 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
+from executor.threads import set_openmp_env_defaults
 
-from executor.make_model import cached_model
+# The engine's thread default, for transformers too (same process): before torch loads OpenMP.
+set_openmp_env_defaults()
+
+import torch  # noqa: E402
+
+from executor.make_model import cached_model  # noqa: E402
 
 WORKLOADS = ["uniform", "mixed", "shared-prefix"]
 

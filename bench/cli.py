@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = {"offline": "bench.offline", "serve": "bench.serve", "prefix-overhead": "bench.prefix_overhead",
-           "engine-redis": "bench.engine_redis", "cpu-threads": "bench.cpu_threads"}
+BENCHES = {
+    "offline": "bench.offline",
+    "serve": "bench.serve",
+    "prefix-overhead": "bench.prefix_overhead",
+    "engine-redis": "bench.engine_redis",
+    "cpu-threads": "bench.cpu_threads",
+}
 
 
 def main(argv: list[str]) -> int:

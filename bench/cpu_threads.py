@@ -71,8 +71,19 @@ def measure(which: str, extra_env: dict[str, str], args: argparse.Namespace) -> 
     """Run one variant in a child process; add its CPU seconds and the others' share of the CPUs."""
     env = {k: v for k, v in os.environ.items() if k not in WAIT_POLICY_VARS}
     env.update(extra_env)
-    cmd = [sys.executable, "-m", "bench.cpu_threads", "--child", which, "--model", args.model,
-           "--limit", str(args.limit), "--output-len", str(args.output_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.cpu_threads",
+        "--child",
+        which,
+        "--model",
+        args.model,
+        "--limit",
+        str(args.limit),
+        "--output-len",
+        str(args.output_len),
+    ]
     c0, b0, t0 = _children_cpu_seconds(), _busy_cpu_seconds(), time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     c1, b1, t1 = _children_cpu_seconds(), _busy_cpu_seconds(), time.perf_counter()
@@ -110,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                     which, extra = VARIANTS[name]
                     r = measure(which, extra, args)
                     rows.append((rep, hogs, name, r))
-                    print(f"round {rep} hogs {hogs} {name}: {r['tps']:.1f} tok/s, {r['cpu']:.1f} s CPU, "
-                          f"others {r['others'] * 100:.0f}% of the CPUs", flush=True)
+                    print(
+                        f"round {rep} hogs {hogs} {name}: {r['tps']:.1f} tok/s, {r['cpu']:.1f} s CPU, "
+                        f"others {r['others'] * 100:.0f}% of the CPUs",
+                        flush=True,
+                    )
             finally:
                 for p in procs:
                     p.kill()

@@ -81,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
 
     work = make_workload(args.workload, args.num_requests)
     outs = list(work.output_lens)
-    stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="bench-engine-")), gateways=0,
-                  executor_args=("--num-blocks", str(args.num_blocks)), scheduler_args=tuple(args.scheduler_arg)).start()
+    stack = Stack(
+        args.model,
+        Path(tempfile.mkdtemp(prefix="bench-engine-")),
+        gateways=0,
+        executor_args=("--num-blocks", str(args.num_blocks)),
+        scheduler_args=tuple(args.scheduler_arg),
+    ).start()
     llm = LLM(args.model, num_blocks=args.num_blocks)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
 
@@ -96,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         warm = prompt_ids(work, args.vocab, 8, seed=100)
         client.run(warm[:4], [4] * 4)  # warm-up both
         offline(warm)
-        report: dict[str, Any] = {"workload": work.name, "requests": len(outs), "scheduler_args": args.scheduler_arg,
-                                  "services_tok_s": [], "offline_tok_s": []}
+        report: dict[str, Any] = {
+            "workload": work.name,
+            "requests": len(outs),
+            "scheduler_args": args.scheduler_arg,
+            "services_tok_s": [],
+            "offline_tok_s": [],
+        }
         for r in range(args.repeat):
             prompts = prompt_ids(work, args.vocab, 8, seed=101 + r)  # new prompts each round: no prefix-cache hits
             report["services_tok_s"].append(round(client.run(prompts, outs), 1))

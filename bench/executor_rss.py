@@ -72,8 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler import LLM
 
     model = args.model or str(cached_model("llama", args.size))
-    llm = LLM(model, dtype="float32", device="cpu", num_blocks=args.num_blocks,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        model,
+        dtype="float32",
+        device="cpu",
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
     rng = random.Random(args.seed)
     vocab = llm.executor.info.vocab_size
     start = rss_mb()
@@ -91,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{done:8d} {now:9.1f} {now - start:+8.1f} {time.perf_counter() - t0:6.0f}", flush=True)
             next_print = done + args.every
     half = marks[len(marks) // 2]
-    print(f"growth over the second half of the run: {marks[-1] - half:+.1f} MiB "
-          f"(whole run {marks[-1] - start:+.1f} MiB)")
+    print(f"growth over the second half of the run: {marks[-1] - half:+.1f} MiB (whole run {marks[-1] - start:+.1f} MiB)")
     return 0
 
 

@@ -49,8 +49,13 @@ def copy_gbps(nbytes: int = 2 << 30) -> float:
 
 
 def paged_batch(
-    seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_size: int,
-    block_size: int, dtype: torch.dtype,
+    seq_lens: list[int],
+    query_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random q and a paged cache whose blocks are scattered (a shuffled pool, like a busy engine)."""
     dev = "cuda"
@@ -83,16 +88,16 @@ def paged_batch(
     return q, k_cache, v_cache, meta
 
 
-def bench_decode(seqs: int = 64, ctx: int = 4096, heads: int = 32, kv_heads: int = 8,
-                 head_size: int = 128, block_size: int = 16) -> dict[str, float]:
+def bench_decode(
+    seqs: int = 64, ctx: int = 4096, heads: int = 32, kv_heads: int = 8, head_size: int = 128, block_size: int = 16
+) -> dict[str, float]:
     """GB/s of K/V read by each decode path (dispatch, 2D, split-KV 2/4/8)."""
     from executor.kernels import dispatch_attention
     from executor.kernels.decode_split import decode_split
     from executor.kernels.paged_attention import paged_attention_2d
 
     dtype = torch.bfloat16
-    q, kc, vc, meta = paged_batch([ctx] * seqs, [1] * seqs, heads, kv_heads, head_size,
-                                  block_size, dtype)
+    q, kc, vc, meta = paged_batch([ctx] * seqs, [1] * seqs, heads, kv_heads, head_size, block_size, dtype)
     scale = head_size**-0.5
     kv_bytes = 2 * seqs * ctx * kv_heads * head_size * kc.element_size()
     ref = paged_attention_2d(q, kc, vc, meta, scale)
@@ -109,25 +114,23 @@ def bench_decode(seqs: int = 64, ctx: int = 4096, heads: int = 32, kv_heads: int
     return result
 
 
-def bench_prefill(seqs: int = 4, length: int = 4096, heads: int = 32, kv_heads: int = 8,
-                  head_size: int = 128, block_size: int = 16) -> dict[str, float]:
+def bench_prefill(
+    seqs: int = 4, length: int = 4096, heads: int = 32, kv_heads: int = 8, head_size: int = 128, block_size: int = 16
+) -> dict[str, float]:
     """TFLOP/s of causal prefill: the paged kernel and SDPA on the same shapes."""
     from executor.kernels.paged_attention import paged_attention_2d
 
     dtype = torch.bfloat16
-    q, kc, vc, meta = paged_batch([length] * seqs, [length] * seqs, heads, kv_heads, head_size,
-                                  block_size, dtype)
+    q, kc, vc, meta = paged_batch([length] * seqs, [length] * seqs, heads, kv_heads, head_size, block_size, dtype)
     scale = head_size**-0.5
     # SDPA inputs: the same K/V, gathered into contiguous [B, H, L, D] once (untimed).
     k = kc[meta.block_tables.long()].reshape(seqs, -1, kv_heads, head_size)[:, :length]
     v = vc[meta.block_tables.long()].reshape(seqs, -1, kv_heads, head_size)[:, :length]
-    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q.view(seqs, length, heads, head_size),
-                                                          k, v))
+    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q.view(seqs, length, heads, head_size), k, v))
     flops = 4 * seqs * heads * head_size * length * (length + 1) / 2  # QK^T and PV, causal half
 
     def sdpa() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
 
     ours = paged_attention_2d(q, kc, vc, meta, scale)
     want = sdpa().transpose(1, 2).reshape_as(ours)
@@ -143,9 +146,9 @@ def make_half_b_model(out: str) -> str:
     from executor import make_model as mm
 
     # Not one of make_model's named sizes yet: register the geometry for this call.
-    mm.GEOMETRY.setdefault("bench_0.5b", dict(vocab=8192, hidden=1536, layers=20, heads=12,
-                                               kv_heads=4, head_dim=128, inter=4096,
-                                               max_pos=4096))
+    mm.GEOMETRY.setdefault(
+        "bench_0.5b", dict(vocab=8192, hidden=1536, layers=20, heads=12, kv_heads=4, head_dim=128, inter=4096, max_pos=4096)
+    )
     if "bench_0.5b" not in mm.SIZES:
         mm.SIZES = (*mm.SIZES, "bench_0.5b")
     return str(mm.make_model("llama", "bench_0.5b", 0, out))
@@ -154,8 +157,7 @@ def make_half_b_model(out: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--make-model", default=None, metavar="DIR",
-                    help="only write the ~0.5B benchmark checkpoint into DIR")
+    ap.add_argument("--make-model", default=None, metavar="DIR", help="only write the ~0.5B benchmark checkpoint into DIR")
     args = ap.parse_args(argv)
     if args.make_model:
         print(f"wrote {make_half_b_model(args.make_model)}")
@@ -171,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     print("| kernel | variant | achieved | ceiling | share | target |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, gbps in decode.items():
-        print(f"| decode 64x4k | {name} | {gbps:.0f} GB/s | {copy:.0f} GB/s | "
-              f"{gbps / copy:.0%} | >= 70% |")
-    print(f"| prefill 4x4k | triton | {prefill['triton']:.0f} TFLOP/s | "
-          f"{prefill['sdpa']:.0f} TFLOP/s (SDPA) | {prefill['triton'] / prefill['sdpa']:.0%} | "
-          f">= 50% |")
+        print(f"| decode 64x4k | {name} | {gbps:.0f} GB/s | {copy:.0f} GB/s | {gbps / copy:.0%} | >= 70% |")
+    print(
+        f"| prefill 4x4k | triton | {prefill['triton']:.0f} TFLOP/s | "
+        f"{prefill['sdpa']:.0f} TFLOP/s (SDPA) | {prefill['triton'] / prefill['sdpa']:.0%} | "
+        f">= 50% |"
+    )
     summary = {
         "copy_gbps": copy,
         "decode_gbps": decode,

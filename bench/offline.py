@@ -66,8 +66,7 @@ def make_workload(name: str, limit: int | None = None, seed: int = 0) -> Workloa
 def prompt_ids(work: Workload, vocab_size: int, num_special: int, seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(num_special, vocab_size) for _ in range(work.shared_prefix)]
-    return [prefix + [rng.randrange(num_special, vocab_size) for _ in range(n - len(prefix))]
-            for n in work.prompt_lens]
+    return [prefix + [rng.randrange(num_special, vocab_size) for _ in range(n - len(prefix))] for n in work.prompt_lens]
 
 
 def mm_gflops(device: str, dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
@@ -110,8 +109,9 @@ def run_engine(llm, prompts: list[list[int]], outs: list[int]) -> EngineRun:
     elapsed, cpu = time.perf_counter() - t, time.process_time() - c
     produced = sum(len(r.token_ids) for r in results)
     assert produced == sum(outs), (produced, sum(outs))
-    return EngineRun(elapsed, cpu, produced, [r.token_ids for r in results],
-                     sched.prefix_cache_queries - q0, sched.prefix_cache_hits - h0)
+    return EngineRun(
+        elapsed, cpu, produced, [r.token_ids for r in results], sched.prefix_cache_queries - q0, sched.prefix_cache_hits - h0
+    )
 
 
 def compare_prefix_caching(on, off, name: str, prompts: list[list[int]], outs: list[int], repeat: int) -> tuple:
@@ -130,14 +130,16 @@ def compare_prefix_caching(on, off, name: str, prompts: list[list[int]], outs: l
             best[label] = min(best[label], run.elapsed)
             if label == "on":
                 stats = (run.queries, run.hits)
-            print(f"{name}: prefix caching {label}: {run.produced} tokens in {run.elapsed:.2f}s "
-                  f"({run.cpu:.2f}s CPU)", flush=True)
+            print(f"{name}: prefix caching {label}: {run.produced} tokens in {run.elapsed:.2f}s ({run.cpu:.2f}s CPU)", flush=True)
         wall_ratios.append(runs["off"].elapsed / runs["on"].elapsed)
         cpu_ratios.append(runs["off"].cpu / runs["on"].cpu)
         same = sum(a == b for a, b in zip(runs["on"].token_ids, runs["off"].token_ids))
-        print(f"{name}: on/off {wall_ratios[-1]:.3f}x wall, {cpu_ratios[-1]:.3f}x CPU; identical greedy outputs: "
-              f"{same}/{len(prompts)}; prefix cache hits {stats[1]}/{stats[0]} tokens "
-              f"({stats[1] / max(stats[0], 1) * 100:.1f}%)", flush=True)
+        print(
+            f"{name}: on/off {wall_ratios[-1]:.3f}x wall, {cpu_ratios[-1]:.3f}x CPU; identical greedy outputs: "
+            f"{same}/{len(prompts)}; prefix cache hits {stats[1]}/{stats[0]} tokens "
+            f"({stats[1] / max(stats[0], 1) * 100:.1f}%)",
+            flush=True,
+        )
         assert same == len(prompts), "prefix caching changed greedy outputs"
     tokens_out = sum(outs)
     wall, cpu = sorted(wall_ratios)[repeat // 2], sorted(cpu_ratios)[repeat // 2]  # medians
@@ -156,8 +158,9 @@ def run_hf(hf, prompts: list[list[int]], outs: list[int], batch_size: int, devic
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
         new = max(chunk_out)  # one length per call: every row runs to the longest
         with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=pad)
+            hf.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad
+            )
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t, sum(outs)  # only the tokens each request asked for count
@@ -176,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one table row per workload."""
     ap = argparse.ArgumentParser(prog="conveyor bench offline", description=__doc__)
     ap.add_argument("--model", default=None, help="HF directory (default: the cached `small` llama)")
-    ap.add_argument("--workload", default="all", choices=[*WORKLOADS, "all"],
-                    help="all: uniform and mixed against transformers")
+    ap.add_argument("--workload", default="all", choices=[*WORKLOADS, "all"], help="all: uniform and mixed against transformers")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N requests")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -185,22 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--compare-prefix-caching", action="store_true",
-                    help="engine with prefix caching against without (implied by shared-prefix)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="alternate engine and transformers runs this often; report each one's best")
+    ap.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="engine with prefix caching against without (implied by shared-prefix)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="alternate engine and transformers runs this often; report each one's best"
+    )
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
     model = args.model or str(cached_model("llama", "small"))
     dtype = getattr(torch, args.dtype)
     cfg = json.loads((Path(model) / "config.json").read_text())
-    engine_kw = dict(dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_num_seqs=args.max_num_seqs)
+    engine_kw = dict(
+        dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+    )
     roof = mm_gflops(args.device, dtype)
     flops_per_token = 2 * non_embedding_params(model)
-    print(f"model={model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"torch.mm={roof:.1f} GFLOP/s")
+    print(f"model={model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} torch.mm={roof:.1f} GFLOP/s")
     from transformers import AutoModelForCausalLM
 
     from scheduler.llm import LLM
@@ -249,14 +255,19 @@ def main_prefix_caching(args: argparse.Namespace, model: str, cfg: dict, engine_
         work = make_workload(name, args.limit)
         prompts = prompt_ids(work, cfg["vocab_size"], num_special=8)
         on_tps, off_tps, wall, cpu, (queries, hits) = compare_prefix_caching(
-            on, off, name, prompts, work.output_lens, args.repeat)
+            on, off, name, prompts, work.output_lens, args.repeat
+        )
         rows.append((name, len(prompts), on_tps, off_tps, wall, cpu, hits / max(queries, 1)))
-    print(f"\n| workload | requests | prefix caching on tok/s | off tok/s | on / off (best of {args.repeat} each) "
-          "| on / off, median pair (wall / CPU) | hit rate (tokens) |")
+    print(
+        f"\n| workload | requests | prefix caching on tok/s | off tok/s | on / off (best of {args.repeat} each) "
+        "| on / off, median pair (wall / CPU) | hit rate (tokens) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, n, on_tps, off_tps, wall, cpu, rate in rows:
-        print(f"| {name} | {n} | {on_tps:.1f} | {off_tps:.1f} | {on_tps / off_tps:.3f}x | {wall:.3f}x / {cpu:.3f}x "
-              f"| {rate * 100:.1f}% |")
+        print(
+            f"| {name} | {n} | {on_tps:.1f} | {off_tps:.1f} | {on_tps / off_tps:.3f}x | {wall:.3f}x / {cpu:.3f}x "
+            f"| {rate * 100:.1f}% |"
+        )
     return 0
 
 

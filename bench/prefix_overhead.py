@@ -61,7 +61,7 @@ def run_paired(prompts: list[list[int]], outs: list[int], args: argparse.Namespa
     clock = time.perf_counter
     while off.has_work() or on.has_work():
         first_off = off.scheduler.num_steps % 2 == 0
-        for core in ((off, on) if first_off else (on, off)):
+        for core in (off, on) if first_off else (on, off):
             if core.has_work():
                 t = clock()
                 core.step()
@@ -95,13 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             gc.enable()
         totals.append((t_off, t_on))
-        print(f"{args.workload}: off {t_off * 1e3:.1f} ms, on {t_on * 1e3:.1f} ms ({t_on / t_off - 1:+.1%}), "
-              f"{steps} steps, {hits} tokens hit", flush=True)
+        print(
+            f"{args.workload}: off {t_off * 1e3:.1f} ms, on {t_on * 1e3:.1f} ms ({t_on / t_off - 1:+.1%}), "
+            f"{steps} steps, {hits} tokens hit",
+            flush=True,
+        )
     t_off, t_on = min(t[0] for t in totals), min(t[1] for t in totals)
     ratios = sorted(t[1] / t[0] for t in totals)
-    print(f"\n{args.workload}: scheduling per step, best of {args.repeat}: off {t_off / steps * 1e6:.1f} us, "
-          f"on {t_on / steps * 1e6:.1f} us; prefix caching adds {(t_on - t_off) / steps * 1e6:.1f} us per step "
-          f"(median pair {ratios[len(ratios) // 2] - 1:+.1%})")
+    print(
+        f"\n{args.workload}: scheduling per step, best of {args.repeat}: off {t_off / steps * 1e6:.1f} us, "
+        f"on {t_on / steps * 1e6:.1f} us; prefix caching adds {(t_on - t_off) / steps * 1e6:.1f} us per step "
+        f"(median pair {ratios[len(ratios) // 2] - 1:+.1%})"
+    )
     return 0
 
 

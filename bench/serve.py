@@ -102,8 +102,7 @@ class TokenSource:
             self.ids = list(range(*SAFE_IDS))
         else:
             special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-            self.ids = [i for i in range(min(SAFE_IDS[0], tokenizer.vocab_size - 1), tokenizer.vocab_size)
-                        if i not in special]
+            self.ids = [i for i in range(min(SAFE_IDS[0], tokenizer.vocab_size - 1), tokenizer.vocab_size) if i not in special]
 
     def random_ids(self, rng: random.Random, n: int) -> list[int]:
         """``n`` random token ids of the safe range."""
@@ -128,8 +127,17 @@ def _lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def random_requests(source: TokenSource, n: int, input_len: int, output_len: int, *, range_ratio: float = 0.0,
-                    prefix_len: int = 0, text: bool = False, seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    source: TokenSource,
+    n: int,
+    input_len: int,
+    output_len: int,
+    *,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    text: bool = False,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """``n`` prompts of one common prefix of ``prefix_len`` tokens then ``input_len`` (spread by
     ``range_ratio``) random ones; token ids, or ``text`` (for chat)."""
     rng = random.Random(seed)
@@ -148,8 +156,9 @@ def random_requests(source: TokenSource, n: int, input_len: int, output_len: int
     return out
 
 
-def jsonl_requests(path: Path, n: int | None, default_output_len: int, source: TokenSource,
-                   chat: bool = False) -> list[BenchRequest]:
+def jsonl_requests(
+    path: Path, n: int | None, default_output_len: int, source: TokenSource, chat: bool = False
+) -> list[BenchRequest]:
     """Requests from a ``.jsonl`` file, one ``{"prompt": ..., "output_len": ...}`` per line; the
     first ``n`` (lines reused in order when there are fewer), all of them when ``n`` is None."""
     rows: list[BenchRequest] = []
@@ -203,8 +212,7 @@ def _output_chunk(chunk: dict[str, Any]) -> bool:
 
 def request_body(endpoint: str, model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
     """A streaming, greedy request body with usage in the stream."""
-    body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         content = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         body.update(messages=[{"role": "user", "content": content}], max_completion_tokens=max_tokens)
@@ -267,10 +275,21 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     return result
 
 
-async def run_load(base_url: str, endpoint: str, model: str, requests: Sequence[BenchRequest], *, ignore_eos: bool,
-                   request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
-                   warmup: Sequence[BenchRequest] = (), headers: dict[str, str] | None = None,
-                   progress: bool = True, timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
+async def run_load(
+    base_url: str,
+    endpoint: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    *,
+    ignore_eos: bool,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    warmup: Sequence[BenchRequest] = (),
+    headers: dict[str, str] | None = None,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+) -> tuple[list[RequestResult], float]:
     """Warm up with one burst of ``warmup`` at once, then send ``requests`` (Poisson arrivals at
     ``request_rate``, at most ``max_concurrency`` in flight). Returns the results in request
     order and the timed duration (first send to last completion); `BenchError` if no warm-up
@@ -285,8 +304,9 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: Sequence[
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers) as client:
         # One burst of short requests at the full concurrency opens the connections and wakes the
         # server's worker threads, so the timed run does not pay for them.
-        warm = await asyncio.gather(*(send_request(client, url, request_body(endpoint, model, r.prompt, r.output_len,
-                                                                              ignore_eos)) for r in warmup))
+        warm = await asyncio.gather(
+            *(send_request(client, url, request_body(endpoint, model, r.prompt, r.output_len, ignore_eos)) for r in warmup)
+        )
         if warm and not any(r.success for r in warm):
             raise BenchError(f"every warm-up request failed, e.g. {warm[0].error}")
         bar = tqdm(total=len(requests), disable=not progress, desc="requests")
@@ -313,8 +333,12 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: Sequence[
 def _stats(name: str, values: Sequence[float]) -> dict[str, float]:
     # As vLLM: an empty series reports 0; seconds in, ms out; p99 interpolated linearly.
     arr = np.asarray(values or [0.0], dtype=float) * 1e3
-    return {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
-            f"std_{name}_ms": float(arr.std()), f"p99_{name}_ms": float(np.percentile(arr, 99))}
+    return {
+        f"mean_{name}_ms": float(arr.mean()),
+        f"median_{name}_ms": float(np.median(arr)),
+        f"std_{name}_ms": float(arr.std()),
+        f"p99_{name}_ms": float(np.percentile(arr, 99)),
+    }
 
 
 def output_tokens(result: RequestResult, tokenizer: Any = None) -> int:
@@ -326,8 +350,9 @@ def output_tokens(result: RequestResult, tokenizer: Any = None) -> int:
     return result.chunks
 
 
-def compute_metrics(requests: Sequence[BenchRequest], results: Sequence[RequestResult], duration: float,
-                    tokenizer: Any = None) -> dict[str, Any]:
+def compute_metrics(
+    requests: Sequence[BenchRequest], results: Sequence[RequestResult], duration: float, tokenizer: Any = None
+) -> dict[str, Any]:
     """vLLM's ``benchmark_serving`` metrics over the successful requests (failures only counted)."""
     ttfts, tpots, itls, e2els = [], [], [], []
     total_in = total_out = completed = 0
@@ -344,44 +369,69 @@ def compute_metrics(requests: Sequence[BenchRequest], results: Sequence[RequestR
         if n_out > 1:  # TPOT excludes the first token; one-token requests have none
             tpots.append((r.latency - r.ttft) / (n_out - 1))
     dur = max(duration, 1e-9)
-    return {"completed": completed, "failed": len(results) - completed, "duration": duration,
-            "total_input_tokens": total_in, "total_output_tokens": total_out,
-            "request_throughput": completed / dur, "output_throughput": total_out / dur,
-            "total_token_throughput": (total_in + total_out) / dur,
-            **_stats("ttft", ttfts), **_stats("tpot", tpots), **_stats("itl", itls), **_stats("e2el", e2els)}
+    return {
+        "completed": completed,
+        "failed": len(results) - completed,
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": completed / dur,
+        "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+        **_stats("ttft", ttfts),
+        **_stats("tpot", tpots),
+        **_stats("itl", itls),
+        **_stats("e2el", e2els),
+    }
 
 
 def format_report(metrics: dict[str, Any]) -> str:
     """vLLM's result table."""
     rows: list[tuple[str, Any]] = [
-        ("Successful requests:", metrics["completed"]), ("Failed requests:", metrics["failed"]),
+        ("Successful requests:", metrics["completed"]),
+        ("Failed requests:", metrics["failed"]),
         ("Benchmark duration (s):", f"{metrics['duration']:.2f}"),
         ("Total input tokens:", metrics["total_input_tokens"]),
         ("Total generated tokens:", metrics["total_output_tokens"]),
         ("Request throughput (req/s):", f"{metrics['request_throughput']:.2f}"),
         ("Output token throughput (tok/s):", f"{metrics['output_throughput']:.2f}"),
-        ("Total Token throughput (tok/s):", f"{metrics['total_token_throughput']:.2f}")]
+        ("Total Token throughput (tok/s):", f"{metrics['total_token_throughput']:.2f}"),
+    ]
     lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
     lines += [f"{k:<40} {v:<10}" for k, v in rows]
-    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for key, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         lines.append("{s:{c}^50}".format(s=title, c="-"))
         name = key.upper()
-        lines += [f"{f'{label} {name} (ms):':<40} {metrics[f'{stat}_{key}_ms']:<10.2f}"
-                  for label, stat in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))]
+        lines += [
+            f"{f'{label} {name} (ms):':<40} {metrics[f'{stat}_{key}_ms']:<10.2f}"
+            for label, stat in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))
+        ]
     lines.append("=" * 50)
     return "\n".join(lines)
 
 
 # -- what the stack and the engine report ------------------------------------------------------
-def read_stats(redis_url: str, namespace: str, scheduler_id: str = "0") -> Any:
-    """The `EngineStatus` of one engine (its step timing sums)."""
+def read_stats(redis_url: str, namespace: str, scheduler_id: str = "0", settle_s: float = 0.0) -> Any:
+    """The `EngineStatus` of one engine (its step timing sums). With ``settle_s``, the first one
+    published that long after the call (the engine publishes a beat or two after its last step),
+    so the sums include the steps that just ended."""
     import redis
 
     from common.protocol import EngineStatus, Names, decode
 
     r, names = redis.Redis.from_url(redis_url), Names(namespace)
-    return decode(cast(bytes, r.get(names.engine(scheduler_id))), (EngineStatus,))
+    since = time.time() + settle_s
+    deadline = time.monotonic() + settle_s + 5.0
+    while True:
+        status = decode(cast(bytes, r.get(names.engine(scheduler_id))), (EngineStatus,))
+        if status.updated_at >= since or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
 
 
 def step_breakdown(before: Any, after: Any) -> dict[str, float]:
@@ -407,8 +457,14 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def offline_breakdown(model: str, requests: Sequence[BenchRequest], ignore_eos: bool, engine_kw: dict[str, Any],
-                      concurrency: int, chat: bool = False) -> dict[str, float]:
+def offline_breakdown(
+    model: str,
+    requests: Sequence[BenchRequest],
+    ignore_eos: bool,
+    engine_kw: dict[str, Any],
+    concurrency: int,
+    chat: bool = False,
+) -> dict[str, float]:
     """The same requests in-process (``concurrency`` per `generate` call; arrival times are not
     reproduced), with timers around execute_model, the forward pass and sampling."""
     from common.sampling_params import SamplingParams
@@ -418,8 +474,12 @@ def offline_breakdown(model: str, requests: Sequence[BenchRequest], ignore_eos: 
     prompts: list[Any] = [r.prompt for r in requests]  # token ids or text, as sent
     if chat:  # as the gateway renders a one-message chat
         tok = llm.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": str(p)}], tokenize=False, add_generation_prompt=True)
-                   if getattr(tok, "chat_template", None) else f"user: {p}\nassistant:" for p in prompts]
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": str(p)}], tokenize=False, add_generation_prompt=True)
+            if getattr(tok, "chat_template", None)
+            else f"user: {p}\nassistant:"
+            for p in prompts
+        ]
     ex = llm.executor
     timers = {"execute": 0.0, "forward": 0.0, "sample": 0.0}
 
@@ -430,6 +490,7 @@ def offline_breakdown(model: str, requests: Sequence[BenchRequest], ignore_eos: 
                 return fn(*a, **k)
             finally:
                 timers[name] += time.perf_counter() - t
+
         return wrapper
 
     ex.execute_model = timed("execute", ex.execute_model)  # type: ignore[method-assign]
@@ -448,10 +509,17 @@ def offline_breakdown(model: str, requests: Sequence[BenchRequest], ignore_eos: 
     elapsed = time.perf_counter() - t
     steps = max(llm.scheduler.num_steps - steps0, 1)
     produced = sum(len(r.token_ids) for r in results)
-    return {"elapsed_s": elapsed, "output_tokens": produced, "tokens_per_s": produced / elapsed, "steps": steps,
-            "step_ms": 1e3 * elapsed / steps, "execute_ms": 1e3 * timers["execute"] / steps,
-            "forward_ms": 1e3 * timers["forward"] / steps, "sample_ms": 1e3 * timers["sample"] / steps,
-            "outside_execute_ms": 1e3 * (elapsed - timers["execute"]) / steps}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": produced,
+        "tokens_per_s": produced / elapsed,
+        "steps": steps,
+        "step_ms": 1e3 * elapsed / steps,
+        "execute_ms": 1e3 * timers["execute"] / steps,
+        "forward_ms": 1e3 * timers["forward"] / steps,
+        "sample_ms": 1e3 * timers["sample"] / steps,
+        "outside_execute_ms": 1e3 * (elapsed - timers["execute"]) / steps,
+    }
 
 
 def _names(model: str, card: dict[str, Any]) -> bool:
@@ -459,8 +527,7 @@ def _names(model: str, card: dict[str, Any]) -> bool:
     root = card.get("root")
     if model in (card.get("id"), root):
         return True
-    return bool(root) and Path(model).is_dir() and Path(str(root)).is_dir() and \
-        Path(model).resolve() == Path(str(root)).resolve()
+    return bool(root) and Path(model).is_dir() and Path(str(root)).is_dir() and Path(model).resolve() == Path(str(root)).resolve()
 
 
 def served_model(base_url: str, model: str | None, headers: dict[str, str]) -> tuple[str, int | None]:
@@ -486,48 +553,88 @@ def build_requests(args: argparse.Namespace, source: TokenSource) -> list[BenchR
         prefix = args.random_prefix_len
         if prefix is None:
             prefix = 512 if args.dataset == "shared-prefix" else 0
-        return random_requests(source, args.num_prompts or 64, args.random_input_len, args.random_output_len,
-                               range_ratio=args.random_range_ratio, prefix_len=prefix, text=chat, seed=args.seed)
+        return random_requests(
+            source,
+            args.num_prompts or 64,
+            args.random_input_len,
+            args.random_output_len,
+            range_ratio=args.random_range_ratio,
+            prefix_len=prefix,
+            text=chat,
+            seed=args.seed,
+        )
     return jsonl_requests(Path(args.dataset), args.num_prompts, args.random_output_len, source, chat=chat)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="conveyor bench serve", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--base-url", "--url", dest="base_url", default=None,
-                   help="server base URL without /v1 (default http://127.0.0.1:8000; --start: its own)")
-    p.add_argument("--model", default=None,
-                   help="served model name (default: the first of /v1/models); with --start/--offline a checkpoint dir")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer (HF name or dir) for exact text prompts; optional, counts come from the server")
+    p = argparse.ArgumentParser(
+        prog="conveyor bench serve",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+    )
+    p.add_argument(
+        "--base-url",
+        "--url",
+        dest="base_url",
+        default=None,
+        help="server base URL without /v1 (default http://127.0.0.1:8000; --start: its own)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="served model name (default: the first of /v1/models); with --start/--offline a checkpoint dir",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer (HF name or dir) for exact text prompts; optional, counts come from the server",
+    )
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
     p.add_argument("--dataset", default="random", help="random, shared-prefix or a .jsonl file")
-    p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=None,
-                   help="default 64 (a .jsonl file: all its lines)")
+    p.add_argument(
+        "--num-prompts",
+        "--num-requests",
+        dest="num_prompts",
+        type=int,
+        default=None,
+        help="default 64 (a .jsonl file: all its lines)",
+    )
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     p.add_argument("--random-input-len", type=int, default=32)
     p.add_argument("--random-output-len", type=int, default=128, help="also the default output_len of a .jsonl line")
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    p.add_argument("--random-prefix-len", type=int, default=None,
-                   help="shared prefix tokens (default: shared-prefix 512, random 0)")
+    p.add_argument(
+        "--random-prefix-len", type=int, default=None, help="shared prefix tokens (default: shared-prefix 512, random 0)"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
     p.add_argument("--result-file", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument("--save-detailed", action="store_true",
-                   help="also write per-request input_lens, output_lens, ttfts, itls, e2els, generated_texts")
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also write per-request input_lens, output_lens, ttfts, itls, e2els, generated_texts",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may wait for its next bytes before it counts as failed")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may wait for its next bytes before it counts as failed",
+    )
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
     g = p.add_argument_group("this engine")
     g.add_argument("--start", action="store_true", help="start a private stack of --model DIR (infra.stack.Stack)")
     g.add_argument("--redis-url", help="with --namespace: report the engine step breakdown (automatic with --start)")
     g.add_argument("--namespace")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks for --start and --offline")
-    g.add_argument("--scheduler-arg", action="append", default=[],
-                   help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling")
+    g.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling",
+    )
     g.add_argument("--offline", action="store_true", help="also run the same requests in-process (LLM of --model DIR)")
     args = p.parse_args(argv)
     if (args.start or args.offline) and not (args.model and Path(args.model).is_dir()):
@@ -558,9 +665,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     width = args.max_concurrency or len(requests)
     rng = random.Random(args.seed + 1)  # warm-up prompts of their own: nothing shared with the timed ones
-    warmup = [BenchRequest(source.random_text(rng, WARMUP_PROMPT_LEN) if args.endpoint == "chat"
-                           else source.random_ids(rng, WARMUP_PROMPT_LEN), WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN)
-              for _ in range(width)]
+    warmup = [
+        BenchRequest(
+            source.random_text(rng, WARMUP_PROMPT_LEN) if args.endpoint == "chat" else source.random_ids(rng, WARMUP_PROMPT_LEN),
+            WARMUP_PROMPT_LEN,
+            WARMUP_OUTPUT_LEN,
+        )
+        for _ in range(width)
+    ]
 
     stack = None
     if args.start:
@@ -569,8 +681,12 @@ def main(argv: list[str] | None = None) -> int:
         from infra.stack import Stack
 
         extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
-        stack = Stack(args.model, Path(tempfile.mkdtemp(prefix="bench-serve-")), executor_args=extra,
-                      scheduler_args=tuple(args.scheduler_arg)).start()
+        stack = Stack(
+            args.model,
+            Path(tempfile.mkdtemp(prefix="bench-serve-")),
+            executor_args=extra,
+            scheduler_args=tuple(args.scheduler_arg),
+        ).start()
         args.base_url, args.redis_url, args.namespace = stack.urls[0], stack.redis_url, stack.namespace
     base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1")
     extras: dict[str, Any] = {}
@@ -578,21 +694,37 @@ def main(argv: list[str] | None = None) -> int:
         model, max_model_len = served_model(base_url, args.model, headers)
         longest = max((r.prompt_len or 0) + r.output_len for r in requests)
         if max_model_len and args.dataset in DATASETS and longest > max_model_len:
-            print(f"bench serve: requests need up to {longest} tokens, more than the server's max_model_len "
-                  f"({max_model_len}): lower --random-input-len/--random-output-len", file=sys.stderr)
+            print(
+                f"bench serve: requests need up to {longest} tokens, more than the server's max_model_len "
+                f"({max_model_len}): lower --random-input-len/--random-output-len",
+                file=sys.stderr,
+            )
             return 2
         before = read_stats(args.redis_url, args.namespace) if args.redis_url and args.namespace else None
         pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
         cpu0 = cpu_seconds(pids)
-        results, duration = asyncio.run(run_load(
-            base_url, args.endpoint, model, requests, ignore_eos=args.ignore_eos, request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, seed=args.seed, warmup=warmup, headers=headers,
-            progress=not args.disable_tqdm, timeout_s=args.request_timeout))
+        results, duration = asyncio.run(
+            run_load(
+                base_url,
+                args.endpoint,
+                model,
+                requests,
+                ignore_eos=args.ignore_eos,
+                request_rate=args.request_rate,
+                max_concurrency=args.max_concurrency,
+                seed=args.seed,
+                warmup=warmup,
+                headers=headers,
+                progress=not args.disable_tqdm,
+                timeout_s=args.request_timeout,
+            )
+        )
         cpu1 = cpu_seconds(pids)
         # Where the machine's CPU went during the load (the warm-up burst included).
         extras["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
         if before is not None:
-            extras["service_steps"] = step_breakdown(before, read_stats(args.redis_url, args.namespace))
+            after = read_stats(args.redis_url, args.namespace, settle_s=0.2)
+            extras["service_steps"] = step_breakdown(before, after)
     except BenchError as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 1
@@ -616,18 +748,33 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print(f"first error of {len(errors)}: {errors[0]}")
     if args.result_file:
-        result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if args.endpoint == "chat"
-                  else "openai", "base_url": base_url, "endpoint": ENDPOINTS[args.endpoint], "model_id": model,
-                  "tokenizer_id": args.tokenizer, "dataset": args.dataset, "num_prompts": len(requests),
-                  "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": 1.0,
-                  "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,
-                  **metrics, **extras, "errors": errors}
+        result = {
+            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": "openai-chat" if args.endpoint == "chat" else "openai",
+            "base_url": base_url,
+            "endpoint": ENDPOINTS[args.endpoint],
+            "model_id": model,
+            "tokenizer_id": args.tokenizer,
+            "dataset": args.dataset,
+            "num_prompts": len(requests),
+            "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+            "burstiness": 1.0,
+            "max_concurrency": args.max_concurrency,
+            "ignore_eos": args.ignore_eos,
+            "seed": args.seed,
+            **metrics,
+            **extras,
+            "errors": errors,
+        }
         if args.save_detailed:  # vLLM's per-request lists (0 / "" for a failed request)
-            result.update(input_lens=[r.prompt_tokens if r.prompt_tokens is not None else q.prompt_len
-                                      for q, r in zip(requests, results)],
-                          output_lens=[output_tokens(r, tokenizer) if r.success else 0 for r in results],
-                          ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
-                          e2els=[r.latency for r in results], generated_texts=[r.text for r in results])
+            result.update(
+                input_lens=[r.prompt_tokens if r.prompt_tokens is not None else q.prompt_len for q, r in zip(requests, results)],
+                output_lens=[output_tokens(r, tokenizer) if r.success else 0 for r in results],
+                ttfts=[r.ttft for r in results],
+                itls=[r.itl for r in results],
+                e2els=[r.latency for r in results],
+                generated_texts=[r.text for r in results],
+            )
         args.result_file.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -45,8 +45,9 @@ async def load(url: str, n: int, concurrency: int, seed: int) -> int:
     async def one(client: openai.AsyncOpenAI, i: int) -> None:
         nonlocal received
         prompt = " ".join(f"w{rng.randrange(500)}" for _ in range(rng.randrange(1, 60)))
-        kwargs: dict[str, Any] = dict(model="", prompt=prompt, max_tokens=rng.randrange(4, 24), temperature=0.8, seed=i,
-                      extra_body={"ignore_eos": True})
+        kwargs: dict[str, Any] = dict(
+            model="", prompt=prompt, max_tokens=rng.randrange(4, 24), temperature=0.8, seed=i, extra_body={"ignore_eos": True}
+        )
         async with sem:
             if i % 2:
                 r = await client.completions.create(**kwargs)
@@ -65,8 +66,12 @@ async def load(url: str, n: int, concurrency: int, seed: int) -> int:
 def snapshot(stack: Stack, label: str, tokens: int) -> dict[str, float | int | str]:
     time.sleep(RESUME_WINDOW_S + 1.5)  # finished streams' journals expire
     memory = stack.redis.info("memory")["used_memory"]
-    row: dict[str, float | int | str] = {"after": label, "tokens": tokens, "redis_used_mb": round(memory / 2**20, 3),
-                                         "keys": stack.redis.dbsize()}
+    row: dict[str, float | int | str] = {
+        "after": label,
+        "tokens": tokens,
+        "redis_used_mb": round(memory / 2**20, 3),
+        "keys": stack.redis.dbsize(),
+    }
     for name, proc in stack.procs.items():
         row[f"{name}_rss_mb"] = round(rss_mb(proc.pid), 1)
     return row
@@ -82,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from executor.make_model import cached_model
 
     window = ("--resume-window", str(RESUME_WINDOW_S))
-    stack = Stack(cached_model("llama", "tiny"), Path(tempfile.mkdtemp(prefix="conveyor-soak-")), private_redis=True,
-                  executor_args=("--num-blocks", "1024"), scheduler_args=window, gateway_args=window)
+    stack = Stack(
+        cached_model("llama", "tiny"),
+        Path(tempfile.mkdtemp(prefix="conveyor-soak-")),
+        private_redis=True,
+        executor_args=("--num-blocks", "1024"),
+        scheduler_args=window,
+        gateway_args=window,
+    )
     stack.start()
     rows = []
     try:
@@ -102,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(" | ".join(str(row[k]) for k in keys))
     grew = float(rows[-1]["redis_used_mb"]) - float(rows[0]["redis_used_mb"])
-    print(f"Redis memory {grew:+.3f} MB and keys {int(rows[-1]['keys']) - int(rows[0]['keys']):+d} after "
-          f"{done} requests", file=sys.stderr)
+    print(
+        f"Redis memory {grew:+.3f} MB and keys {int(rows[-1]['keys']) - int(rows[0]['keys']):+d} after {done} requests",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -101,8 +101,11 @@ class Codec:
         self.tags: dict[type, str] = {cls: tag for tag, cls in message_types.items()}
         # Per type: (name, resolved type hint, packed code or None, value checker) for each field.
         self.schema: dict[type, list[tuple[str, Any, str | None, Callable[[Any], bool]]]] = {
-            cls: [(f.name, hint, f.metadata.get("packed"), _checker(hint))
-                  for f in fields(cls) for hint in [typing.get_type_hints(cls)[f.name]]]
+            cls: [
+                (f.name, hint, f.metadata.get("packed"), _checker(hint))
+                for f in fields(cls)
+                for hint in [typing.get_type_hints(cls)[f.name]]
+            ]
             for cls in message_types.values()
         }
 

@@ -66,9 +66,7 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         _check_int("max_model_len", self.max_model_len, optional=True)
         _check_int("seed", self.seed, _INT64_MIN, _INT64_MAX)
         _check_int("num_threads", self.num_threads, 1, 4096, optional=True)

@@ -214,8 +214,9 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    def add_new(self, request_id: str, params: SamplingParams, num_prompt_tokens: int, token_ids: list[int],
-                block_ids: list[int]) -> None:
+    def add_new(
+        self, request_id: str, params: SamplingParams, num_prompt_tokens: int, token_ids: list[int], block_ids: list[int]
+    ) -> None:
         self.new_req_ids.append(request_id)
         self.new_sampling.append(sampling_to_dict(params))
         self.new_num_prompt_tokens.append(num_prompt_tokens)
@@ -238,15 +239,23 @@ class SchedulerOutput:
     def new_requests(self) -> list[NewRequestData]:
         """The new requests as records; raises `ProtocolError` if the columns disagree."""
         n = len(self.new_req_ids)
-        if not (len(self.new_sampling) == len(self.new_num_prompt_tokens) == len(self.new_num_tokens)
-                == len(self.new_num_blocks) == n):
+        if not (
+            len(self.new_sampling) == len(self.new_num_prompt_tokens) == len(self.new_num_tokens) == len(self.new_num_blocks) == n
+        ):
             raise ProtocolError("new-request columns differ in length")
         out: list[NewRequestData] = []
         t = b = 0
         for i, request_id in enumerate(self.new_req_ids):
             nt, nb = self.new_num_tokens[i], self.new_num_blocks[i]
-            out.append(NewRequestData(request_id, self.new_sampling[i], self.new_num_prompt_tokens[i],
-                                      self.new_token_ids[t : t + nt], self.new_block_ids[b : b + nb]))
+            out.append(
+                NewRequestData(
+                    request_id,
+                    self.new_sampling[i],
+                    self.new_num_prompt_tokens[i],
+                    self.new_token_ids[t : t + nt],
+                    self.new_block_ids[b : b + nb],
+                )
+            )
             t += nt
             b += nb
         if t != len(self.new_token_ids) or b != len(self.new_block_ids):
@@ -313,9 +322,18 @@ class StepOutputs:
     queue_time_s: list[float] = packed("d")
     stop_reason_ids: list[int] = packed("i")
 
-    def add(self, request_id: str, index: int, tokens: list[int], logprobs: list[dict[int, float] | None] | None,
-            finished: bool = False, finish_reason: str | None = None, error: str | None = None,
-            queue_time_s: float | None = None, stop_reason: int | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        index: int,
+        tokens: list[int],
+        logprobs: list[dict[int, float] | None] | None,
+        finished: bool = False,
+        finish_reason: str | None = None,
+        error: str | None = None,
+        queue_time_s: float | None = None,
+        stop_reason: int | None = None,
+    ) -> None:
         """Append one request's tokens (the first at output index ``index``)."""
         self.request_ids.append(request_id)
         self.token_index.append(index)

@@ -16,8 +16,9 @@ from common.logs import STRUCTURED
 
 REDACTED = "***"
 # Query parameters that carry a secret (redis-py reads ``?password=`` too).
-_SECRET_QUERY = re.compile(r"([?&;](?:password|passwd|pass|secret|token|access_token|api_key|apikey|auth)=)[^&;#\s]*",
-                           re.IGNORECASE)
+_SECRET_QUERY = re.compile(
+    r"([?&;](?:password|passwd|pass|secret|token|access_token|api_key|apikey|auth)=)[^&;#\s]*", re.IGNORECASE
+)
 # "host:8000/path/@name": the "@" is in the path, after a port; not a password.
 _PORT_THEN_PATH = re.compile(r"\d*/.*", re.DOTALL)
 # A URL inside free text: a scheme, "://", then anything up to whitespace or a quote.
@@ -81,6 +82,9 @@ class RedactingFilter(logging.Filter):
         if structured:
             event, fields = structured
             # A new dict: the record's own may be shared with other handlers (or the caller).
-            setattr(record, STRUCTURED, (event, {k: redact_text(v, self.secrets) if isinstance(v, str) else v
-                                                 for k, v in fields.items()}))
+            setattr(
+                record,
+                STRUCTURED,
+                (event, {k: redact_text(v, self.secrets) if isinstance(v, str) else v for k, v in fields.items()}),
+            )
         return True

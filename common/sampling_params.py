@@ -128,13 +128,11 @@ class SamplingParams:
             raise ValueError(f"logit_bias token ids must be integers in [0, {INT32_MAX}], got {reprlib.repr(wrong[0])}")
         if ids and vocab_size is not None and max(ids) >= vocab_size:
             outside = [t for t in ids if t >= vocab_size]
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), "
-                             f"got {_preview(outside)}")
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary), got {_preview(outside)}")
         most = self.MAX_LOGIT_BIAS_VALUE
         bad_values = [b for b in bias.values() if not (_is_num(b) and -most <= b <= most)]
         if bad_values:
-            raise ValueError(f"logit_bias values must be numbers in [{-most}, {most}], "
-                             f"got {reprlib.repr(bad_values[0])}")
+            raise ValueError(f"logit_bias values must be numbers in [{-most}, {most}], got {reprlib.repr(bad_values[0])}")
 
     @property
     def penalized(self) -> bool:

@@ -20,16 +20,22 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url))
-    p.add_argument("--namespace", default=env("CONVEYOR_NAMESPACE", ServiceDefaults.namespace),
-                   help="prefix of every stream and key")
+    p.add_argument(
+        "--namespace", default=env("CONVEYOR_NAMESPACE", ServiceDefaults.namespace), help="prefix of every stream and key"
+    )
     p.add_argument("--model", default=env("CONVEYOR_MODEL"), help=model_help)
-    p.add_argument("--heartbeat-ttl-ms", type=int,
-                   default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms)))
+    p.add_argument(
+        "--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms))
+    )
     p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     # type= as well as choices=: argparse checks a default from the environment only through its type.
-    p.add_argument("--log-format", choices=LOG_FORMATS, type=_log_format,
-                   default=env("CONVEYOR_LOG_FORMAT", DEFAULT_LOG_FORMAT),
-                   help="text: one line per record; json: one JSON object per line, for log shippers")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        type=_log_format,
+        default=env("CONVEYOR_LOG_FORMAT", DEFAULT_LOG_FORMAT),
+        help="text: one line per record; json: one JSON object per line, for log shippers",
+    )
     return p
 
 
@@ -41,17 +47,28 @@ def _log_format(value: str) -> str:
 
 def add_engine_id(p: argparse.ArgumentParser, role: str, pair: str) -> None:
     """``--scheduler-id``: a scheduler and an executor with the same id form one engine replica."""
-    p.add_argument("--scheduler-id", default=os.environ.get("CONVEYOR_SCHEDULER_ID", "0"),
-                   help=f"pairs this {role} with the {pair} of the same id (one engine replica)")
+    p.add_argument(
+        "--scheduler-id",
+        default=os.environ.get("CONVEYOR_SCHEDULER_ID", "0"),
+        help=f"pairs this {role} with the {pair} of the same id (one engine replica)",
+    )
 
 
 def add_recovery_flags(p: argparse.ArgumentParser, recovery_help: str, resume_help: str) -> None:
     """``--recovery-timeout`` and ``--resume-window`` (see `ServiceDefaults`), read by gateways and schedulers."""
     env = os.environ.get
-    p.add_argument("--recovery-timeout", type=float,
-                   default=float(env("CONVEYOR_RECOVERY_TIMEOUT", ServiceDefaults.recovery_timeout_s)), help=recovery_help)
-    p.add_argument("--resume-window", type=float,
-                   default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)), help=resume_help)
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=float(env("CONVEYOR_RECOVERY_TIMEOUT", ServiceDefaults.recovery_timeout_s)),
+        help=recovery_help,
+    )
+    p.add_argument(
+        "--resume-window",
+        type=float,
+        default=float(env("CONVEYOR_RESUME_WINDOW", ServiceDefaults.resume_window_s)),
+        help=resume_help,
+    )
 
 
 def setup_logging(level: str, secrets: Iterable[str | None] = (), log_format: str = DEFAULT_LOG_FORMAT) -> None:
@@ -82,6 +99,7 @@ def run_service(run: Callable[[], None], logger: logging.Logger) -> int:
 
 def stop_on_sigterm() -> None:
     """Make SIGTERM stop the process like Ctrl-C, so ``finally`` blocks clean up what it owns."""
+
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 

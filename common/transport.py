@@ -239,6 +239,7 @@ class Transport(TransportCore[aioredis.Redis]):
         """Create ``first.stream`` with ``first`` as its first entry (and its TTL), unless the stream
         exists: False then. Atomic, whoever else tries: the entry gets the lowest id there is
         (`FIRST_ENTRY_ID`), which XADD refuses once a stream has or had any entry."""
+
         def attempt() -> Any:
             pipe: Any = self.redis.pipeline(transaction=False)
             pipe.xadd(**self._xadd(first.stream, first.data, first.maxlen), id=FIRST_ENTRY_ID)

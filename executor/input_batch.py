@@ -129,8 +129,9 @@ class PersistentBatch:
             if not 0 < new.num_prompt_tokens <= len(tokens):
                 raise ValueError(f"request {new.request_id!r}: {new.num_prompt_tokens} prompt tokens of {len(tokens)}")
             self._drop(new.request_id)
-            self.requests[new.request_id] = CachedRequestState(sampling_from_dict(new.sampling), new.num_prompt_tokens,
-                                                               tokens, new.block_ids)
+            self.requests[new.request_id] = CachedRequestState(
+                sampling_from_dict(new.sampling), new.num_prompt_tokens, tokens, new.block_ids
+            )
         for request_id, resumed, block_ids in output.cached_requests():
             state = self._state(request_id)
             if resumed:
@@ -148,8 +149,10 @@ class PersistentBatch:
             end = start + q
             tokens, table = state.token_ids, state.block_ids
             if q < 1 or start < 0 or end > len(tokens) or -(-end // bs) > len(table):
-                raise ValueError(f"request {request_id!r}: positions [{start}, {end}) but {len(tokens)} tokens "
-                                 f"and {len(table)} blocks are known")
+                raise ValueError(
+                    f"request {request_id!r}: positions [{start}, {end}) but {len(tokens)} tokens "
+                    f"and {len(table)} blocks are known"
+                )
             batch.request_ids.append(request_id)
             batch.input_ids.extend(tokens[start:end])
             batch.positions.extend(range(start, end))

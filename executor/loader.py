@@ -60,12 +60,19 @@ def expected_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        shapes.update({
-            a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
-            a + "o_proj.weight": (h, q),
-            m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h), m + "down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                a + "q_proj.weight": (q, h),
+                a + "k_proj.weight": (kv, h),
+                a + "v_proj.weight": (kv, h),
+                a + "o_proj.weight": (h, q),
+                m + "gate_proj.weight": (inter, h),
+                m + "up_proj.weight": (inter, h),
+                m + "down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if cfg.attention_bias:
             shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
         if cfg.o_bias:
@@ -147,9 +154,7 @@ def fuse_weights(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def load_weights(
-    model_dir: str | Path, cfg: HFModelConfig, dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
+def load_weights(model_dir: str | Path, cfg: HFModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Fused weights of ``model_dir`` as contiguous ``dtype`` tensors on ``device``.
 
     A tied output head stays the *same* tensor as the embedding (no second copy).

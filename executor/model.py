@@ -135,16 +135,18 @@ class LlamaModel:
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             e = f"layers.{i}."
-            self.layers.append(_Layer(
-                qkv=Linear(take(e + "qkv"), opt(e + "qkv_bias")),
-                o=Linear(take(e + "o"), opt(e + "o_bias")),
-                gate_up=Linear(take(e + "gate_up"), opt(e + "gate_up_bias")),
-                down=Linear(take(e + "down"), opt(e + "down_bias")),
-                in_norm=take(e + "in_norm"),
-                post_norm=take(e + "post_norm"),
-                q_norm=opt(e + "q_norm"),
-                k_norm=opt(e + "k_norm"),
-            ))
+            self.layers.append(
+                _Layer(
+                    qkv=Linear(take(e + "qkv"), opt(e + "qkv_bias")),
+                    o=Linear(take(e + "o"), opt(e + "o_bias")),
+                    gate_up=Linear(take(e + "gate_up"), opt(e + "gate_up_bias")),
+                    down=Linear(take(e + "down"), opt(e + "down_bias")),
+                    in_norm=take(e + "in_norm"),
+                    post_norm=take(e + "post_norm"),
+                    q_norm=opt(e + "q_norm"),
+                    k_norm=opt(e + "k_norm"),
+                )
+            )
         if unused := sorted(set(weights) - used):
             # `executor.loader.check_checkpoint` refuses these first; this guards other callers.
             raise ValueError(f"weights the model does not use: {unused}")

@@ -73,10 +73,7 @@ class ModelExecutor:
 
         max_len = model_config.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                f"{cfg.max_position_embeddings}"
-            )
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
         self.max_model_len = max_len
 
         backend = model_config.attention_backend
@@ -111,7 +108,12 @@ class ModelExecutor:
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
         log.info(
             "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens",
-            self.info.model_name, self.device, self.dtype, backend, self.num_blocks, self.block_size,
+            self.info.model_name,
+            self.device,
+            self.dtype,
+            backend,
+            self.num_blocks,
+            self.block_size,
         )
 
     def _num_blocks(self, cfg: HFModelConfig) -> int:
@@ -189,8 +191,9 @@ class ModelExecutor:
         if max(batch.seq_lens) > self.max_model_len:
             raise ValueError(f"sequence of {max(batch.seq_lens)} tokens exceeds max_model_len={self.max_model_len}")
         if batch.input_ids and not (0 <= min(batch.input_ids) and max(batch.input_ids) < self.info.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.info.vocab_size}), "
-                             f"got {min(batch.input_ids)}..{max(batch.input_ids)}")
+            raise ValueError(
+                f"token ids must be in [0, {self.info.vocab_size}), got {min(batch.input_ids)}..{max(batch.input_ids)}"
+            )
         input_ids, positions, meta, rows = self._prepare(batch)
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n

@@ -54,9 +54,7 @@ class _Plan:
     identity: bool  # a single group whose padded rows are exactly the token rows
 
 
-def _make_group(
-    seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_size: int, device: torch.device
-) -> _Group:
+def _make_group(seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_size: int, device: torch.device) -> _Group:
     q_lens = [meta.query_lens_list[i] for i in seqs]
     s_lens = [meta.seq_lens_list[i] for i in seqs]
     num, max_q, kv_len = len(seqs), max(q_lens), max(s_lens)
@@ -212,8 +210,12 @@ def _kept_slots(slot_mapping: torch.Tensor) -> torch.Tensor | None:
 
 
 def _write_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, keep: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    keep: torch.Tensor | None,
 ) -> None:
     slots = slot_mapping
     if keep is not None:
@@ -270,7 +272,11 @@ class TorchOpsState:
         return _attend(q, k_cache, v_cache, self._plan, scale, self._workspace)
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """`write_kv`, with the step's kept slots found once."""

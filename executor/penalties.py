@@ -32,12 +32,17 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         return logits
     dev = logits.device
     index = torch.tensor([rows, tokens], dtype=torch.int64, device=dev)
-    return logits.index_put((index[0], index[1]), torch.tensor(values, dtype=logits.dtype, device=dev),
-                            accumulate=True)
+    return logits.index_put((index[0], index[1]), torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
     """Penalised ``logits`` [P, vocab] (a new tensor), as vLLM computes them.
 
     ``prompt_mask`` [P, vocab] (bool): the token is in the row's prompt; ``output_counts``
@@ -70,13 +75,15 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], counts: TokenCo
     """`apply_penalties` on ``counts.rows`` of ``logits`` [N, vocab] (a new tensor)."""
     dev = logits.device
     chosen = [params[j] for j in counts.rows]
-    scalars = torch.tensor([[p.presence_penalty for p in chosen], [p.frequency_penalty for p in chosen],
-                            [p.repetition_penalty for p in chosen]], dtype=logits.dtype, device=dev)
+    scalars = torch.tensor(
+        [[p.presence_penalty for p in chosen], [p.frequency_penalty for p in chosen], [p.repetition_penalty for p in chosen]],
+        dtype=logits.dtype,
+        device=dev,
+    )
     if len(counts.rows) == logits.shape[0]:  # every row (rows are distinct and ascending)
         return apply_penalties(logits, counts.prompt_mask, counts.output_counts, *scalars.unbind(0))
     index = torch.tensor(counts.rows, dtype=torch.int64, device=dev)
-    rows = apply_penalties(logits.index_select(0, index), counts.prompt_mask, counts.output_counts,
-                           *scalars.unbind(0))
+    rows = apply_penalties(logits.index_select(0, index), counts.prompt_mask, counts.output_counts, *scalars.unbind(0))
     return logits.index_copy(0, index, rows)
 
 

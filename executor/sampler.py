@@ -88,9 +88,7 @@ class Sampler:
         dev = logits.device
         # Greedy rows divide by 1 (their argmax is taken below); every other row's temperature is
         # at least GREEDY_TEMPERATURE, so no logit overflows fp32.
-        temps = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=dev
-        )
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=dev)
         logits = logits / temps[:, None]
         top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_ps = [p.top_p for p in params]

@@ -70,8 +70,16 @@ class ExecutorService:
 
     def _hello(self) -> ExecutorHello:
         i = self.info
-        return ExecutorHello(self.eid, i.model_name, self.config.model, i.num_blocks, i.block_size, i.max_model_len,
-                             i.vocab_size, list(i.eos_token_ids))
+        return ExecutorHello(
+            self.eid,
+            i.model_name,
+            self.config.model,
+            i.num_blocks,
+            i.block_size,
+            i.max_model_len,
+            i.vocab_size,
+            list(i.eos_token_ids),
+        )
 
     def run(self) -> None:
         """Serve until interrupted: one blocking loop, each step executed inline.
@@ -82,21 +90,33 @@ class ExecutorService:
         t = self.transport
         t.ping()
         ttl = self.config.heartbeat_ttl_ms
-        heartbeat = Heartbeat(self.config.redis_url, self.names, "executor", self.eid, ServiceDefaults.heartbeat_interval_s(ttl),
-                              ttl).start()
+        heartbeat = Heartbeat(
+            self.config.redis_url, self.names, "executor", self.eid, ServiceDefaults.heartbeat_interval_s(ttl), ttl
+        ).start()
         steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
         cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
         hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS)
         sends: list[Outgoing] = [hello]
         last_activity = time.monotonic()
         run_id = t.run_id()
-        logger.info("executor %s up (%d blocks of %d); waiting for scheduler %s", self.eid, self.info.num_blocks,
-                    self.info.block_size, self.config.scheduler_id)
+        logger.info(
+            "executor %s up (%d blocks of %d); waiting for scheduler %s",
+            self.eid,
+            self.info.num_blocks,
+            self.info.block_size,
+            self.config.scheduler_id,
+        )
         try:
             while not self.stopping.is_set():
                 # Steps already read are trimmed in the same round trip (this is the stream's only reader).
-                got = t.exchange(sends, cursors, count=16, block_ms=1000, expected=(BindExecutor, SchedulerOutput),
-                                 trim={steps: cursors[steps]})
+                got = t.exchange(
+                    sends,
+                    cursors,
+                    count=16,
+                    block_ms=1000,
+                    expected=(BindExecutor, SchedulerOutput),
+                    trim={steps: cursors[steps]},
+                )
                 sends = []
                 if not got:
                     # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
@@ -149,8 +169,9 @@ class ExecutorService:
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = service_parser("conveyor executor", "Run the executor service (model + KV cache).",
-                       "local Hugging Face model directory (required)")
+    p = service_parser(
+        "conveyor executor", "Run the executor service (model + KV cache).", "local Hugging Face model directory (required)"
+    )
     add_engine_id(p, "executor", "scheduler")
     p.add_argument("--executor-id", default=env("CONVEYOR_EXECUTOR_ID", ""))
     p.add_argument("--dtype", default=env("CONVEYOR_DTYPE", "auto"))
@@ -159,12 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=env("CONVEYOR_ATTENTION_BACKEND", "auto"))
     p.add_argument("--block-size", type=int, default=int(env("CONVEYOR_BLOCK_SIZE", "16")))
     p.add_argument("--num-blocks", type=int, default=int(env("CONVEYOR_NUM_BLOCKS", "0")) or None)
-    p.add_argument("--kv-cache-memory", type=int, default=int(env("CONVEYOR_KV_CACHE_MEMORY", "0")) or None,
-                   help="bytes of KV cache on CPU")
+    p.add_argument(
+        "--kv-cache-memory", type=int, default=int(env("CONVEYOR_KV_CACHE_MEMORY", "0")) or None, help="bytes of KV cache on CPU"
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=float(env("CONVEYOR_GPU_MEMORY_UTILIZATION", "0.9")))
     p.add_argument("--seed", type=int, default=int(env("CONVEYOR_SEED", "0")))
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU intra-op threads (default: CONVEYOR_NUM_THREADS, OMP_NUM_THREADS, else the usable CPUs)")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU intra-op threads (default: CONVEYOR_NUM_THREADS, OMP_NUM_THREADS, else the usable CPUs)",
+    )
     return p
 
 
@@ -176,11 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model (or CONVEYOR_MODEL) is required")
-    model_config = ModelConfig(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                               attention_backend=args.attention_backend, seed=args.seed,
-                               num_threads=args.num_threads)
-    cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                               gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks)
+    model_config = ModelConfig(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
+    cache_config = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_blocks=args.num_blocks,
+    )
     try:  # bad options are a usage error, reported before anything is loaded
         model_config.validate()
         cache_config.validate()
@@ -192,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
 
     logger.info("loading %s", args.model)
     model_executor = ModelExecutor(model_config, ParallelConfig(), cache_config)
-    config = ExecutorServiceConfig(args.redis_url, args.model, args.namespace, args.scheduler_id, args.executor_id,
-                                   model_config, cache_config, args.heartbeat_ttl_ms)
+    config = ExecutorServiceConfig(
+        args.redis_url,
+        args.model,
+        args.namespace,
+        args.scheduler_id,
+        args.executor_id,
+        model_config,
+        cache_config,
+        args.heartbeat_ttl_ms,
+    )
     return run_service(ExecutorService(config, model_executor).run, logger)

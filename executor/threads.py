@@ -179,5 +179,8 @@ def configure_cpu_threads(num_threads: int | None = None) -> int:
         logger.warning(
             "%d torch threads with libgomp's default spin-wait: throughput collapses when other processes share "
             "the cores; set GOMP_SPINCOUNT=%s (or OMP_WAIT_POLICY=PASSIVE) before starting Python "
-            "(docs/performance.md, 'CPU threads')", n, DEFAULT_GOMP_SPINCOUNT)
+            "(docs/performance.md, 'CPU threads')",
+            n,
+            DEFAULT_GOMP_SPINCOUNT,
+        )
     return n

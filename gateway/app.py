@@ -85,9 +85,15 @@ async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:
 def create_app(config: GatewayConfig) -> FastAPI:
     """Build the gateway app; its lifespan connects to Redis and starts the engine client."""
     gateway_id = config.gateway_id or uuid.uuid4().hex[:12]
-    client = EngineClient(config.redis_url, Names(config.namespace), gateway_id,
-                          heartbeat_ttl_ms=config.heartbeat_ttl_ms, migration_limit=config.migration_limit,
-                          recovery_timeout_s=config.recovery_timeout_s, resume_window_s=config.resume_window_s)
+    client = EngineClient(
+        config.redis_url,
+        Names(config.namespace),
+        gateway_id,
+        heartbeat_ttl_ms=config.heartbeat_ttl_ms,
+        migration_limit=config.migration_limit,
+        recovery_timeout_s=config.recovery_timeout_s,
+        resume_window_s=config.resume_window_s,
+    )
     tokenizers = Tokenizers(config.model)
     workers = InputWorkers()
 
@@ -132,15 +138,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code,
-                            headers=exc.headers)  # e.g. a 405's Allow
+        return JSONResponse(
+            ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code, headers=exc.headers
+        )  # e.g. a 405's Allow
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled error", exc_info=exc)
         # Not the exception's text: it is for the log, not for clients.
-        return JSONResponse(ApiError(500, f"internal error ({type(exc).__name__}); see the gateway log",
-                                     "server_error").body(), status_code=500)
+        return JSONResponse(
+            ApiError(500, f"internal error ({type(exc).__name__}); see the gateway log", "server_error").body(), status_code=500
+        )
 
     def answer_unhandled(inner: ASGIApp) -> ASGIApp:
         """Answer an unexpected exception with the JSON 500 here, and let it go no further:
@@ -183,8 +191,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """The served name; a 404 unless ``model`` names it or its path ("" or None: the served model)."""
         name = served_name(info)
         if model and model not in (name, info.model_path):
-            raise ApiError(404, f"The model `{model[:200]}` does not exist (this server serves `{name}`).",
-                           "not_found_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{model[:200]}` does not exist (this server serves `{name}`).",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
         return name
 
     @app.get("/health")
@@ -198,8 +211,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse({"status": "ok", "gateway_id": gateway_id})
 
     def model_card(info: EngineStatus) -> dict[str, Any]:
-        return {"id": served_name(info), "object": "model", "created": 0, "owned_by": "conveyor",
-                "root": info.model_path, "max_model_len": info.max_model_len}
+        return {
+            "id": served_name(info),
+            "object": "model",
+            "created": 0,
+            "owned_by": "conveyor",
+            "root": info.model_path,
+            "max_model_len": info.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -212,8 +231,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_key(request)
         info = client.model_info
         if info is None or model_id not in (served_name(info), info.model_path):
-            raise ApiError(404, f"The model `{model_id[:200]}` does not exist.", "not_found_error", "model",
-                           "model_not_found")
+            raise ApiError(404, f"The model `{model_id[:200]}` does not exist.", "not_found_error", "model", "model_not_found")
         return JSONResponse(model_card(info))
 
     @app.get("/metrics")
@@ -253,8 +271,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = ready_info()
         check_model(spec.model, info)
         tokenizer = await tokenizers.get(info)
-        return JSONResponse(await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize_only, tokenizer,
-                                              tokenizers.call_lock, spec, info))
+        return JSONResponse(
+            await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize_only, tokenizer, tokenizers.call_lock, spec, info)
+        )
 
     @app.post("/detokenize")
     async def detokenize_endpoint(request: Request) -> Response:
@@ -264,8 +283,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = ready_info()
         check_model(model, info)
         tokenizer = await tokenizers.get(info)
-        text = await workers.run(BYTES_PER_TOKEN_ID * len(tokens) > LARGE_INPUT_BYTES, detokenize, tokenizer, tokens,
-                                 info)
+        text = await workers.run(BYTES_PER_TOKEN_ID * len(tokens) > LARGE_INPUT_BYTES, detokenize, tokenizer, tokens, info)
         return JSONResponse({"prompt": text})
 
     async def serve(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
@@ -273,8 +291,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = ready_info()
         name = check_model(spec.model, info)
         tokenizer = await tokenizers.get(info)
-        prompt_ids, prompt_text, max_tokens = await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize,
-                                                                tokenizer, tokenizers.call_lock, spec, info)
+        prompt_ids, prompt_text, max_tokens = await workers.run(
+            spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, tokenizers.call_lock, spec, info
+        )
         n_prompt = len(prompt_ids)
         spec.sampling.max_tokens = max_tokens
         try:
@@ -282,25 +301,38 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except ValueError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
         if len(client.requests) >= config.max_inflight:
-            raise ApiError(429, f"too many requests in flight ({config.max_inflight}); retry shortly",
-                           "rate_limit_error", code="too_many_requests")
+            raise ApiError(
+                429,
+                f"too many requests in flight ({config.max_inflight}); retry shortly",
+                "rate_limit_error",
+                code="too_many_requests",
+            )
         if client_id is None:
             prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
             response_id = engine_id = f"{prefix}-{uuid.uuid4().hex}"
             request.state.response_id = response_id
         else:  # vLLM's rule: the engine id gets a random suffix, so requests sharing a client's id never mix
             response_id, engine_id = client_id, f"{client_id}-{uuid.uuid4().hex[:8]}"
-        gen = Generation(client, tokenizer, engine_id, prompt_ids, spec.sampling, spec.stop,
-                         spec.include_stop_str_in_output, spec.skip_special_tokens,
-                         metrics.request(name, n_prompt, arrival),
-                         RequestLog(response_id, name, spec.kind, spec.stream, arrival))
+        gen = Generation(
+            client,
+            tokenizer,
+            engine_id,
+            prompt_ids,
+            spec.sampling,
+            spec.stop,
+            spec.include_stop_str_in_output,
+            spec.skip_special_tokens,
+            metrics.request(name, n_prompt, arrival),
+            RequestLog(response_id, name, spec.kind, spec.stream, arrival),
+        )
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
         fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo)
         if not spec.stream:
             await gen.start()
             return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
-        header = JournalHeader(response_id, spec.kind, journal_body(body, spec.kind), name, fmt.created, max_tokens,
-                               prompt_ids, echo)
+        header = JournalHeader(
+            response_id, spec.kind, journal_body(body, spec.kind), name, fmt.created, max_tokens, prompt_ids, echo
+        )
         first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
         if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip
             await gen.start(response_id, [first])
@@ -317,32 +349,44 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
         header, route, outputs = await client.read_journal(response_id)
         if header is None or route is None:
-            raise ApiError(404, f"no resumable stream {response_id!r} (unknown, or older than the resume window)",
-                           "not_found_error", code="stream_not_found")
+            raise ApiError(
+                404,
+                f"no resumable stream {response_id!r} (unknown, or older than the resume window)",
+                "not_found_error",
+                code="stream_not_found",
+            )
         info = ready_info()
         tokenizer = await tokenizers.get(info)
         spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
         spec.sampling.max_tokens = header.max_tokens
         try:
-            handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route,
-                                        outputs)
+            handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, outputs)
         except RequestIdInUse as exc:
             raise ApiError(409, str(exc), code="stream_in_use") from None
-        gen = Generation(client, tokenizer, handle.request_id, header.prompt_token_ids, spec.sampling, spec.stop,
-                         spec.include_stop_str_in_output, spec.skip_special_tokens,
-                         metrics.request(header.served_model, len(header.prompt_token_ids), None),
-                         RequestLog(response_id, header.served_model, header.kind, True, None))
+        gen = Generation(
+            client,
+            tokenizer,
+            handle.request_id,
+            header.prompt_token_ids,
+            spec.sampling,
+            spec.stop,
+            spec.include_stop_str_in_output,
+            spec.skip_special_tokens,
+            metrics.request(header.served_model, len(header.prompt_token_ids), None),
+            RequestLog(response_id, header.served_model, header.kind, True, None),
+        )
         gen.handle = handle
-        fmt = ResponseFormatter(spec, response_id, header.served_model, tokenizer, len(header.prompt_token_ids),
-                                header.echo_text)
+        fmt = ResponseFormatter(spec, response_id, header.served_model, tokenizer, len(header.prompt_token_ids), header.echo_text)
         fmt.created = header.created
         return event_stream(stream_events(gen, fmt, int(last)), response_id)
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> StreamingResponse:
         # The id in a header too: a client whose gateway dies before the first event can still resume.
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          "X-Request-Id": response_id})
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": response_id},
+        )
 
     async def stream_events(gen: Generation, fmt: ResponseFormatter, skip_through: int) -> AsyncIterator[str]:
         """SSE events numbered from 1; those up to ``skip_through`` (the client has them) are not sent."""

@@ -62,38 +62,54 @@ class RequestLog:
     first_token_at: float | None = None
     logged: bool = False
 
-    def emit(self, handle: RequestHandle | None, gateway_id: str, prompt_tokens: int, completion_tokens: int,
-             finish_reason: str) -> None:
+    def emit(
+        self, handle: RequestHandle | None, gateway_id: str, prompt_tokens: int, completion_tokens: int, finish_reason: str
+    ) -> None:
         """Log the finished request once (``finish_reason``: stop, length, abort, error or rejected)."""
         if self.logged:
             return
         self.logged = True
         now = time.monotonic()
         arrival, first = self.arrival, self.first_token_at
-        log_event(request_logger, logging.INFO, "request finished", {
-            "request_id": self.response_id,
-            "model": self.model,
-            "kind": self.kind,
-            "stream": self.stream,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "ttft_s": first - arrival if arrival is not None and first is not None else None,
-            "total_s": now - arrival if arrival is not None else None,
-            "finish_reason": finish_reason,
-            "engine": handle.scheduler_id if handle is not None else None,
-            "engine_request_id": handle.engine_request_id if handle is not None else None,
-            "migrations": max(handle.attempts - 1, 0) if handle is not None else 0,
-            "gateway": gateway_id,
-            "resumed": arrival is None,
-        })
+        log_event(
+            request_logger,
+            logging.INFO,
+            "request finished",
+            {
+                "request_id": self.response_id,
+                "model": self.model,
+                "kind": self.kind,
+                "stream": self.stream,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "ttft_s": first - arrival if arrival is not None and first is not None else None,
+                "total_s": now - arrival if arrival is not None else None,
+                "finish_reason": finish_reason,
+                "engine": handle.scheduler_id if handle is not None else None,
+                "engine_request_id": handle.engine_request_id if handle is not None else None,
+                "migrations": max(handle.attempts - 1, 0) if handle is not None else 0,
+                "gateway": gateway_id,
+                "resumed": arrival is None,
+            },
+        )
 
 
 class Generation:
     """Drives one submitted request and yields `Piece`s until it finishes."""
 
-    def __init__(self, client: EngineClient, tokenizer: Any, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingParams, stop: list[str], include_stop: bool, skip_special_tokens: bool,
-                 metrics: RequestMetrics | None = None, log: RequestLog | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        stop: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool,
+        metrics: RequestMetrics | None = None,
+        log: RequestLog | None = None,
+    ) -> None:
         self.client = client
         self.request_id = request_id  # unique: `RequestHandle.request_id`
         self.prompt_token_ids = prompt_token_ids
@@ -106,17 +122,21 @@ class Generation:
         self.metrics = metrics  # observed before each last piece is yielded: a client that has it sees it counted
         self.log = log  # likewise logged
 
-    async def start(self, journal_id: str = "", journal: list[Outgoing] | None = None,
-                    claim: Outgoing | None = None) -> None:
+    async def start(self, journal_id: str = "", journal: list[Outgoing] | None = None, claim: Outgoing | None = None) -> None:
         """Submit to the engine (a resumable stream: see `EngineClient.submit`); errors here become
         HTTP errors (nothing was streamed yet)."""
         try:
-            self.handle = await self.client.submit(self.request_id, self.prompt_token_ids,
-                                                   sampling_to_dict(self.sampling), journal_id, journal, claim)
+            self.handle = await self.client.submit(
+                self.request_id, self.prompt_token_ids, sampling_to_dict(self.sampling), journal_id, journal, claim
+            )
         except RequestIdInUse:
-            raise ApiError(409, f"X-Request-Id {journal_id!r} names a stream in flight or still resumable (GET "
-                                f"/v1/streams/{journal_id} resumes it); send another id", param="X-Request-Id",
-                           code="duplicate_request_id") from None
+            raise ApiError(
+                409,
+                f"X-Request-Id {journal_id!r} names a stream in flight or still resumable (GET "
+                f"/v1/streams/{journal_id} resumes it); send another id",
+                param="X-Request-Id",
+                code="duplicate_request_id",
+            ) from None
         except EngineUnavailable as exc:
             raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
         except TRANSIENT_ERRORS as exc:
@@ -154,8 +174,13 @@ class Generation:
                     self.finished = True
                     reason = "length" if event.finish_reason == "length" else "stop"
                     self._finish(reason)
-                    yield Piece(out + self.stop.flush(), event.token_ids, event.logprobs, reason,
-                                event.stop_reason if reason == "stop" else None)
+                    yield Piece(
+                        out + self.stop.flush(),
+                        event.token_ids,
+                        event.logprobs,
+                        reason,
+                        event.stop_reason if reason == "stop" else None,
+                    )
                     return
                 if out or event.token_ids:
                     yield Piece(out, event.token_ids, event.logprobs)
@@ -171,5 +196,4 @@ class Generation:
         if self.metrics is not None and reason != "rejected":
             self.metrics.finish(reason)
         if self.log is not None:
-            self.log.emit(self.handle, self.client.gateway_id, len(self.prompt_token_ids), self.num_completion_tokens,
-                          reason)
+            self.log.emit(self.handle, self.client.gateway_id, len(self.prompt_token_ids), self.num_completion_tokens, reason)

@@ -39,11 +39,54 @@ __all__ = ["CONTENT_TYPE_LATEST", "FINISH_REASONS", "DeploymentCollector", "Gate
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # vLLM ends its 1-2-5 token buckets at max_model_len, which a gateway learns only once an engine
 # registers (after its registry is built); this bound covers any context length.
 MAX_TOKEN_BUCKET = 1_000_000
@@ -140,26 +183,29 @@ class DeploymentCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         labels = ["model_name", "engine"]
-        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
-                                    labels=labels)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                                    labels=labels)
-        kv_usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                     labels=labels)
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                                          labels=labels)
-        queries = CounterMetricFamily("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.", labels=labels)
-        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                                   labels=labels)
-        step = SummaryMetricFamily("conveyor:engine_step_seconds",
-                                   "Engine steps: wall time per step in the scheduler (schedule, executor round trip, "
-                                   "outputs).", labels=labels)
-        forward = SummaryMetricFamily("conveyor:engine_step_forward_seconds",
-                                      "Engine steps: the executor's forward-pass time per step.", labels=labels)
-        dead = CounterMetricFamily("conveyor:dead_letters",
-                                   "Malformed messages an engine's scheduler rejected to the dead-letter stream.",
-                                   labels=labels)
+        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.", labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=labels)
+        kv_usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
+        )
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels=labels
+        )
+        hits = CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels=labels
+        )
+        step = SummaryMetricFamily(
+            "conveyor:engine_step_seconds",
+            "Engine steps: wall time per step in the scheduler (schedule, executor round trip, outputs).",
+            labels=labels,
+        )
+        forward = SummaryMetricFamily(
+            "conveyor:engine_step_forward_seconds", "Engine steps: the executor's forward-pass time per step.", labels=labels
+        )
+        dead = CounterMetricFamily(
+            "conveyor:dead_letters", "Malformed messages an engine's scheduler rejected to the dead-letter stream.", labels=labels
+        )
         for sid, status in sorted(self.client.engines.items()):
             values = [self.served_name(status), sid]
             running.add_metric(values, status.num_running)
@@ -175,19 +221,25 @@ class DeploymentCollector(Collector):
 
         info = self.client.model_info
         own = [self.served_name(info) if info is not None else self.default_name]
-        migrations = CounterMetricFamily("conveyor:migrations",
-                                         "Requests this gateway moved to another engine (theirs died or restarted).",
-                                         labels=["model_name"])
+        migrations = CounterMetricFamily(
+            "conveyor:migrations",
+            "Requests this gateway moved to another engine (theirs died or restarted).",
+            labels=["model_name"],
+        )
         migrations.add_metric(own, self.client.num_migrations)
-        gateway_dead = CounterMetricFamily("conveyor:gateway_dead_letters",
-                                           "Malformed messages this gateway rejected to the dead-letter stream.",
-                                           labels=["model_name"])
+        gateway_dead = CounterMetricFamily(
+            "conveyor:gateway_dead_letters",
+            "Malformed messages this gateway rejected to the dead-letter stream.",
+            labels=["model_name"],
+        )
         gateway_dead.add_metric(own, self.client.transport.num_dead_letters)
         yield from (migrations, gateway_dead)
         if self.client.redis_rtt_s is not None:
-            rtt = GaugeMetricFamily("conveyor:redis_rtt_seconds",
-                                    "Round-trip time of this gateway's last Redis command of its engine refresh "
-                                    "(every 0.5 s).", labels=["model_name"])
+            rtt = GaugeMetricFamily(
+                "conveyor:redis_rtt_seconds",
+                "Round-trip time of this gateway's last Redis command of its engine refresh (every 0.5 s).",
+                labels=["model_name"],
+            )
             rtt.add_metric(own, self.client.redis_rtt_s)
             yield rtt
 
@@ -200,26 +252,44 @@ class GatewayMetrics:
         r, labels = self.registry, ["model_name"]
         token_buckets = build_1_2_5_buckets(MAX_TOKEN_BUCKET)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                                         registry=r)
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       [*labels, "finished_reason"], registry=r)
-        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", labels,
-                                             buckets=TTFT_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", labels,
-                                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                     labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", labels,
-                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                               labels, buckets=token_buckets, registry=r)
-        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", labels,
-                                                   buckets=token_buckets, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r)
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, buckets=token_buckets, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", labels, buckets=token_buckets, registry=r
+        )
         self.registry.register(DeploymentCollector(client, served_name, default_name))
         self._series: dict[str, ModelSeries] = {}
 
@@ -228,11 +298,16 @@ class GatewayMetrics:
         found = self._series.get(model_name)
         if found is None:
             found = self._series[model_name] = ModelSeries(
-                self.prompt_tokens.labels(model_name), self.generation_tokens.labels(model_name),
+                self.prompt_tokens.labels(model_name),
+                self.generation_tokens.labels(model_name),
                 {reason: self.request_success.labels(model_name, reason) for reason in FINISH_REASONS},
-                self.time_to_first_token.labels(model_name), self.inter_token_latency.labels(model_name),
-                self.e2e_latency.labels(model_name), self.queue_time.labels(model_name),
-                self.request_prompt_tokens.labels(model_name), self.request_generation_tokens.labels(model_name))
+                self.time_to_first_token.labels(model_name),
+                self.inter_token_latency.labels(model_name),
+                self.e2e_latency.labels(model_name),
+                self.queue_time.labels(model_name),
+                self.request_prompt_tokens.labels(model_name),
+                self.request_generation_tokens.labels(model_name),
+            )
         return found
 
     def request(self, model_name: str, num_prompt_tokens: int, arrival: float | None) -> RequestMetrics:

@@ -36,8 +36,9 @@ BYTES_PER_TOKEN_ID = 4
 class ApiError(Exception):
     """An error answered to the client in OpenAI's format."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -119,9 +120,12 @@ def _check_text(text: str, where: str | None) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         # The message names the code point but never holds it: it could not be encoded either.
-        raise bad(f"{f'{where!r}' if where else 'request body'} holds a string that is not valid Unicode "
-                  f"(lone surrogate \\u{ord(text[exc.start]):04x} at index {exc.start})", where,
-                  "invalid_string") from None
+        raise bad(
+            f"{f'{where!r}' if where else 'request body'} holds a string that is not valid Unicode "
+            f"(lone surrogate \\u{ord(text[exc.start]):04x} at index {exc.start})",
+            where,
+            "invalid_string",
+        ) from None
 
 
 @dataclass(slots=True)
@@ -146,8 +150,11 @@ class GenerationSpec:
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
-        return (len(self.prompt or "") + BYTES_PER_TOKEN_ID * len(self.prompt_token_ids or ())
-                + sum(len(m["content"]) for m in self.messages or ()))
+        return (
+            len(self.prompt or "")
+            + BYTES_PER_TOKEN_ID * len(self.prompt_token_ids or ())
+            + sum(len(m["content"]) for m in self.messages or ())
+        )
 
 
 # -- typed getters -----------------------------------------------------------------------------
@@ -165,8 +172,15 @@ def _all_ints(values: list[Any]) -> bool:
 
 
 def _typename(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", float: "number",
-            int: "integer"}.get(type(v), type(v).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        type(None): "null",
+        float: "number",
+        int: "integer",
+    }.get(type(v), type(v).__name__)
 
 
 _REPR = reprlib.Repr()
@@ -238,8 +252,13 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
         raise bad(f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters long", "stop")
     most = SamplingParams.MAX_STOP_TOKEN_IDS
-    stop_token_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and len(v) <= most and _all_ints(v),
-                          f"an array of at most {most} integers", [])
+    stop_token_ids = _get(
+        body,
+        "stop_token_ids",
+        lambda v: isinstance(v, list) and len(v) <= most and _all_ints(v),
+        f"an array of at most {most} integers",
+        [],
+    )
     sampling = SamplingParams(
         temperature=_num(body, "temperature", 1.0),
         top_p=_num(body, "top_p", 1.0),
@@ -264,8 +283,13 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         message = str(exc)
         raise bad(message, message.split(" ", 1)[0]) from None
     return GenerationSpec(
-        kind=kind, model=model, sampling=sampling, max_tokens=max_tokens, stream=stream,
-        include_usage=include_usage, stop=list(stop),
+        kind=kind,
+        model=model,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        stop=list(stop),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
@@ -358,8 +382,7 @@ def parse_chat(body: Any) -> GenerationSpec:
             raise bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
-    spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"),
-                   (top or 0) if want_logprobs else None)
+    spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
     spec.messages = _messages(body)
     return spec
 
@@ -430,15 +453,29 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise bad("give either 'prompt' or 'messages', not both", "prompt")
-        for name, neutral in (("continue_final_message", False), ("chat_template", None),
-                              ("chat_template_kwargs", None), ("tools", None)):
+        for name, neutral in (
+            ("continue_final_message", False),
+            ("chat_template", None),
+            ("chat_template_kwargs", None),
+            ("tools", None),
+        ):
             _unsupported(body, name, neutral)
-        return TokenizeSpec(model, None, _messages(body), _add_special_tokens(body, True),
-                            _bool(body, "add_generation_prompt", True), return_token_strs)
+        return TokenizeSpec(
+            model,
+            None,
+            _messages(body),
+            _add_special_tokens(body, True),
+            _bool(body, "add_generation_prompt", True),
+            return_token_strs,
+        )
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
-        raise bad("'prompt' (a string) or 'messages' is required" if prompt is None else
-                  f"'prompt' must be a string, got {_typename(prompt)}", "prompt")
+        raise bad(
+            "'prompt' (a string) or 'messages' is required"
+            if prompt is None
+            else f"'prompt' must be a string, got {_typename(prompt)}",
+            "prompt",
+        )
     return TokenizeSpec(model, prompt, None, _add_special_tokens(body, False), False, return_token_strs)
 
 
@@ -450,8 +487,12 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[Any]]:
     model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
-        raise bad("'tokens' (an array of token ids) is required" if tokens is None else
-                  f"'tokens' must be an array of token ids, got {_typename(tokens)}", "tokens")
+        raise bad(
+            "'tokens' (an array of token ids) is required"
+            if tokens is None
+            else f"'tokens' must be an array of token ids, got {_typename(tokens)}",
+            "tokens",
+        )
     return model, tokens
 
 
@@ -468,11 +509,17 @@ def parse_request_id(value: str | None) -> str | None:
         return None
     value = value.strip()
     if len(value) > MAX_REQUEST_ID_CHARS:
-        raise bad(f"X-Request-Id may be at most {MAX_REQUEST_ID_CHARS} characters, got {len(value)}",
-                  "X-Request-Id", "invalid_request_id")
+        raise bad(
+            f"X-Request-Id may be at most {MAX_REQUEST_ID_CHARS} characters, got {len(value)}",
+            "X-Request-Id",
+            "invalid_request_id",
+        )
     if not all("!" <= c <= "~" for c in value):
-        raise bad(f"X-Request-Id must be visible ASCII characters (no spaces or control characters), got "
-                  f"{ascii(value)[:80]}", "X-Request-Id", "invalid_request_id")
+        raise bad(
+            f"X-Request-Id must be visible ASCII characters (no spaces or control characters), got {ascii(value)[:80]}",
+            "X-Request-Id",
+            "invalid_request_id",
+        )
     return value
 
 

@@ -12,8 +12,9 @@ from gateway.openai_schema import GenerationSpec
 class ResponseFormatter:
     """Formats one request's pieces; keeps the running text offset for completion logprobs."""
 
-    def __init__(self, spec: GenerationSpec, request_id: str, model: str, tokenizer: Any, num_prompt_tokens: int,
-                 echo_text: str | None) -> None:
+    def __init__(
+        self, spec: GenerationSpec, request_id: str, model: str, tokenizer: Any, num_prompt_tokens: int, echo_text: str | None
+    ) -> None:
         self.spec = spec
         self.request_id = request_id
         self.model = model
@@ -26,8 +27,11 @@ class ResponseFormatter:
 
     # -- pieces ------------------------------------------------------------------------------
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.num_prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+        }
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -45,11 +49,17 @@ class ResponseFormatter:
             content = []
             for token_id, entry in pairs:
                 text = self._token_text(token_id)
-                content.append({
-                    "token": text, "logprob": (entry or {}).get(token_id, 0.0), "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": (s := self._token_text(t)), "logprob": v, "bytes": list(s.encode())}
-                                     for t, v in self._top(entry or {})],
-                })
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": (entry or {}).get(token_id, 0.0),
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": (s := self._token_text(t)), "logprob": v, "bytes": list(s.encode())}
+                            for t, v in self._top(entry or {})
+                        ],
+                    }
+                )
             return {"content": content}
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, entry in pairs:
@@ -68,32 +78,62 @@ class ResponseFormatter:
         stop_reason = pieces[-1].stop_reason if pieces else None
         logprobs = self.logprobs(pieces)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": (self.echo_text or "") + text, "logprobs": logprobs, "finish_reason": reason,
-                      "stop_reason": stop_reason}
+            choice = {
+                "index": 0,
+                "text": (self.echo_text or "") + text,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }
             kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(completion_tokens)}
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(completion_tokens),
+        }
 
     # -- streaming ---------------------------------------------------------------------------
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {"id": self.request_id,
-                                 "object": "chat.completion.chunk" if self.chat else "text_completion",
-                                 "created": self.created, "model": self.model, "choices": [choice]}
+        chunk: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if self.spec.include_usage:
             chunk["usage"] = None
         return chunk
 
     def stream_start(self) -> list[dict[str, Any]]:
         if self.chat:
-            return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None, "stop_reason": None})]
+            return [
+                self._chunk(
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                )
+            ]
         if self.echo_text:
-            return [self._chunk({"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None,
-                                 "stop_reason": None})]
+            return [
+                self._chunk({"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None, "stop_reason": None})
+            ]
         return []
 
     def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
@@ -102,13 +142,31 @@ class ResponseFormatter:
         if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
             if self.chat:
                 delta = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish_reason,
-                          "stop_reason": piece.stop_reason}
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": piece.finish_reason,
+                    "stop_reason": piece.stop_reason,
+                }
             else:
-                choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason,
-                          "stop_reason": piece.stop_reason}
+                choice = {
+                    "index": 0,
+                    "text": piece.text,
+                    "logprobs": logprobs,
+                    "finish_reason": piece.finish_reason,
+                    "stop_reason": piece.stop_reason,
+                }
             chunks.append(self._chunk(choice))
         if piece.finish_reason is not None and self.spec.include_usage:
-            chunks.append({"id": self.request_id, "object": self._chunk({})["object"], "created": self.created,
-                           "model": self.model, "choices": [], "usage": self.usage(completion_tokens)})
+            chunks.append(
+                {
+                    "id": self.request_id,
+                    "object": self._chunk({})["object"],
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage(completion_tokens),
+                }
+            )
         return chunks

@@ -70,11 +70,17 @@ AFFINITY_SLACK = 8
 class EngineClient:
     """One gateway's connection to the engines."""
 
-    def __init__(self, redis_url: str, names: Names, gateway_id: str, *,
-                 heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms,
-                 migration_limit: int = ServiceDefaults.migration_limit,
-                 recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s,
-                 resume_window_s: float = ServiceDefaults.resume_window_s) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        names: Names,
+        gateway_id: str,
+        *,
+        heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms,
+        migration_limit: int = ServiceDefaults.migration_limit,
+        recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s,
+        resume_window_s: float = ServiceDefaults.resume_window_s,
+    ) -> None:
         self.names = names
         self.gateway_id = gateway_id
         self.transport = Transport(redis_url, names, owner=f"gateway {gateway_id}")
@@ -113,8 +119,14 @@ class EngineClient:
             logger.warning("Redis is not reachable yet (%s); answering 503 until it is", exc)
         # On a thread: a busy event loop (many streams on a loaded CPU) must not let the heartbeat
         # lapse, or the schedulers orphan every request of this gateway.
-        self._heartbeat = Heartbeat(self.redis_url, self.names, "gateway", self.gateway_id,
-                                    ServiceDefaults.heartbeat_interval_s(self.heartbeat_ttl_ms), self.heartbeat_ttl_ms).start()
+        self._heartbeat = Heartbeat(
+            self.redis_url,
+            self.names,
+            "gateway",
+            self.gateway_id,
+            ServiceDefaults.heartbeat_interval_s(self.heartbeat_ttl_ms),
+            self.heartbeat_ttl_ms,
+        ).start()
         self._tasks = [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._send_aborts()),
@@ -131,16 +143,23 @@ class EngineClient:
             for handle in list(self.requests.values()):
                 self.abort(handle.request_id)
             await self._flush_aborts("gateway stopped", deadline_s=2)
-            await self.transport.call(self.transport.redis.delete, self.outputs_stream,
-                                      self.names.heartbeat("gateway", self.gateway_id), deadline_s=2)
+            await self.transport.call(
+                self.transport.redis.delete, self.outputs_stream, self.names.heartbeat("gateway", self.gateway_id), deadline_s=2
+            )
         except Exception as exc:
             logger.warning("could not clean up on shutdown: %s", exc)
         await self.transport.close()
 
     # -- requests ------------------------------------------------------------------------------
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-                     journal_id: str = "", journal: list[Outgoing] | None = None,
-                     claim: Outgoing | None = None) -> RequestHandle:
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: dict[str, Any],
+        journal_id: str = "",
+        journal: list[Outgoing] | None = None,
+        claim: Outgoing | None = None,
+    ) -> RequestHandle:
         """Send a new request (``request_id``: unique, see `RequestHandle`) to the best live engine.
 
         A resumable stream has a ``journal_id`` (its response id) and the journal's first entries:
@@ -214,8 +233,7 @@ class EngineClient:
         if block < 1 or len(prompt_token_ids) < block or len(candidates) == 1:
             return least
         first_block = array("i", prompt_token_ids[:block]).tobytes()
-        preferred = max(candidates, key=lambda e: hashlib.blake2b(first_block + e.scheduler_id.encode(),
-                                                                  digest_size=8).digest())
+        preferred = max(candidates, key=lambda e: hashlib.blake2b(first_block + e.scheduler_id.encode(), digest_size=8).digest())
         return preferred if self.load_of(preferred) <= self.load_of(least) + AFFINITY_SLACK else least
 
     async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
@@ -229,9 +247,17 @@ class EngineClient:
         handle.scheduler_id, handle.incarnation = engine.scheduler_id, engine.incarnation
         handle.unrouted_since, handle.sync_from = None, -1
         self.attempts[handle.engine_request_id] = handle
-        msg = GenerateRequest(handle.engine_request_id, self.gateway_id, engine.scheduler_id, engine.incarnation,
-                              handle.prompt_token_ids, list(handle.output_token_ids), handle.sampling, time.time(),
-                              handle.journal_id)
+        msg = GenerateRequest(
+            handle.engine_request_id,
+            self.gateway_id,
+            engine.scheduler_id,
+            engine.incarnation,
+            handle.prompt_token_ids,
+            list(handle.output_token_ids),
+            handle.sampling,
+            time.time(),
+            handle.journal_id,
+        )
         sends = list(extra)
         if handle.journal_id:
             route = Route(handle.engine_request_id, engine.scheduler_id)
@@ -276,8 +302,9 @@ class EngineClient:
                 outputs.append(msg)
         return header, route, outputs
 
-    async def adopt(self, response_id: str, prompt_token_ids: list[int], sampling: dict[str, Any], route: Route,
-                    outputs: list[StepOutputs]) -> RequestHandle:
+    async def adopt(
+        self, response_id: str, prompt_token_ids: list[int], sampling: dict[str, Any], route: Route, outputs: list[StepOutputs]
+    ) -> RequestHandle:
         """A handle for a journaled stream: its journaled events first, then (unless it finished)
         the live ones, once its engine routes the request here (`SyncRequest`)."""
         base, tilde, number = route.request_id.rpartition("~")  # attempt n > 1 runs as "<id>~<n-1>"
@@ -285,9 +312,15 @@ class EngineClient:
         request_id = base if retried else route.request_id
         if request_id in self.requests:  # two handles of one stream: each would take the other's outputs
             raise RequestIdInUse(f"stream {response_id!r} is already being served by this gateway")
-        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id=response_id,
-                               engine_request_id=route.request_id, scheduler_id=route.scheduler_id,
-                               attempts=int(number) + 1 if retried else 1)
+        handle = RequestHandle(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            journal_id=response_id,
+            engine_request_id=route.request_id,
+            scheduler_id=route.scheduler_id,
+            attempts=int(number) + 1 if retried else 1,
+        )
         for msg in outputs:  # as `_dispatch` would deliver them: in order, without duplicates
             stop_reasons = msg.stop_reasons()
             for i, index in enumerate(msg.token_index):
@@ -298,9 +331,18 @@ class EngineClient:
                 skip = handle.next_index - index
                 tokens = msg.token_ids[start + skip : start + msg.num_tokens[i]]
                 handle.output_token_ids.extend(tokens)
-                self._deliver(handle, EngineEvent(tokens, lps[start + skip : start + msg.num_tokens[i]] if lps else
-                                                  [None] * len(tokens), msg.finished[i], msg.finish_reasons[i],
-                                                  msg.errors[i], stop_reason=stop_reasons[i], replayed=True))
+                self._deliver(
+                    handle,
+                    EngineEvent(
+                        tokens,
+                        lps[start + skip : start + msg.num_tokens[i]] if lps else [None] * len(tokens),
+                        msg.finished[i],
+                        msg.finish_reasons[i],
+                        msg.errors[i],
+                        stop_reason=stop_reasons[i],
+                        replayed=True,
+                    ),
+                )
                 if handle.done:
                     return handle  # the whole stream is in the journal
         status = self.engines.get(route.scheduler_id)
@@ -318,8 +360,7 @@ class EngineClient:
 
     async def _flush_aborts(self, reason: str, deadline_s: float | None = None) -> None:
         aborts, self._aborts = self._aborts, {}
-        sends = [self._to_engine(sid, AbortRequests(ids, reason))
-                 for sid, ids in aborts.items() if sid]
+        sends = [self._to_engine(sid, AbortRequests(ids, reason)) for sid, ids in aborts.items() if sid]
         try:
             await self.transport.send_many(sends, deadline_s=deadline_s)
         except Exception:
@@ -369,14 +410,24 @@ class EngineClient:
             if not tokens and not msg.finished[i]:
                 continue  # nothing new (duplicates, or a resend with nothing after its index)
             handle.output_token_ids.extend(tokens)
-            event = EngineEvent(tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i], queue_times[i],
-                                stop_reason=stop_reasons[i])
+            event = EngineEvent(
+                tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i], queue_times[i], stop_reason=stop_reasons[i]
+            )
             if handle.journal_id:
                 entry = StepOutputs()
-                entry.add(engine_request_id, handle.next_index - len(tokens), tokens, lps, event.finished,
-                          event.finish_reason, event.error, stop_reason=event.stop_reason)
-                journal.append(Outgoing(self.names.journal(handle.journal_id), encode(entry.sealed()), OUTPUTS_MAXLEN,
-                                        self.journal_ttl_ms))
+                entry.add(
+                    engine_request_id,
+                    handle.next_index - len(tokens),
+                    tokens,
+                    lps,
+                    event.finished,
+                    event.finish_reason,
+                    event.error,
+                    stop_reason=event.stop_reason,
+                )
+                journal.append(
+                    Outgoing(self.names.journal(handle.journal_id), encode(entry.sealed()), OUTPUTS_MAXLEN, self.journal_ttl_ms)
+                )
             ready.append((handle, event))
         if journal:  # write-ahead: no client sees an event that another gateway could not replay
             await self.transport.send_many(journal)

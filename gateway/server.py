@@ -16,20 +16,33 @@ logger = logging.getLogger("conveyor.gateway")
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = service_parser("conveyor gateway", "Run the OpenAI-compatible HTTP gateway.",
-                       "tokenizer directory (default: the model path the executor reported)")
+    p = service_parser(
+        "conveyor gateway",
+        "Run the OpenAI-compatible HTTP gateway.",
+        "tokenizer directory (default: the model path the executor reported)",
+    )
     p.add_argument("--host", default=env("CONVEYOR_HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(env("CONVEYOR_PORT", "8000")))
     p.add_argument("--served-model-name", default=env("CONVEYOR_SERVED_MODEL_NAME"))
     p.add_argument("--gateway-id", default=env("CONVEYOR_GATEWAY_ID", ""), help="default: random per process")
     p.add_argument("--max-body-bytes", type=int, default=int(env("CONVEYOR_MAX_BODY_BYTES", str(8 * 1024 * 1024))))
     p.add_argument("--max-inflight", type=int, default=int(env("CONVEYOR_MAX_INFLIGHT", "4096")))
-    p.add_argument("--migration-limit", type=int, default=int(env("CONVEYOR_MIGRATION_LIMIT", ServiceDefaults.migration_limit)),
-                   help="times one request may move to another engine when its engine dies")
-    add_recovery_flags(p, "seconds a request waits for a live engine before failing",
-                       "seconds a stream's journal is kept for resuming it on another gateway")
-    p.add_argument("--api-key", default=env("CONVEYOR_API_KEY"),
-                   help="require this bearer token (prefer CONVEYOR_API_KEY: a flag shows in the process list)")
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=int(env("CONVEYOR_MIGRATION_LIMIT", ServiceDefaults.migration_limit)),
+        help="times one request may move to another engine when its engine dies",
+    )
+    add_recovery_flags(
+        p,
+        "seconds a request waits for a live engine before failing",
+        "seconds a stream's journal is kept for resuming it on another gateway",
+    )
+    p.add_argument(
+        "--api-key",
+        default=env("CONVEYOR_API_KEY"),
+        help="require this bearer token (prefer CONVEYOR_API_KEY: a flag shows in the process list)",
+    )
     return p
 
 
@@ -37,20 +50,40 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The key never reaches a log, whoever logs it.
     setup_logging(args.log_level, secrets=[args.api_key], log_format=args.log_format)
-    logger.info("gateway: Redis %s, namespace %r, API key %s", redact_url(args.redis_url), args.namespace,
-                "required" if args.api_key else "not required")
+    logger.info(
+        "gateway: Redis %s, namespace %r, API key %s",
+        redact_url(args.redis_url),
+        args.namespace,
+        "required" if args.api_key else "not required",
+    )
     import uvicorn
 
     from gateway.app import create_app
 
     config = GatewayConfig(
-        redis_url=args.redis_url, namespace=args.namespace, gateway_id=args.gateway_id, host=args.host,
-        port=args.port, model=args.model, served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight, api_key=args.api_key,
-        heartbeat_ttl_ms=args.heartbeat_ttl_ms, migration_limit=args.migration_limit,
-        recovery_timeout_s=args.recovery_timeout, resume_window_s=args.resume_window,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        gateway_id=args.gateway_id,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
+        api_key=args.api_key,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+        migration_limit=args.migration_limit,
+        recovery_timeout_s=args.recovery_timeout,
+        resume_window_s=args.resume_window,
     )
     # log_config=None: uvicorn's records go to the root handler too, through its redaction filter.
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                log_config=None, access_log=False, timeout_graceful_shutdown=3)
+    uvicorn.run(
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=3,
+    )
     return 0

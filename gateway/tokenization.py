@@ -72,8 +72,7 @@ class Tokenizers:
         return self.tokenizer
 
 
-def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec,
-             info: EngineStatus) -> tuple[list[int], str | None, int]:
+def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: EngineStatus) -> tuple[list[int], str | None, int]:
     """Prompt token ids, prompt text and ``max_tokens`` (`fit_context`) of a completion or chat
     request; a 400 for token ids outside the vocabulary or a prompt past the context.
 
@@ -107,8 +106,7 @@ def chat_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_pro
         from jinja2 import TemplateError
 
         try:
-            return str(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt))
+            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
         except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -129,8 +127,12 @@ def tokenize_only(tokenizer: Any, lock: threading.Lock, spec: TokenizeSpec, info
     count, exact, ids = encode_text(tokenizer, lock, text, spec.add_special_tokens, limit)
     if ids is None:
         some = "" if exact else "at least "
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, '{spec.param}' holds "
-                            f"{some}{count} tokens.", param=spec.param, code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, '{spec.param}' holds {some}{count} tokens.",
+            param=spec.param,
+            code="context_length_exceeded",
+        )
     out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
     if spec.return_token_strs:
         out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -142,8 +144,9 @@ def detokenize(tokenizer: Any, ids: list[Any], info: EngineStatus) -> str:
     kept, as vLLM's); a 400 for ids outside the vocabulary or more than the context holds. For a
     worker thread: a decode holds the GIL for its whole length."""
     if len(ids) > info.max_model_len:
-        raise ApiError(400, f"'tokens' may hold at most {info.max_model_len} token ids (the model's context), got "
-                            f"{len(ids)}", param="tokens")
+        raise ApiError(
+            400, f"'tokens' may hold at most {info.max_model_len} token ids (the model's context), got {len(ids)}", param="tokens"
+        )
     check_token_ids(ids, info.vocab_size, "tokens")
     return str(tokenizer.decode(ids))
 
@@ -155,8 +158,11 @@ COUNT_WINDOW_CHARS = 1 << 16
 # How many tokens more than its share a window counted on its own may give at a cut (a word or a
 # special token cut in two): the windowed count is only trusted past this much per cut.
 CUT_OVERCOUNT = 16
-def encode_text(tokenizer: Any, lock: threading.Lock, text: str, add_special_tokens: bool,
-                max_len: int) -> tuple[int, bool, list[int] | None]:
+
+
+def encode_text(
+    tokenizer: Any, lock: threading.Lock, text: str, add_special_tokens: bool, max_len: int
+) -> tuple[int, bool, list[int] | None]:
     """``(count, exact, ids)``: the number of tokens of ``text`` (``exact``, or else a lower bound
     when it is surely past ``max_len``), and the tokens themselves unless they are past ``max_len``.
 

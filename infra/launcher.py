@@ -50,8 +50,21 @@ def start_redis(workdir: Path, log=None) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     server = shutil.which("redis-server")
     if server:
-        cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(workdir), "--protected-mode", "no"]
+        cmd = [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--protected-mode",
+            "no",
+        ]
     else:
         print("conveyor: redis-server not found; using the embedded development server", file=sys.stderr)
         cmd = [sys.executable, "-m", "infra.embedded_redis", "--port", str(port)]
@@ -103,13 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=int(os.environ.get("CONVEYOR_PORT", "8000")))
     p.add_argument("--redis-url", default=os.environ.get("CONVEYOR_REDIS_URL"))
     p.add_argument("--namespace", default=os.environ.get("CONVEYOR_NAMESPACE", f"conveyor-{uuid.uuid4().hex[:6]}"))
-    p.add_argument("--engines", type=int, default=int(os.environ.get("CONVEYOR_ENGINES", "1")),
-                   help="engine replicas (scheduler + executor pairs) serving the model")
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=int(os.environ.get("CONVEYOR_ENGINES", "1")),
+        help="engine replicas (scheduler + executor pairs) serving the model",
+    )
     p.add_argument("--executor-arg", action="append", default=[], help="extra flag for the executor (repeatable)")
     args = p.parse_args(argv)
 
     procs: list[subprocess.Popen[bytes]] = []
     redis_procs: list[subprocess.Popen[bytes]] = []
+
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops everything, like Ctrl-C
 
@@ -135,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(subprocess.Popen([*cli, "gateway", "--host", args.host, "--port", str(args.port)], env=env))
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         wait_healthy(f"http://{health_host}:{args.port}/health", 600, procs)
-        print(f"conveyor: serving {model} at http://{health_host}:{args.port}/v1 (Redis {redact_url(redis_url)}; "
-              "Ctrl-C stops)", file=sys.stderr)
+        print(
+            f"conveyor: serving {model} at http://{health_host}:{args.port}/v1 (Redis {redact_url(redis_url)}; Ctrl-C stops)",
+            file=sys.stderr,
+        )
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         failed = [proc for proc in procs if proc.poll() is not None]

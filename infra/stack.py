@@ -40,9 +40,19 @@ class Stack:
     """Engines (executor ``executor<i>`` + scheduler ``scheduler<i>``) and gateways (``gateway<i>``)
     as separate processes under one fresh namespace."""
 
-    def __init__(self, model: str | Path, workdir: Path, *, gateways: int = 1, engines: int = 1,
-                 executor_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
-                 gateway_args: tuple[str, ...] = (), heartbeat_ttl_ms: int = 1500, private_redis: bool = False) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        workdir: Path,
+        *,
+        gateways: int = 1,
+        engines: int = 1,
+        executor_args: tuple[str, ...] = (),
+        scheduler_args: tuple[str, ...] = (),
+        gateway_args: tuple[str, ...] = (),
+        heartbeat_ttl_ms: int = 1500,
+        private_redis: bool = False,
+    ) -> None:
         self.model = str(model)
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
@@ -58,15 +68,22 @@ class Stack:
         self.ports: list[int] = []
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "CONVEYOR_REDIS_URL": self.redis_url, "CONVEYOR_NAMESPACE": self.namespace,
-                "CONVEYOR_MODEL": self.model, "CONVEYOR_HEARTBEAT_TTL_MS": str(self.heartbeat_ttl_ms),
-                "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        return {
+            **os.environ,
+            "CONVEYOR_REDIS_URL": self.redis_url,
+            "CONVEYOR_NAMESPACE": self.namespace,
+            "CONVEYOR_MODEL": self.model,
+            "CONVEYOR_HEARTBEAT_TTL_MS": str(self.heartbeat_ttl_ms),
+            "PYTHONPATH": str(REPO),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start (or restart) process ``name`` as ``conveyor <args>``, logging to ``<name>.log``."""
         log = open(self.workdir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], env=self._env(), cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.cli", *args], env=self._env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
         self.procs[name] = proc
         return proc
 
@@ -96,8 +113,7 @@ class Stack:
         self.redis_proc.kill()
         self.redis_proc.wait()
         time.sleep(down_s)
-        self.redis_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+        self.redis_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         port = int(cmd[cmd.index("--port") + 1])
         wait_for_port("127.0.0.1", port, 15, self.redis_proc)
 
@@ -108,8 +124,7 @@ class Stack:
         return self.spawn(f"scheduler{i}", "scheduler", "--scheduler-id", str(i), *self.scheduler_args)
 
     def spawn_gateway(self, i: int) -> subprocess.Popen[bytes]:
-        return self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(self.ports[i]),
-                          *self.gateway_args)
+        return self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(self.ports[i]), *self.gateway_args)
 
     @property
     def urls(self) -> list[str]:

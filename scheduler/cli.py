@@ -32,23 +32,39 @@ def env_flag(name: str, default: bool) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = service_parser("conveyor scheduler", "Run the scheduler service.",
-                       "unused (the executor reports the model); accepted for symmetry")
+    p = service_parser(
+        "conveyor scheduler", "Run the scheduler service.", "unused (the executor reports the model); accepted for symmetry"
+    )
     add_engine_id(p, "scheduler", "executor")
     p.add_argument("--max-num-seqs", type=int, default=int(env("CONVEYOR_MAX_NUM_SEQS", SchedulerConfig().max_num_seqs)))
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(env("CONVEYOR_MAX_NUM_BATCHED_TOKENS", SchedulerConfig().max_num_batched_tokens)))
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=env_flag("CONVEYOR_ENABLE_PREFIX_CACHING", SchedulerConfig().enable_prefix_caching),
-                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=env_flag("CONVEYOR_ASYNC_SCHEDULING", SchedulerConfig().async_scheduling),
-                   help="schedule and send the next step while the executor runs the current one (default: on)")
-    p.add_argument("--result-timeout", type=float,
-                   default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
-                   help="seconds to wait for one step's result before declaring the executor lost")
-    add_recovery_flags(p, "seconds to keep requests without an executor before failing them",
-                       "seconds a stream whose gateway died keeps generating, waiting to be resumed")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(env("CONVEYOR_MAX_NUM_BATCHED_TOKENS", SchedulerConfig().max_num_batched_tokens)),
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env_flag("CONVEYOR_ENABLE_PREFIX_CACHING", SchedulerConfig().enable_prefix_caching),
+        help="reuse the KV blocks of prompt prefixes seen before (default: on)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=env_flag("CONVEYOR_ASYNC_SCHEDULING", SchedulerConfig().async_scheduling),
+        help="schedule and send the next step while the executor runs the current one (default: on)",
+    )
+    p.add_argument(
+        "--result-timeout",
+        type=float,
+        default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
+        help="seconds to wait for one step's result before declaring the executor lost",
+    )
+    add_recovery_flags(
+        p,
+        "seconds to keep requests without an executor before failing them",
+        "seconds a stream whose gateway died keeps generating, waiting to be resumed",
+    )
     return p
 
 
@@ -58,12 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, log_format=args.log_format)
     stop_on_sigterm()
     config = SchedulerServiceConfig(
-        redis_url=args.redis_url, namespace=args.namespace, scheduler_id=args.scheduler_id,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        scheduler_id=args.scheduler_id,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
-        result_timeout_s=args.result_timeout, recovery_timeout_s=args.recovery_timeout,
-        resume_window_s=args.resume_window, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+        result_timeout_s=args.result_timeout,
+        recovery_timeout_s=args.recovery_timeout,
+        resume_window_s=args.resume_window,
+        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
     )
     try:
         config.scheduler_config()

@@ -78,6 +78,7 @@ class EngineCore:
         self.depth = 2 if async_scheduling else 1
         self.in_flight: deque[SchedulerOutput] = deque()
         self.failed_request_ids: list[str] = []  # of the step whose result was an error
+        self.collected = False  # whether the last `step` applied an executed step's result
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -89,6 +90,7 @@ class EngineCore:
         Any error from the executor voids every step in flight: the scheduler preempts its running
         requests and resends them all (the executor dropped its state), then the error is raised."""
         scheduled = False
+        self.collected = False
         if len(self.in_flight) < self.depth:
             output = self.scheduler.schedule()
             if output.num_seqs:
@@ -108,6 +110,7 @@ class EngineCore:
             self.failed_request_ids = list(output.scheduled_req_ids)
             self.reset()
             raise
+        self.collected = True
         return self.scheduler.update_from_output(output, result)
 
     def reset(self) -> None:

@@ -25,8 +25,16 @@ logger = logging.getLogger(__name__)
 class EngineBeat:
     """Writes ``engine:<id>`` (TTL) and the ``engines`` set from ``snapshot()`` on a daemon thread."""
 
-    def __init__(self, url: str, names: Names, scheduler_id: str, interval_s: float, ttl_ms: int,
-                 snapshot: Callable[[], EngineStatus], on_redis_restart: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        url: str,
+        names: Names,
+        scheduler_id: str,
+        interval_s: float,
+        ttl_ms: int,
+        snapshot: Callable[[], EngineStatus],
+        on_redis_restart: Callable[[], None],
+    ) -> None:
         self.names = names
         self.scheduler_id = scheduler_id
         self.interval_s = interval_s

@@ -69,16 +69,13 @@ class LLM:
 
         from executor.model_executor import ModelExecutor
 
-        self.model_config, self.cache_config, self.scheduler_config = split_engine_options(
-            {"model": model, **options}
-        )
+        self.model_config, self.cache_config, self.scheduler_config = split_engine_options({"model": model, **options})
         self.scheduler_config.validate()  # before the model loads: a bad option fails fast
         self.executor = ModelExecutor(self.model_config, ParallelConfig(), self.cache_config)
         info = self.executor.info
         self.cache_manager = CacheManager(info.num_blocks, info.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, info)
-        self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor),
-                                      self.scheduler_config.async_scheduling)
+        self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor), self.scheduler_config.async_scheduling)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
 
@@ -121,11 +118,7 @@ class LLM:
             batch = cast("Sequence[str | Sequence[int]]", prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(batch)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
+        params_list = [sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
         requests: list[Request] = []
@@ -134,9 +127,7 @@ class LLM:
             params.validate(vocab)
             text, ids = self._prompt_ids(prompt)
             if len(ids) > self.max_model_len:
-                raise ValueError(
-                    f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
-                )
+                raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
             requests.append(Request(str(next(self._ids)), ids, params, prompt=text))
         for request in requests:
             self.scheduler.add_request(request)

@@ -68,8 +68,15 @@ class OutputRouter:
             if not route.queue_time_sent and out.queue_time_s is not None:  # once: it is a per-request metric
                 queue_time_s, route.queue_time_sent = out.queue_time_s, True
             by_stream.setdefault(stream, StepOutputs()).add(
-                out.request_id, out.num_output_tokens - len(out.new_token_ids), out.new_token_ids, out.new_logprobs,
-                out.finished, out.finish_reason, queue_time_s=queue_time_s, stop_reason=out.stop_reason)
+                out.request_id,
+                out.num_output_tokens - len(out.new_token_ids),
+                out.new_token_ids,
+                out.new_logprobs,
+                out.finished,
+                out.finish_reason,
+                queue_time_s=queue_time_s,
+                stop_reason=out.stop_reason,
+            )
             if out.finished:
                 del self.routes[out.request_id]
         return [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
@@ -111,8 +118,7 @@ class OutputRouter:
             route = self.routes[request_id]
             route.gateway_id, route.orphaned_until = gateway_id, 0.0
             start = max(0, min(from_index, request.num_output_tokens))
-            msg.add(request_id, start, request.output_token_ids[start:], request.output_logprobs[start:],
-                    False, None, None)
+            msg.add(request_id, start, request.output_token_ids[start:], request.output_logprobs[start:], False, None, None)
         return self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS)
 
     def gateway_died(self, gateway_id: str, now: float) -> list[str]:

@@ -221,8 +221,9 @@ class Scheduler:
         (by ``max_tokens`` or ``max_model_len``) is already being sampled."""
         ph = request.num_output_placeholders
         assert ph <= 1, "at most one step ahead"
-        if ph and (request.num_output_tokens + ph >= request.sampling_params.max_tokens
-                   or request.num_tokens + ph >= self.max_model_len):
+        if ph and (
+            request.num_output_tokens + ph >= request.sampling_params.max_tokens or request.num_tokens + ph >= self.max_model_len
+        ):
             return 0
         n = min(request.num_tokens + ph - request.num_computed_tokens, budget)
         assert n >= 1, "running request with nothing to compute"
@@ -295,8 +296,13 @@ class Scheduler:
             known = self.executor_blocks.get(request_id)
             if known is None:
                 assert request.num_output_placeholders == 0, "a new request has no step in flight"
-                output.add_new(request_id, request.sampling_params, len(request.prompt_token_ids),
-                               request.tokens_between(0, request.num_tokens), list(table))
+                output.add_new(
+                    request_id,
+                    request.sampling_params,
+                    len(request.prompt_token_ids),
+                    request.tokens_between(0, request.num_tokens),
+                    list(table),
+                )
             elif known < 0:
                 output.add_cached(request_id, True, list(table))
             elif len(table) > known:
@@ -344,8 +350,16 @@ class Scheduler:
                 finished.append(request)
                 request.finish_reason = reason
             outputs.append(
-                StepOutput(request.request_id, [token], [logprobs], reason is not None, reason,
-                           request.num_output_tokens, request.queue_time_s, stop_reason=request.stop_reason)
+                StepOutput(
+                    request.request_id,
+                    [token],
+                    [logprobs],
+                    reason is not None,
+                    reason,
+                    request.num_output_tokens,
+                    request.queue_time_s,
+                    stop_reason=request.stop_reason,
+                )
             )
         for request in finished:
             (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)

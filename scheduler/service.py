@@ -77,9 +77,12 @@ class SchedulerServiceConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The engine's `SchedulerConfig` (validated: a bad limit stops the service at start)."""
-        config = SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                                 enable_prefix_caching=self.enable_prefix_caching,
-                                 async_scheduling=self.async_scheduling)
+        config = SchedulerConfig(
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching,
+            async_scheduling=self.async_scheduling,
+        )
         config.validate()
         return config
 
@@ -101,8 +104,9 @@ class SchedulerService:
         self.names = Names(config.namespace)
         self.sid = config.scheduler_id
         self.incarnation = uuid.uuid4().hex[:12]
-        self.transport = SyncTransport(config.redis_url, self.names, max_message_bytes=config.max_message_bytes,
-                                       owner=f"scheduler {self.sid}")
+        self.transport = SyncTransport(
+            config.redis_url, self.names, max_message_bytes=config.max_message_bytes, owner=f"scheduler {self.sid}"
+        )
         self.inbox: deque[InboxMessage] = deque()
         self.dead_gateways: deque[str] = deque()
         self.revived_gateways: deque[str] = deque()  # declared dead, but beating again
@@ -129,8 +133,15 @@ class SchedulerService:
         # Whatever waits in the requests stream was sent to a predecessor; its gateways migrate it.
         cursor = t.last_id(self.names.requests(self.sid))
         t.trim_through(self.names.requests(self.sid), cursor)
-        self.beat = EngineBeat(self.config.redis_url, self.names, self.sid, self.config.heartbeat_interval_s,
-                               self.config.heartbeat_ttl_ms, self.status, self._on_redis_restart).start()
+        self.beat = EngineBeat(
+            self.config.redis_url,
+            self.names,
+            self.sid,
+            self.config.heartbeat_interval_s,
+            self.config.heartbeat_ttl_ms,
+            self.status,
+            self._on_redis_restart,
+        ).start()
         threading.Thread(target=self._read_requests, args=(cursor,), name="requests", daemon=True).start()
         threading.Thread(target=self._watch_gateways, name="gateways", daemon=True).start()
         logger.info("scheduler %s up (incarnation %s)", self.sid, self.incarnation)
@@ -170,14 +181,26 @@ class SchedulerService:
         engine, hello, executor = self.engine, self.hello, self.executor
         h = hello if hello is not None else ExecutorHello("", "", "", 0, 0, 0, 0)
         return EngineStatus(
-            scheduler_id=self.sid, incarnation=self.incarnation, model_name=h.model_name, model_path=h.model_path,
-            max_model_len=h.max_model_len, vocab_size=h.vocab_size, block_size=h.block_size,
-            num_blocks=h.num_blocks, executor_id=executor.executor_id if executor else "", epoch=self.epoch,
+            scheduler_id=self.sid,
+            incarnation=self.incarnation,
+            model_name=h.model_name,
+            model_path=h.model_path,
+            max_model_len=h.max_model_len,
+            vocab_size=h.vocab_size,
+            block_size=h.block_size,
+            num_blocks=h.num_blocks,
+            executor_id=executor.executor_id if executor else "",
+            epoch=self.epoch,
             num_free_blocks=engine.cache.get_num_free_blocks() if engine else 0,
-            num_running=len(engine.running) if engine else 0, num_waiting=len(engine.waiting) if engine else 0,
-            num_steps=engine.num_steps if engine else 0, num_preemptions=engine.num_preemptions if engine else 0,
-            num_dead_letters=self.transport.num_dead_letters, updated_at=time.time(),
-            step_wall_s=self.step_wall_s, step_forward_s=self.step_forward_s, step_count=self.step_count,
+            num_running=len(engine.running) if engine else 0,
+            num_waiting=len(engine.waiting) if engine else 0,
+            num_steps=engine.num_steps if engine else 0,
+            num_preemptions=engine.num_preemptions if engine else 0,
+            num_dead_letters=self.transport.num_dead_letters,
+            updated_at=time.time(),
+            step_wall_s=self.step_wall_s,
+            step_forward_s=self.step_forward_s,
+            step_count=self.step_count,
             prefix_cache_queries=engine.prefix_cache_queries if engine else 0,
             prefix_cache_hits=engine.prefix_cache_hits if engine else 0,
         )
@@ -223,16 +246,31 @@ class SchedulerService:
         return self.epoch
 
     def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
-        self.transport.send(self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self._next_epoch()),
-                            maxlen=STEPS_MAXLEN)
+        self.transport.send(
+            self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self._next_epoch()), maxlen=STEPS_MAXLEN
+        )
         self.hello = hello
-        info = ExecutorInfo(hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len,
-                            hello.eos_token_ids, hello.vocab_size)
-        logger.info("bound executor %s (epoch %d): %s, %d blocks of %d", hello.executor_id, self.epoch,
-                    hello.model_name, hello.num_blocks, hello.block_size)
-        return StreamExecutor(info, self.transport, scheduler_id=self.sid, executor_id=hello.executor_id,
-                              epoch=self.epoch, results_cursor=cursor, result_timeout_s=self.config.result_timeout_s,
-                              redis_restarted=self.redis_restarted)
+        info = ExecutorInfo(
+            hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size
+        )
+        logger.info(
+            "bound executor %s (epoch %d): %s, %d blocks of %d",
+            hello.executor_id,
+            self.epoch,
+            hello.model_name,
+            hello.num_blocks,
+            hello.block_size,
+        )
+        return StreamExecutor(
+            info,
+            self.transport,
+            scheduler_id=self.sid,
+            executor_id=hello.executor_id,
+            epoch=self.epoch,
+            results_cursor=cursor,
+            result_timeout_s=self.config.result_timeout_s,
+            redis_restarted=self.redis_restarted,
+        )
 
     def _check_recovery_timeout(self) -> None:
         """Without an executor for ``recovery_timeout_s``, requests fail instead of waiting on."""
@@ -324,8 +362,9 @@ class SchedulerService:
             if not core.has_work():
                 self._flush(executor)  # no next step to carry them
             self.step_wall_s += time.perf_counter() - t0
-            self.step_forward_s += executor.last_forward_s
-            self.step_count += 1
+            if core.collected:  # a call that only sent a step (the pipeline filling) executed none
+                self.step_forward_s += executor.last_forward_s
+                self.step_count += 1
             if t0 - self.last_poke > 0.1:
                 self.last_poke = t0
                 self._poke()
@@ -361,8 +400,9 @@ class SchedulerService:
             elif isinstance(msg, AbortRequests):
                 aborted.extend(msg.request_ids)
             else:
-                sends.append(self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id,
-                                               msg.from_index))
+                sends.append(
+                    self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
+                )
         now = time.monotonic()
         while self.dead_gateways:
             gateway_id = self.dead_gateways.popleft()
@@ -371,8 +411,7 @@ class SchedulerService:
             aborted.extend(doomed)
         while self.revived_gateways:  # only late, not dead: it gets its requests back
             gateway_id = self.revived_gateways.popleft()
-            sends.extend(self.router.adopt(engine.requests.get(r), r, gateway_id, 0)
-                         for r in self.router.orphans_of(gateway_id))
+            sends.extend(self.router.adopt(engine.requests.get(r), r, gateway_id, 0) for r in self.router.orphans_of(gateway_id))
         aborted.extend(self.router.expired_orphans(now))
         for request_id in aborted:
             engine.abort(request_id)
@@ -398,8 +437,10 @@ class SchedulerService:
                 raise ValueError(f"token ids must be in [0, {vocab})")
             limit = engine.max_model_len
             if len(msg.prompt_token_ids) + params.max_tokens > limit:
-                raise ValueError(f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                                 f"exceeds max_model_len ({limit})")
+                raise ValueError(
+                    f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                    f"exceeds max_model_len ({limit})"
+                )
             if len(msg.output_token_ids) >= params.max_tokens:
                 raise ValueError(f"{len(msg.output_token_ids)} tokens already generated of max_tokens {params.max_tokens}")
             request = Request(msg.request_id, msg.prompt_token_ids, params)
@@ -409,8 +450,13 @@ class SchedulerService:
         except (TypeError, ValueError) as exc:
             return str(exc)
         self.router.add(msg.request_id, msg.gateway_id, msg.journal_id)
-        logger.debug("request %s admitted from gateway %s: %d prompt tokens, %d already generated", msg.request_id,
-                     msg.gateway_id, len(msg.prompt_token_ids), len(msg.output_token_ids))
+        logger.debug(
+            "request %s admitted from gateway %s: %d prompt tokens, %d already generated",
+            msg.request_id,
+            msg.gateway_id,
+            len(msg.prompt_token_ids),
+            len(msg.output_token_ids),
+        )
         return None
 
     def _send(self, sends: list[Outgoing]) -> None:

@@ -31,6 +31,7 @@ from common.transport import Outgoing, SyncTransport
 
 logger = logging.getLogger(__name__)
 
+
 class ExecutorLost(RuntimeError):
     """The executor died or stopped answering (or Redis restarted under the step): its KV state
     is gone, so the scheduler preempts every running request and rebinds an executor."""
@@ -126,8 +127,9 @@ class StreamExecutor:
         start = last_check = time.monotonic()
         try:
             # Results already read are trimmed in the same round trip: the stream stays a few entries long.
-            got = self.transport.exchange(sends, cursors, count=64, block_ms=block_ms,
-                                          trim={self._results_stream: self.results_cursor})
+            got = self.transport.exchange(
+                sends, cursors, count=64, block_ms=block_ms, trim={self._results_stream: self.results_cursor}
+            )
             while True:
                 found: StepResult | None = None
                 for _, _, msg in got:

@@ -108,9 +108,7 @@ def make_batch(
         assert 1 <= q_len <= seq_len
         tables[i, :n] = ids[cursor : cursor + n].to(torch.int32)
         cursor += n
-        slots = tables[i, torch.arange(seq_len) // block_size].long() * block_size + (
-            torch.arange(seq_len) % block_size
-        )
+        slots = tables[i, torch.arange(seq_len) // block_size].long() * block_size + (torch.arange(seq_len) % block_size)
         ctx = seq_len - q_len
         # Cached prefix: written by the reference; the new tokens go through the kernel.
         kp = torch.randn((ctx, num_kv_heads, head_size), generator=gen).to(dtype).to(DEVICE)
@@ -152,7 +150,8 @@ def run_write_and_attention(batch: PagedBatch, dtype: torch.dtype, splits: list[
     bs = batch.k_cache.shape[1]
     compact = torch.tensor(
         [remap[int(s) // bs] * bs + int(s) % bs if s >= 0 else -1 for s in meta.slot_mapping.tolist()],
-        dtype=torch.int64, device=DEVICE,
+        dtype=torch.int64,
+        device=DEVICE,
     )
     want_k, want_v = batch.k_cache[used].clone(), batch.v_cache[used].clone()
     write_kv_ref(batch.k_new, batch.v_new, want_k, want_v, compact)
@@ -207,8 +206,7 @@ def case_huge_pool() -> None:
     """Block ids past 2^31 elements: int32 offset math would read/write far outside the pool."""
     dtype = torch.float16
     specs = [(150, 150), (70, 1), (40, 9)]
-    run_write_and_attention(make_batch(specs, 8, 2, 64, 16, dtype, huge_pool=True, seed=4),
-                            dtype, [])
+    run_write_and_attention(make_batch(specs, 8, 2, 64, 16, dtype, huge_pool=True, seed=4), dtype, [])
     batch = make_batch([(90, 1), (3, 1)], 4, 4, 64, 16, dtype, huge_pool=True, seed=5)
     run_write_and_attention(batch, dtype, [2])
 
@@ -267,8 +265,16 @@ def case_e2e() -> None:
     for backend in ("torch", "triton"):
         # A 33-token prompt spans blocks; a 24-token step budget chunks prefills and mixes them
         # with decodes in one batch.
-        llm = LLM(model, device=DEVICE, dtype="float32", attention_backend=backend,
-                  num_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=24)
+        llm = LLM(
+            model,
+            device=DEVICE,
+            dtype="float32",
+            attention_backend=backend,
+            num_blocks=64,
+            block_size=16,
+            max_model_len=256,
+            max_num_batched_tokens=24,
+        )
         assert llm.executor.ops.name == backend
         tokens[backend] = [r.token_ids for r in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"], tokens
@@ -302,10 +308,12 @@ def _compile_sm90(fn, pointers: dict[str, str], consts: dict, floats: tuple[str,
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        res = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
-                             capture_output=True, text=True).stdout.strip().splitlines()
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", path],
-                              capture_output=True, text=True).stdout
+        res = (
+            subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()
+        )
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", path], capture_output=True, text=True).stdout
     usage = " ".join(res[-1].split()[:2]) if res else "?"
     return f"{usage} smem={kernel.metadata.shared} wgmma={'HGMMA' in sass}"
 
@@ -326,37 +334,48 @@ def case_compile_sm90() -> None:
     )
 
     bf = "bf16"
-    attn_ptrs = dict(q_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, out_ptr=bf, block_tables_ptr="i32",
-                     seq_lens_ptr="i32", query_start_loc_ptr="i32")
+    attn_ptrs = dict(
+        q_ptr=bf,
+        k_cache_ptr=bf,
+        v_cache_ptr=bf,
+        out_ptr=bf,
+        block_tables_ptr="i32",
+        seq_lens_ptr="i32",
+        query_start_loc_ptr="i32",
+    )
     for max_q, qpk, head in ((512, 4, 128), (1, 4, 128), (512, 5, 80), (512, 2, 256), (1, 2, 256)):
         cfg = pa.launch_config(max_q, qpk, head)
-        usage = _compile_sm90(pa._paged_attention_kernel, attn_ptrs,
-                              dict(cfg, BLOCK_SIZE=16, DOT_PRECISION="tf32"), ("qk_scale",))
+        usage = _compile_sm90(
+            pa._paged_attention_kernel, attn_ptrs, dict(cfg, BLOCK_SIZE=16, DOT_PRECISION="tf32"), ("qk_scale",)
+        )
         print(f"paged_attention max_q={max_q} qpk={qpk} head={head}: {usage}")
     split_ptrs = dict(attn_ptrs, part_out_ptr="fp32", part_lse_ptr="fp32")
-    usage = _compile_sm90(ds._decode_split_kernel, split_ptrs,
-                          dict(ds.split_config(4, 128), BLOCK_SIZE=16, DOT_PRECISION="tf32"),
-                          ("qk_scale",))
+    usage = _compile_sm90(
+        ds._decode_split_kernel, split_ptrs, dict(ds.split_config(4, 128), BLOCK_SIZE=16, DOT_PRECISION="tf32"), ("qk_scale",)
+    )
     print(f"decode_split: {usage}")
-    usage = _compile_sm90(ds._merge_splits_kernel, split_ptrs,
-                          dict(SPLITS_PAD=8, HEAD_PAD=128, num_warps=4))
+    usage = _compile_sm90(ds._merge_splits_kernel, split_ptrs, dict(SPLITS_PAD=8, HEAD_PAD=128, num_warps=4))
     print(f"merge_splits: {usage}")
-    usage = _compile_sm90(kv_write._kv_write_kernel,
-                          dict(key_ptr=bf, value_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf,
-                               slot_mapping_ptr="i64"),
-                          dict(BLOCK_SIZE=16, BLOCK_T=4, HEADS_PAD=8, HEAD_PAD=128, num_warps=4))
+    usage = _compile_sm90(
+        kv_write._kv_write_kernel,
+        dict(key_ptr=bf, value_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, slot_mapping_ptr="i64"),
+        dict(BLOCK_SIZE=16, BLOCK_T=4, HEADS_PAD=8, HEAD_PAD=128, num_warps=4),
+    )
     print(f"kv_write: {usage}")
-    usage = _compile_sm90(rn._rms_norm_kernel,
-                          dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf,
-                               residual_out_ptr=bf),
-                          dict(HAS_RESIDUAL=True, BLOCK=4096, num_warps=8), ("eps",))
+    usage = _compile_sm90(
+        rn._rms_norm_kernel,
+        dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf, residual_out_ptr=bf),
+        dict(HAS_RESIDUAL=True, BLOCK=4096, num_warps=8),
+        ("eps",),
+    )
     print(f"rms_norm: {usage}")
-    usage = _compile_sm90(ro._rotary_kernel,
-                          dict(q_ptr=bf, k_ptr=bf, positions_ptr="i64", cache_ptr="fp32"),
-                          dict(QHEADS_PAD=32, KHEADS_PAD=8, HALF_PAD=64, num_warps=4))
+    usage = _compile_sm90(
+        ro._rotary_kernel,
+        dict(q_ptr=bf, k_ptr=bf, positions_ptr="i64", cache_ptr="fp32"),
+        dict(QHEADS_PAD=32, KHEADS_PAD=8, HALF_PAD=64, num_warps=4),
+    )
     print(f"rotary: {usage}")
-    usage = _compile_sm90(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf),
-                          dict(BLOCK=1024, num_warps=4))
+    usage = _compile_sm90(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
     print(f"silu_and_mul: {usage}")
 
 

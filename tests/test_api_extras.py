@@ -112,11 +112,20 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
         servers.append(server)
         threads.append(thread)
         wait_healthy(f"http://127.0.0.1:{port}/health", 60, [])
-        clients.append(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
-                                    headers={"Authorization": f"Bearer {API_KEY}"}))
+        clients.append(
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"})
+        )
     try:
-        yield {"a": clients[0], "b": clients[1], "apps": apps, "redis": r, "names": names, "engine": engine,
-               "tokenizer": AutoTokenizer.from_pretrained(model), "model": model}
+        yield {
+            "a": clients[0],
+            "b": clients[1],
+            "apps": apps,
+            "redis": r,
+            "names": names,
+            "engine": engine,
+            "tokenizer": AutoTokenizer.from_pretrained(model),
+            "model": model,
+        }
     finally:
         for client in clients:
             client.close()
@@ -168,18 +177,20 @@ def test_chat_tokenize_equals_what_the_chat_endpoint_counts(env: dict[str, Any])
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert got["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and got["count"] == len(got["tokens"])
     # What the chat endpoint sends the engine, and answers as usage.prompt_tokens.
-    response = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3},
-                      headers={"X-Request-Id": "chat-count-1"})
+    response = c.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, headers={"X-Request-Id": "chat-count-1"}
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == got["count"]
     assert _engine_request(env, "chat-count-1-").prompt_token_ids == got["tokens"]
     # Content parts are joined as the chat endpoint joins them; the generation prompt is optional.
     parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
-    assert c.post("/tokenize", json={"messages": parts}).json()["tokens"] == \
-        c.post("/tokenize", json={"messages": [{"role": "user", "content": "Say hi"}]}).json()["tokens"]
+    assert (
+        c.post("/tokenize", json={"messages": parts}).json()["tokens"]
+        == c.post("/tokenize", json={"messages": [{"role": "user", "content": "Say hi"}]}).json()["tokens"]
+    )
     bare = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    got = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
-                                    "add_special_tokens": True}).json()
+    got = c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False, "add_special_tokens": True}).json()
     assert got["tokens"] == tok(bare, add_special_tokens=True)["input_ids"]
 
 
@@ -203,17 +214,26 @@ def test_chat_tokenize_equals_what_the_chat_endpoint_counts(env: dict[str, Any])
         ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt", ["not both"]),
         ("/tokenize", {"messages": []}, 400, "messages", ["non-empty"]),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", ["role"]),
-        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"}, 400,
-         "chat_template", ["not supported"]),
-        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
-         "continue_final_message", ["not supported"]),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"},
+            400,
+            "chat_template",
+            ["not supported"],
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            400,
+            "continue_final_message",
+            ["not supported"],
+        ),
         ("/tokenize", {"prompt": "hi", "return_token_strs": "yes"}, 400, "return_token_strs", ["boolean"]),
         ("/tokenize", {"prompt": "hi", "add_special_tokens": 1}, 400, "add_special_tokens", ["boolean"]),
         ("/tokenize", {"prompt": "hello world " * 2000}, 400, "prompt", [str(MAX_MODEL_LEN), "tokens"]),
     ],
 )
-def test_tokenize_errors(env: dict[str, Any], path: str, body: Any, status: int, param: str | None,
-                         words: list[str]) -> None:
+def test_tokenize_errors(env: dict[str, Any], path: str, body: Any, status: int, param: str | None, words: list[str]) -> None:
     err = _error(env["a"].post(path, json=body), status, *words)
     assert err["param"] == param
     if "hello world" in json.dumps(body):
@@ -247,9 +267,12 @@ def test_x_request_id_is_the_response_id_and_the_engine_ids_prefix(env: dict[str
     req = _engine_request(env, "trace-0001-")
     assert re.fullmatch(r"trace-0001-[0-9a-f]{8}", req.request_id), req.request_id
     # Streaming: every chunk has the id, the header too, and the journal is under it.
-    with c.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "trace/0002:x"},
-                  json={"messages": [{"role": "user", "content": "alpha beta gamma"}], "max_tokens": 4,
-                        "stream": True}) as streamed:
+    with c.stream(
+        "POST",
+        "/v1/chat/completions",
+        headers={"X-Request-Id": "trace/0002:x"},
+        json={"messages": [{"role": "user", "content": "alpha beta gamma"}], "max_tokens": 4, "stream": True},
+    ) as streamed:
         streamed.read()
     assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "trace/0002:x"
     chunks = _sse(streamed)
@@ -281,8 +304,10 @@ def test_x_request_id_is_the_response_id_and_the_engine_ids_prefix(env: dict[str
 )
 def test_bad_x_request_id_is_a_clear_400(env: dict[str, Any], value: str | bytes, words: list[str]) -> None:
     seen = len(env["engine"].seen)
-    for path, body in (("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         err = _error(env["a"].post(path, json=body, headers={"X-Request-Id": value}), 400, "X-Request-Id", *words)
         assert err["param"] == "X-Request-Id" and err["code"] == "invalid_request_id"
     assert len(env["engine"].seen) == seen  # nothing reached the engine
@@ -298,8 +323,10 @@ def test_same_id_twice_in_flight_does_not_mix_on_one_gateway_or_two(env: dict[st
     """Requests sharing a client's id (non-streaming) are all served, each with its own output:
     their engine ids differ by their suffix."""
     prompts = ["red green blue yellow", "one two three four", "cat dog bird fish", "sun moon star sky"]
-    calls = [lambda c=c, p=p: _completion(c, p, "dup-1", max_tokens=HOLD_MAX_TOKENS)
-             for c, p in zip((env["a"], env["a"], env["b"], env["b"]), prompts)]
+    calls = [
+        lambda c=c, p=p: _completion(c, p, "dup-1", max_tokens=HOLD_MAX_TOKENS)
+        for c, p in zip((env["a"], env["a"], env["b"], env["b"]), prompts)
+    ]
     env["engine"].release.clear()
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(call) for call in calls]
@@ -330,8 +357,12 @@ def test_a_streams_id_is_taken_while_it_is_in_flight_or_resumable(env: dict[str,
         while not any(r.request_id.startswith("stream-1-") for r in engine.seen) and time.time() < deadline:
             time.sleep(0.02)
         for client in (a, b):
-            err = _error(client.post("/v1/completions", json={**body, "prompt": "second"},
-                                     headers={"X-Request-Id": "stream-1"}), 409, "stream-1", "/v1/streams/stream-1")
+            err = _error(
+                client.post("/v1/completions", json={**body, "prompt": "second"}, headers={"X-Request-Id": "stream-1"}),
+                409,
+                "stream-1",
+                "/v1/streams/stream-1",
+            )
             assert err["code"] == "duplicate_request_id" and err["param"] == "X-Request-Id"
         other = _completion(b, "not a stream at all", "stream-1")
         assert other.status_code == 200 and other.json()["choices"][0]["text"] == _expected_text(env, "not a stream at all")
@@ -350,6 +381,7 @@ def test_a_streams_id_is_taken_while_it_is_in_flight_or_resumable(env: dict[str,
 def test_a_claimed_id_is_freed_when_the_stream_cannot_start(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The journal was claimed, then no engine took the request (it vanished meanwhile): the 503
     leaves the id free, for the client's retry."""
+
     async def no_engine(*_: Any) -> bool:
         return False
 
@@ -390,9 +422,12 @@ def _json_records(stream: io.StringIO) -> list[dict[str, Any]]:
 def test_one_request_log_line_per_finished_request(env: dict[str, Any], request_log: dict[str, io.StringIO]) -> None:
     response = _completion(env["a"], "alpha beta gamma delta epsilon", "log-1", max_tokens=4)
     usage = response.json()["usage"]
-    with env["b"].stream("POST", "/v1/completions", headers={"X-Request-Id": "log-2"},
-                         json={"prompt": "zeta eta theta iota", "max_tokens": 3, "stream": True,
-                               "stop": ["never"]}) as streamed:
+    with env["b"].stream(
+        "POST",
+        "/v1/completions",
+        headers={"X-Request-Id": "log-2"},
+        json={"prompt": "zeta eta theta iota", "max_tokens": 3, "stream": True, "stop": ["never"]},
+    ) as streamed:
         streamed.read()
     records = {rec["request_id"]: rec for rec in _json_records(request_log["json"])}
     rec = records["log-1"]

@@ -31,17 +31,23 @@ from bench.serve import (
 from infra.stack import Stack
 
 # vLLM's benchmark_serving result fields: every run's result file must hold them.
-FIELDS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
-          "output_throughput", "total_token_throughput"] + [
-    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")]
+FIELDS = [
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+] + [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")]
 
 
 # -- metrics on synthetic timings --------------------------------------------------------------
 def test_metrics_follow_vllm_definitions() -> None:
     requests = [BenchRequest([20] * 10, 10, 4), BenchRequest([20] * 20, 20, 1), BenchRequest([20] * 5, 5, 3)]
     results = [
-        RequestResult(success=True, ttft=0.1, itl=[0.02, 0.03, 0.05], latency=0.2, prompt_tokens=11, output_tokens=4,
-                      chunks=4),
+        RequestResult(success=True, ttft=0.1, itl=[0.02, 0.03, 0.05], latency=0.2, prompt_tokens=11, output_tokens=4, chunks=4),
         RequestResult(success=True, ttft=0.3, latency=0.3, output_tokens=1, chunks=1),  # no usage: prompt_len counts
         RequestResult(success=False, error="HTTP 500: boom"),
     ]
@@ -120,8 +126,7 @@ def test_jsonl_requests(tmp_path: Path) -> None:
 
 # -- the SSE client on canned streams ----------------------------------------------------------
 def _sse(*events: Any) -> bytes:
-    return b"".join(f"id: {i}\ndata: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode()
-                    for i, e in enumerate(events, 1))
+    return b"".join(f"id: {i}\ndata: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for i, e in enumerate(events, 1))
 
 
 def _send(response: httpx.Response, body: dict[str, Any]) -> RequestResult:
@@ -129,6 +134,7 @@ def _send(response: httpx.Response, body: dict[str, Any]) -> RequestResult:
         transport = httpx.MockTransport(lambda request: response)
         async with httpx.AsyncClient(transport=transport) as client:
             return await send_request(client, "http://x/v1/chat/completions", body)
+
     return asyncio.run(go())
 
 
@@ -176,8 +182,12 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def _bench(stack: Stack, result_file: Path, *args: str) -> dict[str, Any]:
     from bench.serve import main
 
-    assert main(["--base-url", stack.urls[0], "--disable-tqdm", "--request-timeout", "120", "--result-file",
-                 str(result_file), *args]) == 0
+    assert (
+        main(
+            ["--base-url", stack.urls[0], "--disable-tqdm", "--request-timeout", "120", "--result-file", str(result_file), *args]
+        )
+        == 0
+    )
     result = json.loads(result_file.read_text())
     missing = [f for f in FIELDS if not isinstance(result.get(f), (int, float))]
     assert not missing, missing
@@ -192,8 +202,11 @@ def test_bench_against_stack(stack: Stack, tmp_path: Path, endpoint: str, datase
     if rate is not None:
         args += ["--request-rate", rate, "--max-concurrency", "3"]
     if dataset == "jsonl":
-        lines = [{"prompt": "def hello(", "output_len": 3}, {"prompt": "import os\nimport sys\n"},
-                 {"prompt": "class Foo:", "output_len": 9}]
+        lines = [
+            {"prompt": "def hello(", "output_len": 3},
+            {"prompt": "import os\nimport sys\n"},
+            {"prompt": "class Foo:", "output_len": 9},
+        ]
         if endpoint == "completions":
             lines.append({"prompt": list(range(40, 40 + INPUT_LEN)), "output_len": 4})
         path = tmp_path / "prompts.jsonl"
@@ -217,9 +230,27 @@ def test_bench_against_stack(stack: Stack, tmp_path: Path, endpoint: str, datase
 
 
 def test_shared_prefix_with_engine_steps_and_model_by_path(stack: Stack, tiny_model: Any, tmp_path: Path) -> None:
-    result = _bench(stack, tmp_path / "result.json", "--dataset", "shared-prefix", "--random-prefix-len", "32",
-                    "--random-input-len", "8", "--random-output-len", "4", "--num-prompts", "6", "--ignore-eos",
-                    "--model", str(tiny_model()), "--redis-url", stack.redis_url, "--namespace", stack.namespace)
+    result = _bench(
+        stack,
+        tmp_path / "result.json",
+        "--dataset",
+        "shared-prefix",
+        "--random-prefix-len",
+        "32",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "4",
+        "--num-prompts",
+        "6",
+        "--ignore-eos",
+        "--model",
+        str(tiny_model()),
+        "--redis-url",
+        stack.redis_url,
+        "--namespace",
+        stack.namespace,
+    )
     assert (result["completed"], result["total_input_tokens"], result["total_output_tokens"]) == (6, 6 * 40, 24)
     assert result["model_id"] == Path(tiny_model()).name  # the served name, found from the checkpoint path
     steps = result["service_steps"]
@@ -228,8 +259,9 @@ def test_shared_prefix_with_engine_steps_and_model_by_path(stack: Stack, tiny_mo
 
 def test_failed_requests_are_counted(stack: Stack, tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": [50] * 8, "output_len": 2}) + "\n"
-                    + json.dumps({"prompt": [5000] * 8}) + "\n")  # outside the 1024-id vocabulary: a 400
+    path.write_text(
+        json.dumps({"prompt": [50] * 8, "output_len": 2}) + "\n" + json.dumps({"prompt": [5000] * 8}) + "\n"
+    )  # outside the 1024-id vocabulary: a 400
     result = _bench(stack, tmp_path / "result.json", "--dataset", str(path), "--num-prompts", "4", "--ignore-eos")
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 2, 4)
     assert len(result["errors"]) == 2 and all(e.startswith("HTTP 400") for e in result["errors"])
@@ -239,8 +271,22 @@ def test_wrong_model_fails_fast(stack: Stack, tmp_path: Path) -> None:
     from bench.serve import main
 
     out = tmp_path / "result.json"
-    assert main(["--base-url", stack.urls[0], "--model", "no-such-model", "--disable-tqdm", "--num-prompts", "2",
-                 "--result-file", str(out)]) == 1
+    assert (
+        main(
+            [
+                "--base-url",
+                stack.urls[0],
+                "--model",
+                "no-such-model",
+                "--disable-tqdm",
+                "--num-prompts",
+                "2",
+                "--result-file",
+                str(out),
+            ]
+        )
+        == 1
+    )
     assert not out.exists()
 
 
@@ -249,9 +295,33 @@ def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> 
     from infra.cli import main
 
     out = tmp_path / "result.json"
-    assert main(["bench", "serve", "--start", "--model", str(tiny_model()), "--num-blocks", "256", "--offline",
-                 "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
-                 "--disable-tqdm", "--request-timeout", "120", "--result-file", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--start",
+                "--model",
+                str(tiny_model()),
+                "--num-blocks",
+                "256",
+                "--offline",
+                "--num-prompts",
+                "4",
+                "--random-input-len",
+                "8",
+                "--random-output-len",
+                "4",
+                "--ignore-eos",
+                "--disable-tqdm",
+                "--request-timeout",
+                "120",
+                "--result-file",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert (result["completed"], result["total_output_tokens"]) == (4, 16)
     assert {"executor0", "scheduler0", "gateway0", "client"} <= set(result["cpu_s"])

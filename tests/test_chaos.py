@@ -59,8 +59,9 @@ async def _stream(urls: list[str], i: int, progress: list[int]) -> StreamResult:
             if response_id is None:
                 request = client.stream("POST", f"{urls[gateway]}/v1/completions", json=_body(i))
             else:
-                request = client.stream("GET", f"{urls[gateway]}/v1/streams/{response_id}",
-                                        headers={"Last-Event-ID": str(last_event)})
+                request = client.stream(
+                    "GET", f"{urls[gateway]}/v1/streams/{response_id}", headers={"Last-Event-ID": str(last_event)}
+                )
             try:
                 async with request as r:
                     if r.status_code != 200:
@@ -99,9 +100,11 @@ async def _stream(urls: list[str], i: int, progress: list[int]) -> StreamResult:
     return result
 
 
-def run_load(stack: Stack, fault: Callable[[], None] | None = None, after_events: int = 0,
-             urls: list[str] | None = None) -> list[StreamResult]:
+def run_load(
+    stack: Stack, fault: Callable[[], None] | None = None, after_events: int = 0, urls: list[str] | None = None
+) -> list[StreamResult]:
     """Run NUM_STREAMS streams; call ``fault()`` (on a thread) once ``after_events`` events arrived."""
+
     async def main() -> list[StreamResult]:
         progress = [0]
         tasks = [asyncio.create_task(_stream(urls or stack.urls, i, progress)) for i in range(NUM_STREAMS)]
@@ -117,8 +120,15 @@ def run_load(stack: Stack, fault: Callable[[], None] | None = None, after_events
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("chaos")), gateways=2, engines=2, private_redis=True,
-              executor_args=("--num-blocks", "256"), scheduler_args=("--recovery-timeout", "60"))
+    s = Stack(
+        tiny_model(),
+        Path(tmp_path_factory.mktemp("chaos")),
+        gateways=2,
+        engines=2,
+        private_redis=True,
+        executor_args=("--num-blocks", "256"),
+        scheduler_args=("--recovery-timeout", "60"),
+    )
     s.start()
     yield s
     s.stop()
@@ -138,8 +148,13 @@ def _report(results: list[StreamResult], reference: list[str], fault: str) -> No
     report = os.environ.get("CONVEYOR_CHAOS_REPORT")
     if report:
         lost = sum(1 for r, want in zip(results, reference) if r.errors or r.text != want)
-        line = {"fault": fault, "in_flight": len(results), "lost": lost, "resumed": sum(r.resumes > 0 for r in results),
-                "max_pause_s": round(max(r.max_gap_s for r in results), 2)}
+        line = {
+            "fault": fault,
+            "in_flight": len(results),
+            "lost": lost,
+            "resumed": sum(r.resumes > 0 for r in results),
+            "max_pause_s": round(max(r.max_gap_s for r in results), 2),
+        }
         with open(report, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -172,8 +187,11 @@ def _busiest_engine(stack: Stack) -> str:
 
 def _log_count(stack: Stack, word: str) -> int:
     """How many lines of the gateways' logs contain ``word``."""
-    return sum(line.count(word) for i in range(stack.num_gateways)
-               for line in (stack.workdir / f"gateway{i}.log").read_text(errors="replace").splitlines())
+    return sum(
+        line.count(word)
+        for i in range(stack.num_gateways)
+        for line in (stack.workdir / f"gateway{i}.log").read_text(errors="replace").splitlines()
+    )
 
 
 def _kill(stack: Stack, name: str) -> None:
@@ -186,6 +204,7 @@ def _kill(stack: Stack, name: str) -> None:
 def test_engine_part_killed_and_restarted(stack: Stack, reference: list[str], role: str) -> None:
     """An executor's death is a pause; a scheduler's requests migrate (to the other engine, or to
     the restarted scheduler)."""
+
     def fault() -> None:
         engine = _busiest_engine(stack)
         _kill(stack, f"{role}{engine}")

@@ -27,8 +27,24 @@ def redis_with_password(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
         pytest.skip("redis-server is not installed")
     port = free_port()
     workdir = tmp_path_factory.mktemp("authredis")
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir), "--requirepass", "the-right-one"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--requirepass",
+            "the-right-one",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     wait_for_port("127.0.0.1", port, 15, proc)
     yield f"redis://:{SECRET}@127.0.0.1:{port}/0"
     proc.kill()
@@ -37,8 +53,13 @@ def redis_with_password(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 
 def _run(args: list[str], redis_url: str, tmp_path: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO,
-                            stdout=open(tmp_path / "out.log", "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "infra.cli", *args],
+        env=env,
+        cwd=REPO,
+        stdout=open(tmp_path / "out.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.mark.parametrize("args", [["scheduler"], ["gateway", "--port", "0"]])

@@ -21,11 +21,17 @@ def random_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 def hf_greedy(hf, prompt: list[int], n: int, **kwargs) -> tuple[list[int], torch.Tensor]:
     out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-        return_dict_in_generate=True, output_logits=True, pad_token_id=0, **kwargs,
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+        **kwargs,
     )
     logprobs = torch.log_softmax(torch.stack(out.logits, 1)[0].float(), -1)
-    return out.sequences[0, len(prompt):].tolist(), logprobs
+    return out.sequences[0, len(prompt) :].tolist(), logprobs
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -77,8 +83,7 @@ def test_repetition_penalty_parity_with_transformers(tiny_model) -> None:
     llm.cache_manager.check_invariants()
 
 
-def reference_penalised_greedy(hf, prompt: list[int], n: int, presence: float, frequency: float,
-                               repetition: float) -> list[int]:
+def reference_penalised_greedy(hf, prompt: list[int], n: int, presence: float, frequency: float, repetition: float) -> list[int]:
     """Greedy decoding with vLLM's penalties applied by hand to transformers' logits, token by token."""
     ids, out = list(prompt), []
     with torch.no_grad():
@@ -101,8 +106,11 @@ def test_presence_and_frequency_penalties(tiny_model) -> None:
     llm = LLM(model_dir, dtype="float32", block_size=16, max_num_batched_tokens=48)
     prompts = random_prompts(llm.executor.info.vocab_size, seed=4)[:6]
     n = 16
-    kinds = [dict(presence_penalty=1.5), dict(frequency_penalty=0.7),
-             dict(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.2)]
+    kinds = [
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=0.7),
+        dict(presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.2),
+    ]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kinds[i % 3]) for i in range(len(prompts))]
     outputs = llm.generate(prompts, params)
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -115,8 +123,10 @@ def test_presence_and_frequency_penalties(tiny_model) -> None:
     for kind in range(3):
         assert any(o.token_ids != q.token_ids for o, q in zip(outputs[kind::3], plain[kind::3])), kinds[kind]
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in outputs]
-    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True, presence_penalty=1.0,
-                             frequency_penalty=0.5) for i in range(len(prompts))]
+    seeded = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.5)
+        for i in range(len(prompts))
+    ]
     first = [o.token_ids for o in llm.generate(prompts, seeded)]
     alone = llm.generate(prompts[2], seeded[2])[0].token_ids
     assert first == [o.token_ids for o in llm.generate(prompts, seeded)] and alone == first[2]
@@ -130,11 +140,14 @@ def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
     prompt = [5, 6, 7, 8]
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     forced_token = next(t for t in range(100, 1000) if t not in base)
-    for p in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={forced_token: 100}),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logit_bias={forced_token: 100.0})):
+    for p in (
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={forced_token: 100}),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logit_bias={forced_token: 100.0}),
+    ):
         assert llm.generate([prompt], p)[0].token_ids == [forced_token] * 8
-    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                    logit_bias={base[0]: -100}))[0].token_ids
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={base[0]: -100}))[
+        0
+    ].token_ids
     assert base[0] not in banned and banned != base
     vocab = llm.executor.info.vocab_size
     with pytest.raises(ValueError, match=rf"logit_bias token ids must be in \[0, {vocab}\)"):
@@ -179,8 +192,12 @@ def test_async_scheduling_gives_identical_outputs(tiny_model) -> None:
     prompts = random_prompts(1000, seed=2)[:10]
     options = dict(block_size=16, max_num_batched_tokens=64, num_blocks=30, max_model_len=480)
     sync = LLM(model_dir, async_scheduling=False, **options)
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     free_run = sync.generate(prompts, params)
     # Stop tokens taken from the middle of each free run: requests end early, at a known token.
     for p, out in zip(params, free_run):

@@ -37,15 +37,39 @@ def async_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         asyncio.run(fn(*args, **kwargs))
+
     return wrapper
 
 
-def engine(sid: str, *, running: int = 0, waiting: int = 0, free: int = 100, executor: str = "e",
-           model: str = "tiny", incarnation: str | None = None) -> EngineStatus:
-    return EngineStatus(scheduler_id=sid, incarnation=incarnation or f"inc-{sid}", model_name=model, model_path="/m",
-                        max_model_len=256, vocab_size=100, block_size=16, num_blocks=100,
-                        executor_id=executor, epoch=1, num_free_blocks=free, num_running=running,
-                        num_waiting=waiting, num_steps=0, num_preemptions=0, num_dead_letters=0, updated_at=0.0)
+def engine(
+    sid: str,
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    free: int = 100,
+    executor: str = "e",
+    model: str = "tiny",
+    incarnation: str | None = None,
+) -> EngineStatus:
+    return EngineStatus(
+        scheduler_id=sid,
+        incarnation=incarnation or f"inc-{sid}",
+        model_name=model,
+        model_path="/m",
+        max_model_len=256,
+        vocab_size=100,
+        block_size=16,
+        num_blocks=100,
+        executor_id=executor,
+        epoch=1,
+        num_free_blocks=free,
+        num_running=running,
+        num_waiting=waiting,
+        num_steps=0,
+        num_preemptions=0,
+        num_dead_letters=0,
+        updated_at=0.0,
+    )
 
 
 def make_client(gateway_id: str = "g1", server: fakeredis.FakeServer | None = None, **kwargs: Any) -> EngineClient:
@@ -76,7 +100,7 @@ def outputs(*rows: tuple[Any, ...]) -> StepOutputs:
     """``(request id, first index, tokens[, finished, reason, error])`` per row, as a gateway reads it."""
     msg = StepOutputs()
     for rid, index, tokens, *rest in rows:
-        finished, reason, error = (list(rest) + [False, None, None][len(rest):])
+        finished, reason, error = list(rest) + [False, None, None][len(rest) :]
         msg.add(rid, index, tokens, None, finished, reason, error)
     return decode(encode(msg.sealed()))
 
@@ -99,11 +123,13 @@ async def test_pick_engine_prefers_executor_then_least_load() -> None:
     assert client.pick_engine() is None
     with pytest.raises(EngineUnavailable):
         await client.submit("r0", [1], SAMPLING)
-    await publish(client,
-                  engine("idle-no-executor", executor=""),          # no executor: last resort
-                  engine("busy", waiting=1, free=50),               # load 4
-                  engine("light", running=2),                        # load 2
-                  engine("starting", model=""))                      # no model yet: not an engine
+    await publish(
+        client,
+        engine("idle-no-executor", executor=""),  # no executor: last resort
+        engine("busy", waiting=1, free=50),  # load 4
+        engine("light", running=2),  # load 2
+        engine("starting", model=""),
+    )  # no model yet: not an engine
     assert set(client.engines) == {"idle-no-executor", "busy", "light"} and client.down_reason is None
     assert client.pick_engine().scheduler_id == "light"
     # What this gateway sent since the last refresh counts too (one each): light at 2, 3, then a
@@ -176,8 +202,8 @@ async def test_dispatch_drops_duplicate_token_indices() -> None:
     h = await client.submit("r", [1, 2, 3], SAMPLING)
     other = await client.submit("q", [4], SAMPLING)
     await client._dispatch(outputs(("r", 0, [5, 6]), ("q", 0, [9])))
-    await client._dispatch(outputs(("r", 1, [6, 7])))   # overlaps by one
-    await client._dispatch(outputs(("r", 0, [5, 6])))   # a whole duplicate (a retried exchange)
+    await client._dispatch(outputs(("r", 1, [6, 7])))  # overlaps by one
+    await client._dispatch(outputs(("r", 0, [5, 6])))  # a whole duplicate (a retried exchange)
     await client._dispatch(outputs(("r", 3, [8]), ("ghost", 0, [1])))
     events = drain(h)
     assert [e.token_ids for e in events] == [[5, 6], [7], [8]]
@@ -198,7 +224,7 @@ async def test_dispatch_gap_asks_for_one_resend() -> None:
     await publish(client, engine("s0"))
     h = await client.submit("r", [1, 2, 3], SAMPLING)
     await client._dispatch(outputs(("r", 0, [5, 6, 7])))
-    await client._dispatch(outputs(("r", 5, [9])))   # 3 and 4 were lost
+    await client._dispatch(outputs(("r", 5, [9])))  # 3 and 4 were lost
     await client._dispatch(outputs(("r", 6, [10])))  # still missing: no second request
     assert tokens_of(drain(h)) == [5, 6, 7] and h.sync_from == 3
     syncs = [m for m in await sent(client, "s0") if isinstance(m, SyncRequest)]
@@ -219,8 +245,13 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
     client = make_client(resume_window_s=30.0)
     await publish(client, engine("s0"))
     header = JournalHeader("resp", "chat", "{}", "tiny", 1, 10, [1, 2, 3], None)
-    h = await client.submit("resp", [1, 2, 3], SAMPLING, "resp",
-                            journal=[Outgoing(NAMES.journal("resp"), encode(header), None, client.journal_ttl_ms)])
+    h = await client.submit(
+        "resp",
+        [1, 2, 3],
+        SAMPLING,
+        "resp",
+        journal=[Outgoing(NAMES.journal("resp"), encode(header), None, client.journal_ttl_ms)],
+    )
     plain = await client.submit("plain", [1], SAMPLING)
     assert h.journal_id == "resp" and plain.journal_id == ""
     assert await journal(client, "resp") == [header, Route("resp", "s0")]
@@ -247,10 +278,15 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
     entries = await journal(client, "resp")
     assert entries[:2] == [header, Route("resp", "s0")]
     replay = [(m.request_ids, m.token_index, m.token_ids, m.finished, m.finish_reasons) for m in entries[2:]]
-    assert replay == [(["resp"], [0], [5, 6], [False], [None]), (["resp"], [2], [8], [False], [None]),
-                      (["resp"], [3], [9], [True], ["stop"])]
+    assert replay == [
+        (["resp"], [0], [5, 6], [False], [None]),
+        (["resp"], [2], [8], [False], [None]),
+        (["resp"], [3], [9], [True], ["stop"]),
+    ]
     assert unpack_logprobs(entries[2].lp_counts, entries[2].lp_token_ids, entries[2].lp_values) == [
-        {5: -0.5}, {6: -0.25, 1: -3.0}]
+        {5: -0.5},
+        {6: -0.25, 1: -3.0},
+    ]
     assert 0 < await client.transport.redis.pttl(NAMES.journal("resp")) <= 30_000
     assert tokens_of(drain(plain)) == [7, 9]  # not journaled: only resp's stream exists
     assert await client.transport.redis.exists(NAMES.journal("plain")) == 0
@@ -306,9 +342,13 @@ async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
 async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     client = make_client()
     await publish(client, engine("s0"), engine("s1", running=1))
-    h = await client.submit("resp", [1, 2, 3], SAMPLING, "resp",
-                            journal=[Outgoing(NAMES.journal("resp"), encode(JournalHeader("resp", "completion", "{}",
-                                                                                          "tiny", 1, 10, [1, 2, 3])))])
+    h = await client.submit(
+        "resp",
+        [1, 2, 3],
+        SAMPLING,
+        "resp",
+        journal=[Outgoing(NAMES.journal("resp"), encode(JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1, 2, 3])))],
+    )
     assert h.scheduler_id == "s0" and h.engine_request_id == "resp" and h.attempts == 1
     await client._dispatch(outputs(("resp", 0, [5, 6])))
     # s0 restarted and lost it (and is now busy); s2 appeared and is the least loaded.
@@ -321,8 +361,7 @@ async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     assert client.num_migrations == 1 and h.unrouted_since is None
     assert set(client.attempts) == {"resp~1"} and client.requests["resp"] is h
     [moved] = await sent(client, "s2")
-    assert moved == GenerateRequest("resp~1", "g1", "s2", "inc-s2", [1, 2, 3], [5, 6], SAMPLING, moved.arrival_time,
-                                    "resp")
+    assert moved == GenerateRequest("resp~1", "g1", "s2", "inc-s2", [1, 2, 3], [5, 6], SAMPLING, moved.arrival_time, "resp")
     assert (await journal(client, "resp"))[-1] == Route("resp~1", "s2")
     # The old attempt is stopped on the old engine.
     await client._flush_aborts("client")
@@ -377,17 +416,16 @@ async def test_adopt_replays_journal_in_order_stops_at_gap_and_syncs() -> None:
     await publish(client, engine("s1"))
     journaled = [
         outputs(("resp", 0, [5, 6])),
-        outputs(("resp", 1, [6, 7])),       # overlap: 6 is a duplicate
-        outputs(("resp~1", 3, [8, 9])),     # the next attempt
-        outputs(("resp~1", 7, [12])),       # a gap: 5 and 6 were lost with the old gateway
+        outputs(("resp", 1, [6, 7])),  # overlap: 6 is a duplicate
+        outputs(("resp~1", 3, [8, 9])),  # the next attempt
+        outputs(("resp~1", 7, [12])),  # a gap: 5 and 6 were lost with the old gateway
         outputs(("resp~1", 8, [13])),
     ]
     h = await client.adopt("resp", [1, 2], SAMPLING, Route("resp~1", "s1"), journaled)
     events = drain(h)
     assert tokens_of(events) == [5, 6, 7, 8, 9] and h.output_token_ids == [5, 6, 7, 8, 9]
     assert not any(e.finished for e in events)
-    assert (h.engine_request_id, h.scheduler_id, h.incarnation, h.attempts, h.journal_id) == (
-        "resp~1", "s1", "inc-s1", 2, "resp")
+    assert (h.engine_request_id, h.scheduler_id, h.incarnation, h.attempts, h.journal_id) == ("resp~1", "s1", "inc-s1", 2, "resp")
     assert client.requests["resp"] is h and client.attempts["resp~1"] is h
     assert await sent(client, "s1") == [SyncRequest("resp~1", "g2", 5)]
     # The resend arrives: it continues the stream without duplicates.

@@ -78,7 +78,7 @@ class Engine:
                     for i, request_id in enumerate(out.request_ids):
                         n, have = out.num_tokens[i], self.tokens[request_id]
                         assert out.token_index[i] <= len(have), "a gap in the outputs"
-                        have.extend(out.token_ids[pos : pos + n][len(have) - out.token_index[i]:])
+                        have.extend(out.token_ids[pos : pos + n][len(have) - out.token_index[i] :])
                         pos += n
                         if out.finished[i]:
                             self.ends[request_id] = (out.finish_reasons[i], out.errors[i])
@@ -95,8 +95,9 @@ def engine(tiny_model: Any, tmp_path: Path, request: pytest.FixtureRequest) -> I
     inner = PoisonedExecutor(ModelExecutor(ModelConfig(model), ParallelConfig(), CacheConfig(num_blocks=128)))
     executor = ExecutorService(ExecutorServiceConfig(url, model, names.namespace, heartbeat_ttl_ms=1500), inner)
     recovery_s = getattr(request, "param", 60.0)
-    scheduler = SchedulerService(SchedulerServiceConfig(url, names.namespace, heartbeat_ttl_ms=1500,
-                                                        recovery_timeout_s=recovery_s))
+    scheduler = SchedulerService(
+        SchedulerServiceConfig(url, names.namespace, heartbeat_ttl_ms=1500, recovery_timeout_s=recovery_s)
+    )
     threads = [threading.Thread(target=s.run, daemon=True) for s in (executor, scheduler)]
     for thread in threads:
         thread.start()

@@ -46,8 +46,11 @@ def test_padded_linear_matches_plain_matmul() -> None:
 def test_executor_runs_packed_linears_on_bucketed_row_counts(tiny_model, monkeypatch) -> None:
     from executor.model_executor import ModelExecutor
 
-    ex = ModelExecutor(ModelConfig(str(tiny_model("llama")), dtype="float32", device="cpu"), ParallelConfig(),
-                       CacheConfig(block_size=16, num_blocks=160))
+    ex = ModelExecutor(
+        ModelConfig(str(tiny_model("llama")), dtype="float32", device="cpu"),
+        ParallelConfig(),
+        CacheConfig(block_size=16, num_blocks=160),
+    )
     seen: list[int] = []
     op = torch.ops.mkldnn._linear_pointwise
 
@@ -59,10 +62,18 @@ def test_executor_runs_packed_linears_on_bucketed_row_counts(tiny_model, monkeyp
     params = SamplingParams(temperature=0, max_tokens=1)
     token_counts = range(1, 301)
     for n in token_counts:  # a prompt of every length from 1 to 300 tokens, as one prefill each
-        batch = Batch(request_ids=["r"], input_ids=[(7 * i) % 500 + 5 for i in range(n)], positions=list(range(n)),
-                      slot_mapping=list(range(n)), query_lens=[n], seq_lens=[n],
-                      block_tables=[list(range(-(-n // 16)))], sample=[True], output_lens=[0],
-                      sampling_params=[params])
+        batch = Batch(
+            request_ids=["r"],
+            input_ids=[(7 * i) % 500 + 5 for i in range(n)],
+            positions=list(range(n)),
+            slot_mapping=list(range(n)),
+            query_lens=[n],
+            seq_lens=[n],
+            block_tables=[list(range(-(-n // 16)))],
+            sample=[True],
+            output_lens=[0],
+            sampling_params=[params],
+        )
         assert ex.execute_batch(batch).token_ids[0] >= 0
     # 300 token counts reach oneDNN as 50 row counts (the lm_head sees one row per step).
     assert set(seen) == {row_bucket(n) for n in token_counts}

@@ -40,8 +40,9 @@ ENGINE = "s0"  # the scheduler id the test plays
 
 def register_engine(r: redis.Redis, names: Names, model: str | Path, max_model_len: int = MAX_MODEL_LEN) -> None:
     """Make gateways see one live engine (scheduler ``ENGINE`` with an executor) serving ``model``."""
-    status = EngineStatus(ENGINE, "i0", "tiny", str(model), max_model_len, VOCAB_SIZE, 16, 64, "e0", 1, 64,
-                          0, 0, 0, 0, 0, time.time())
+    status = EngineStatus(
+        ENGINE, "i0", "tiny", str(model), max_model_len, VOCAB_SIZE, 16, 64, "e0", 1, 64, 0, 0, 0, 0, 0, time.time()
+    )
     r.zadd(names.engines, {ENGINE: time.time()})
     r.set(names.engine(ENGINE), encode(status), px=600_000)
 
@@ -77,8 +78,9 @@ def _error(response: Any, status: int, *words: str) -> dict[str, Any]:
 
 def test_malformed_json_and_non_object(env: dict[str, Any]) -> None:
     c = env["client"]
-    _error(c.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
-           400, "not valid JSON")
+    _error(
+        c.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}), 400, "not valid JSON"
+    )
     _error(c.post("/v1/completions", json=[1, 2]), 400, "JSON object")
 
 
@@ -120,8 +122,9 @@ def test_context_length_errors_say_both_numbers(env: dict[str, Any]) -> None:
     c = env["client"]
     err = _error(c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 10**6}), 400, str(MAX_MODEL_LEN), str(10**6))
     assert err["code"] == "context_length_exceeded"
-    err = _error(c.post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1}),
-                 400, "3000 in the prompt", str(MAX_MODEL_LEN))
+    err = _error(
+        c.post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1}), 400, "3000 in the prompt", str(MAX_MODEL_LEN)
+    )
     assert err["param"] == "prompt"
     _error(c.post("/v1/completions", json={"prompt": [5, 99999]}), 400, "token ids")
 
@@ -131,8 +134,9 @@ def test_chat_validation(env: dict[str, Any]) -> None:
     _error(c.post("/v1/chat/completions", json={"messages": []}), 400, "non-empty")
     _error(c.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}), 400, "role")
     _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]}), 400, "content")
-    _error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
-           400, "requires")
+    _error(
+        c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400, "requires"
+    )
 
 
 def test_unknown_model_body_too_large_and_unknown_route(env: dict[str, Any]) -> None:
@@ -156,8 +160,15 @@ def test_models_and_health(env: dict[str, Any]) -> None:
     assert version == importlib.metadata.version("conveyor")
 
 
-def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path: str, after: bytes | str = "0",
-                 stop_token: int | None = None, seen: list[GenerateRequest] | None = None) -> threading.Thread:
+def _fake_engine(
+    r: redis.Redis,
+    names: Names,
+    texts: list[str],
+    tokenizer_path: str,
+    after: bytes | str = "0",
+    stop_token: int | None = None,
+    seen: list[GenerateRequest] | None = None,
+) -> threading.Thread:
     """Answer the next request on the stream (after entry ``after``) with the tokens of ``texts``,
     one output per text; the last ends with "length", or with ``stop_token`` appended as a stop
     token id. The request is appended to ``seen``."""
@@ -174,8 +185,9 @@ def _fake_engine(r: redis.Redis, names: Names, texts: list[str], tokenizer_path:
         for i, text in enumerate(texts):
             ids = tok(text, add_special_tokens=False)["input_ids"]
             last = i == len(texts) - 1
-            out = StepOutputs([req.request_id], [index], [len(ids)], ids, [last], ["length" if last else None], [None],
-                              [], [], [])
+            out = StepOutputs(
+                [req.request_id], [index], [len(ids)], ids, [last], ["length" if last else None], [None], [], [], []
+            )
             if last and stop_token is not None:
                 out = StepOutputs()
                 out.add(req.request_id, index, ids + [stop_token], None, True, "stop", stop_reason=stop_token)
@@ -217,8 +229,14 @@ def test_penalties_and_logit_bias_reach_the_engine_and_stop_reason_comes_back(en
     ids, as pairs on the wire); a stop token id the engine reports is the choice's ``stop_reason``
     (non-streaming, and on the final streaming chunk only)."""
     c, r, names = env["client"], env["redis"], env["names"]
-    body = {"prompt": "hi", "max_tokens": 20, "presence_penalty": 0.5, "frequency_penalty": -1,
-            "repetition_penalty": 1.1, "logit_bias": {"7": -100, "12": 5.5}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": 20,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.1,
+        "logit_bias": {"7": -100, "12": 5.5},
+    }
     seen: list[GenerateRequest] = []
     for stream in (False, True):
         last = (r.xrevrange(names.requests(ENGINE), count=1) or [(b"0", None)])[0][0]

@@ -49,10 +49,29 @@ def _gateway_process(workdir: Path, model: Path, max_model_len: int) -> Iterator
     log_path = workdir / f"gateway-{port}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", "gateway", "--host", "127.0.0.1", "--port", str(port), "--redis-url",
-             url, "--namespace", names.namespace, "--model", str(model), "--max-body-bytes", str(MAX_BODY_BYTES)],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "infra.cli",
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--redis-url",
+                url,
+                "--namespace",
+                names.namespace,
+                "--model",
+                str(model),
+                "--max-body-bytes",
+                str(MAX_BODY_BYTES),
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_healthy(f"{base}/health", 60, [proc])
         # Tokenized, then rejected: the tokenizer is loaded before any test measures anything.
@@ -105,8 +124,9 @@ def _health_during(gateway: str, path: str, body: bytes) -> tuple[httpx.Response
 
     def post() -> None:
         t0 = time.perf_counter()
-        result["response"] = httpx.post(f"{gateway}{path}", content=body, timeout=300,
-                                        headers={"content-type": "application/json"})
+        result["response"] = httpx.post(
+            f"{gateway}{path}", content=body, timeout=300, headers={"content-type": "application/json"}
+        )
         result["seconds"] = time.perf_counter() - t0
 
     latencies: list[float] = []
@@ -124,10 +144,10 @@ def _health_during(gateway: str, path: str, body: bytes) -> tuple[httpx.Response
     return result["response"], result["seconds"], latencies
 
 
-@pytest.mark.parametrize("kind, server", [("text", "gateway"), ("token_ids", "gateway"), ("chat", "gateway"),
-                                          ("text", "long_context_gateway")])
-def test_health_answers_fast_while_a_huge_prompt_is_processed(request: pytest.FixtureRequest, kind: str,
-                                                              server: str) -> None:
+@pytest.mark.parametrize(
+    "kind, server", [("text", "gateway"), ("token_ids", "gateway"), ("chat", "gateway"), ("text", "long_context_gateway")]
+)
+def test_health_answers_fast_while_a_huge_prompt_is_processed(request: pytest.FixtureRequest, kind: str, server: str) -> None:
     gateway = request.getfixturevalue(server)
     body = _huge_body(kind)  # encoded up front: only the server's work overlaps the measurement
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -138,9 +158,11 @@ def test_health_answers_fast_while_a_huge_prompt_is_processed(request: pytest.Fi
         response, seconds, latencies = _health_during(gateway, path, body)
         err = _error(response)
         assert err["code"] == "context_length_exceeded" and f"context length is {limit} tokens" in err["message"], err
-        print(f"\n/health during a {len(body) / 1e6:.1f} MB {kind} request to {server} ({seconds:.2f} s): "
-              f"{len(latencies)} calls, median {statistics.median(latencies) * 1000:.1f} ms, "
-              f"max {max(latencies) * 1000:.1f} ms")
+        print(
+            f"\n/health during a {len(body) / 1e6:.1f} MB {kind} request to {server} ({seconds:.2f} s): "
+            f"{len(latencies)} calls, median {statistics.median(latencies) * 1000:.1f} ms, "
+            f"max {max(latencies) * 1000:.1f} ms"
+        )
         assert len(latencies) >= 5, "the request finished before /health could be measured alongside it"
         if max(latencies) < HEALTH_LIMIT_S:
             break
@@ -171,8 +193,12 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
     ("completions", '{"\\ud800": 1, "prompt": "x"}', None, "surrogate"),
     ("completions", '"\\ud800"', None, "surrogate"),
     ("chat/completions", '{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "messages", "surrogate"),
-    ("chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
-     "messages", "surrogate"),
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        "messages",
+        "surrogate",
+    ),
     ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stop": "\\ud800"}', "stop", "surrogate"),
     # integers out of range
     *[("completions", f'{{"prompt": "x", "max_tokens": {v}}}', "max_tokens", "max_tokens") for v in BIG],
@@ -182,12 +208,28 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
     *[("completions", f'{{"prompt": "x", "logprobs": {v}}}', "logprobs", "logprobs") for v in BIG],
     *[("completions", f'{{"prompt": "x", "n": {v}}}', "n", "n = 1") for v in BIG],
     *[("completions", f'{{"prompt": [1, {v}]}}', "prompt", f"[0, {VOCAB_SIZE})") for v in [VOCAB_SIZE] + BIG],
-    *[("completions", f'{{"prompt": "x", "stop_token_ids": [2, {v}]}}', "stop_token_ids", "stop_token_ids")
-      for v in [VOCAB_SIZE, -1] + BIG],
-    *[("chat/completions", f'{{"messages": [{{"role": "user", "content": "x"}}], "logprobs": true, '
-       f'"top_logprobs": {v}}}', "top_logprobs", "top_logprobs") for v in BIG],
-    *[("chat/completions", f'{{"messages": [{{"role": "user", "content": "x"}}], "max_completion_tokens": {v}}}',
-       "max_tokens", "max_tokens") for v in BIG],
+    *[
+        ("completions", f'{{"prompt": "x", "stop_token_ids": [2, {v}]}}', "stop_token_ids", "stop_token_ids")
+        for v in [VOCAB_SIZE, -1] + BIG
+    ],
+    *[
+        (
+            "chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "x"}}], "logprobs": true, "top_logprobs": {v}}}',
+            "top_logprobs",
+            "top_logprobs",
+        )
+        for v in BIG
+    ],
+    *[
+        (
+            "chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "x"}}], "max_completion_tokens": {v}}}',
+            "max_tokens",
+            "max_tokens",
+        )
+        for v in BIG
+    ],
     ("completions", '{"prompt": "x", "temperature": 1e400}', "temperature", "temperature"),
     ("completions", '{"prompt": "x", "repetition_penalty": 1e400}', "repetition_penalty", "finite"),
     ("completions", '{"prompt": "x", "logit_bias": {"5": -1e400}}', "logit_bias", "[-100.0, 100.0]"),
@@ -195,24 +237,46 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
     ("completions", '{"prompt": [1, true]}', "prompt", "token ids"),
     # sizes that would cost every other request
     ("completions", json.dumps({"prompt": "x", "stop": ["y" * (MAX_STOP_STRING_CHARS + 1)]}), "stop", "characters"),
-    ("completions", json.dumps({"prompt": "x", "stop_token_ids": [1] * (SamplingParams.MAX_STOP_TOKEN_IDS + 1)}),
-     "stop_token_ids", "at most"),
-    ("chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}),
-     "messages", "at most"),
-    ("chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 3}]
-                                     * (MAX_CONTENT_PARTS // 3 + 1)}), "messages", "content parts"),
-    ("completions", json.dumps({"prompt": "x", "stop": 5, "logit_bias": {"1": list(range(100_000))}}), "logit_bias",
-     "must be numbers"),
+    (
+        "completions",
+        json.dumps({"prompt": "x", "stop_token_ids": [1] * (SamplingParams.MAX_STOP_TOKEN_IDS + 1)}),
+        "stop_token_ids",
+        "at most",
+    ),
+    (
+        "chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)}),
+        "messages",
+        "at most",
+    ),
+    (
+        "chat/completions",
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 3}] * (MAX_CONTENT_PARTS // 3 + 1)}
+        ),
+        "messages",
+        "content parts",
+    ),
+    (
+        "completions",
+        json.dumps({"prompt": "x", "stop": 5, "logit_bias": {"1": list(range(100_000))}}),
+        "logit_bias",
+        "must be numbers",
+    ),
     ("completions", json.dumps({"prompt": "x", "logit_bias": {"9" * 100_000: 1}}), "logit_bias", "token ids"),
 ]
 
 
-@pytest.mark.parametrize("endpoint, body, param, word", BAD_INPUTS,
-                         ids=[f"{i}-{case[2] or 'body'}" for i, case in enumerate(BAD_INPUTS)])
-def test_malformed_input_is_a_400_in_openai_format(gateway: str, endpoint: str, body: str, param: str | None,
-                                                    word: str) -> None:
-    response = httpx.post(f"{gateway}/v1/{endpoint}", content=body.encode("utf-8", "surrogatepass"),
-                          headers={"content-type": "application/json"}, timeout=30)
+@pytest.mark.parametrize(
+    "endpoint, body, param, word", BAD_INPUTS, ids=[f"{i}-{case[2] or 'body'}" for i, case in enumerate(BAD_INPUTS)]
+)
+def test_malformed_input_is_a_400_in_openai_format(gateway: str, endpoint: str, body: str, param: str | None, word: str) -> None:
+    response = httpx.post(
+        f"{gateway}/v1/{endpoint}",
+        content=body.encode("utf-8", "surrogatepass"),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     err = _error(response)
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert word in err["message"], err
@@ -222,8 +286,7 @@ def test_malformed_input_is_a_400_in_openai_format(gateway: str, endpoint: str, 
 def test_valid_unicode_and_allowed_depth_pass_the_body_checks(gateway: str) -> None:
     """A surrogate pair (an emoji), unusual characters and nesting at the limit are fine: the
     request fails only on its max_tokens, checked after the body."""
-    body = ('{"prompt": "\\ud83d\\ude00 caf\\u00e9 \\u0000", "extra": ' + _nested(MAX_JSON_DEPTH - 1)
-            + ', "max_tokens": 0}')
+    body = '{"prompt": "\\ud83d\\ude00 caf\\u00e9 \\u0000", "extra": ' + _nested(MAX_JSON_DEPTH - 1) + ', "max_tokens": 0}'
     err = _error(httpx.post(f"{gateway}/v1/completions", content=body, headers={"content-type": "application/json"}))
     assert err["param"] == "max_tokens"
     raw = '{"prompt": "\xed\xa0\x80"}'.encode("latin-1")  # a surrogate encoded as (invalid) UTF-8 bytes
@@ -307,4 +370,3 @@ def test_unexpected_exception_is_a_json_500_on_the_same_connection(tiny_model: A
             r.delete(key)
         if redis_proc is not None:
             redis_proc.terminate()
-

@@ -68,12 +68,20 @@ def test_filter_redacts_messages_arguments_and_tracebacks(monkeypatch: pytest.Mo
 
 
 def test_services_install_the_filter_once(tmp_path: Path) -> None:
-    code = ("import logging; from common.service_cli import setup_logging\n"
-            "setup_logging('INFO', ['sk-1234']); setup_logging('INFO', ['sk-1234'])\n"
-            "assert len(logging.getLogger().handlers[0].filters) == 1\n"
-            "logging.getLogger('x').info('url %s key %s', 'redis://a:hunter2@h', 'sk-1234')\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import logging; from common.service_cli import setup_logging\n"
+        "setup_logging('INFO', ['sk-1234']); setup_logging('INFO', ['sk-1234'])\n"
+        "assert len(logging.getLogger().handlers[0].filters) == 1\n"
+        "logging.getLogger('x').info('url %s key %s', 'redis://a:hunter2@h', 'sk-1234')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
     assert "url redis://a:***@h key ***" in result.stderr and "hunter2" not in result.stderr
 
@@ -81,23 +89,33 @@ def test_services_install_the_filter_once(tmp_path: Path) -> None:
 def test_json_logs_are_redacted_too(tmp_path: Path) -> None:
     """``log_format="json"``: one JSON object per line, with secrets redacted from the message, the
     exception text and a structured record's fields."""
-    code = ("import logging; from common.service_cli import setup_logging; from common.logs import log_event\n"
-            "setup_logging('INFO', ['sk-1234'], 'json')\n"
-            "log = logging.getLogger('x')\n"
-            "log.info('url %s key %s', 'redis://a:hunter2@h', 'sk-1234')\n"
-            "log_event(log, logging.INFO, 'request finished', {'request_id': 'sk-1234-x', 'url': 'redis://:hunter2@h',"
-            " 'n': 5})\n"
-            "try:\n    raise ConnectionError('auth failed for redis://:hunter2@db (key sk-1234)')\n"
-            "except ConnectionError:\n    log.exception('startup failed')\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import logging; from common.service_cli import setup_logging; from common.logs import log_event\n"
+        "setup_logging('INFO', ['sk-1234'], 'json')\n"
+        "log = logging.getLogger('x')\n"
+        "log.info('url %s key %s', 'redis://a:hunter2@h', 'sk-1234')\n"
+        "log_event(log, logging.INFO, 'request finished', {'request_id': 'sk-1234-x', 'url': 'redis://:hunter2@h',"
+        " 'n': 5})\n"
+        "try:\n    raise ConnectionError('auth failed for redis://:hunter2@db (key sk-1234)')\n"
+        "except ConnectionError:\n    log.exception('startup failed')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
     assert "hunter2" not in result.stderr and "sk-1234" not in result.stderr, result.stderr
     first, event, failure = (json.loads(line) for line in result.stderr.splitlines())
     assert first["message"] == "url redis://a:***@h key ***" and first["level"] == "INFO" and first["logger"] == "x"
     assert event == {**event, "message": "request finished", "request_id": "***-x", "url": "redis://:***@h", "n": 5}
-    assert failure["message"] == "startup failed" and "ConnectionError: auth failed for redis://:***@db (key ***)" \
-        in failure["exception"]
+    assert (
+        failure["message"] == "startup failed"
+        and "ConnectionError: auth failed for redis://:***@db (key ***)" in failure["exception"]
+    )
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
@@ -109,10 +127,28 @@ def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path,
         host_port = url.split("://", 1)[1].split("/", 1)[0]
         bad_url = f"redis://nobody:hunter2-pw@{host_port}/0"
         result = subprocess.run(
-            [sys.executable, "-m", "infra.cli", "gateway", "--host", "127.0.0.1", "--port", str(free_port()),
-             "--redis-url", bad_url, "--api-key", "sk-never-logged", "--log-level", "DEBUG"],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": str(REPO), "CONVEYOR_LOG_FORMAT": log_format})
+            [
+                sys.executable,
+                "-m",
+                "infra.cli",
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(free_port()),
+                "--redis-url",
+                bad_url,
+                "--api-key",
+                "sk-never-logged",
+                "--log-level",
+                "DEBUG",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO), "CONVEYOR_LOG_FORMAT": log_format},
+        )
     finally:
         if redis_proc is not None:
             redis_proc.terminate()

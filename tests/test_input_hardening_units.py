@@ -65,31 +65,50 @@ def test_every_string_must_be_valid_unicode() -> None:
 
 
 def test_not_json_and_huge_numbers_are_400s() -> None:
-    for data in (b'{"t": NaN}', b'{"t": Infinity}', b'{"t": -Infinity}', b'{"t": 1', b"\xff", b"",
-                 b'{"seed": 1' + b"0" * 5000 + b"}"):
+    for data in (
+        b'{"t": NaN}',
+        b'{"t": Infinity}',
+        b'{"t": -Infinity}',
+        b'{"t": 1',
+        b"\xff",
+        b"",
+        b'{"seed": 1' + b"0" * 5000 + b"}",
+    ):
         for cooperative in (False, True):
             assert _rejects(data, "not valid JSON", cooperative=cooperative).code == "invalid_json"
 
 
 def test_cooperative_parse_gives_the_same_result() -> None:
-    body = json.dumps({"prompt": list(range(-5, 5000)), "t": 0.5, "big": 2**70, "s": ["x", {"y": [1.5e300, -0]}],
-                       "u": "caf\u00e9 \U0001f600"}).encode()
+    body = json.dumps(
+        {"prompt": list(range(-5, 5000)), "t": 0.5, "big": 2**70, "s": ["x", {"y": [1.5e300, -0]}], "u": "caf\u00e9 \U0001f600"}
+    ).encode()
     assert parse_json(body, True) == parse_json(body) == json.loads(body)
 
 
 # -- OpenAI parameters ---------------------------------------------------------------------------
 def test_sampling_bounds() -> None:
-    SamplingParams(max_tokens=INT32_MAX, min_tokens=INT32_MAX, top_k=INT32_MAX, seed=INT64_MAX,
-                   stop_token_ids=[0, 5]).validate(vocab_size=6)
+    SamplingParams(max_tokens=INT32_MAX, min_tokens=INT32_MAX, top_k=INT32_MAX, seed=INT64_MAX, stop_token_ids=[0, 5]).validate(
+        vocab_size=6
+    )
     SamplingParams(seed=INT64_MIN, stop_token_ids=[INT32_MAX]).validate()
     SamplingParams(stop_token_ids=list(range(SamplingParams.MAX_STOP_TOKEN_IDS))).validate(vocab_size=2**20)
     bad: list[tuple[str, Any, int | None]] = [
-        ("max_tokens", INT32_MAX + 1, None), ("max_tokens", True, None), ("min_tokens", 2**64, None),
-        ("top_k", INT32_MAX + 1, None), ("top_k", -2, None), ("seed", INT64_MAX + 1, None),
-        ("seed", INT64_MIN - 1, None), ("seed", True, None), ("logprobs", 2**64, None),
-        ("temperature", float("nan"), None), ("top_p", float("inf"), None),
-        ("stop_token_ids", [6], 6), ("stop_token_ids", [INT32_MAX + 1], None), ("stop_token_ids", [-1], None),
-        ("stop_token_ids", [True], None), ("stop_token_ids", [1.0], None),
+        ("max_tokens", INT32_MAX + 1, None),
+        ("max_tokens", True, None),
+        ("min_tokens", 2**64, None),
+        ("top_k", INT32_MAX + 1, None),
+        ("top_k", -2, None),
+        ("seed", INT64_MAX + 1, None),
+        ("seed", INT64_MIN - 1, None),
+        ("seed", True, None),
+        ("logprobs", 2**64, None),
+        ("temperature", float("nan"), None),
+        ("top_p", float("inf"), None),
+        ("stop_token_ids", [6], 6),
+        ("stop_token_ids", [INT32_MAX + 1], None),
+        ("stop_token_ids", [-1], None),
+        ("stop_token_ids", [True], None),
+        ("stop_token_ids", [1.0], None),
         ("stop_token_ids", [1] * (SamplingParams.MAX_STOP_TOKEN_IDS + 1), None),
     ]
     for name, value, vocab_size in bad:
@@ -113,8 +132,7 @@ def test_long_token_id_lists_are_checked_in_chunks() -> None:
 
 # -- tokenization --------------------------------------------------------------------------------
 def _info(model: Any, max_model_len: int = 2048, vocab_size: int = 1024) -> EngineStatus:
-    return EngineStatus("s0", "i0", "tiny", str(model), max_model_len, vocab_size, 16, 64, "e0", 1, 64,
-                        0, 0, 0, 0, 0, 0.0)
+    return EngineStatus("s0", "i0", "tiny", str(model), max_model_len, vocab_size, 16, 64, "e0", 1, 64, 0, 0, 0, 0, 0, 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +146,14 @@ def tokenizers_to_test(tiny_model: Any) -> list[Any]:
     unigram = Tokenizer(models.Unigram())
     unigram.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    corpus = ["The quick brown fox jumps over the lazy dog.", "Caf\u00e9 \ufb01ne \u2460 \U0001f600 naive",
-              "def f(x):\n    return x * 2\n"] * 50
-    unigram.train_from_iterator(corpus, trainers.UnigramTrainer(vocab_size=120, special_tokens=["<s>", "<unk>"],
-                                                                unk_token="<unk>"))
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Caf\u00e9 \ufb01ne \u2460 \U0001f600 naive",
+        "def f(x):\n    return x * 2\n",
+    ] * 50
+    unigram.train_from_iterator(
+        corpus, trainers.UnigramTrainer(vocab_size=120, special_tokens=["<s>", "<unk>"], unk_token="<unk>")
+    )
     unigram.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     found.append(PreTrainedTokenizerFast(tokenizer_object=unigram, bos_token="<s>", unk_token="<unk>"))
     return found
@@ -140,9 +162,15 @@ def tokenizers_to_test(tiny_model: Any) -> list[Any]:
 def _texts() -> list[str]:
     prose = "The quick brown fox jumps over the lazy dog; caf\u00e9 \ufb01ne \u2460 \U0001f600 <s> "
     edge = "x" * (COUNT_WINDOW_CHARS - 2) + "<s>" + " end"  # a special token cut by a window edge
-    return ["hi", "<s>hello</s>", "\u00e9\u0301 \ud55c\uad6d\uc5b4 \U0001f600\U0001f600",
-            prose * (COUNT_WINDOW_CHARS // len(prose) + 20), edge, " " * (COUNT_WINDOW_CHARS + 7),
-            "x" * (2 * COUNT_WINDOW_CHARS + 3)]
+    return [
+        "hi",
+        "<s>hello</s>",
+        "\u00e9\u0301 \ud55c\uad6d\uc5b4 \U0001f600\U0001f600",
+        prose * (COUNT_WINDOW_CHARS // len(prose) + 20),
+        edge,
+        " " * (COUNT_WINDOW_CHARS + 7),
+        "x" * (2 * COUNT_WINDOW_CHARS + 3),
+    ]
 
 
 def test_encode_text_gives_what_transformers_gives(tokenizers_to_test: list[Any]) -> None:
@@ -177,8 +205,9 @@ def test_tokenize_answers_400s(tiny_model: Any) -> None:
 
     tok = AutoTokenizer.from_pretrained(tiny_model())
     info = _info(tiny_model())
-    err = pytest.raises(ApiError, tokenize, tok, threading.Lock(),
-                        parse_completion({"prompt": "hello world " * 20_000}), info).value
+    err = pytest.raises(
+        ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": "hello world " * 20_000}), info
+    ).value
     assert err.code == "context_length_exceeded" and "at least" in err.message and err.param == "prompt"
     err = pytest.raises(ApiError, tokenize, tok, threading.Lock(), parse_completion({"prompt": "hello " * 3000}), info).value
     assert "at least" not in err.message, "a prompt counted to the end gives its exact length"

@@ -45,8 +45,7 @@ def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int =
     if proc.returncode != 0:
         # A negative code is a signal: a crash in the interpreter, e.g. an out-of-bounds access.
         pytest.fail(
-            f"case {case} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-8000:]}"
+            f"case {case} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
         )
     assert f"OK {case}" in proc.stdout
 

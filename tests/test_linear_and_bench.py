@@ -18,8 +18,9 @@ def test_packed_linear_matches_plain_matmul() -> None:
             torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
     half = Linear(weight.half(), bias.half())
     assert half.packed is None  # only fp32 is packed
-    torch.testing.assert_close(half(torch.ones(2, 96).half()),
-                               torch.nn.functional.linear(torch.ones(2, 96).half(), weight.half(), bias.half()))
+    torch.testing.assert_close(
+        half(torch.ones(2, 96).half()), torch.nn.functional.linear(torch.ones(2, 96).half(), weight.half(), bias.half())
+    )
 
 
 def test_offline_bench_runs(tiny_model, capsys) -> None:

@@ -50,10 +50,25 @@ def label_sets(got: list[Sample], name: str) -> list[dict[str, str]]:
 
 
 def status(sid: str, **overrides: Any) -> EngineStatus:
-    fields: dict[str, Any] = dict(scheduler_id=sid, incarnation=f"inc-{sid}", model_name=MODEL, model_path="/m",
-                                  max_model_len=256, vocab_size=100, block_size=16, num_blocks=100, executor_id="e",
-                                  epoch=1, num_free_blocks=100, num_running=0, num_waiting=0, num_steps=0,
-                                  num_preemptions=0, num_dead_letters=0, updated_at=0.0)
+    fields: dict[str, Any] = dict(
+        scheduler_id=sid,
+        incarnation=f"inc-{sid}",
+        model_name=MODEL,
+        model_path="/m",
+        max_model_len=256,
+        vocab_size=100,
+        block_size=16,
+        num_blocks=100,
+        executor_id="e",
+        epoch=1,
+        num_free_blocks=100,
+        num_running=0,
+        num_waiting=0,
+        num_steps=0,
+        num_preemptions=0,
+        num_dead_letters=0,
+        updated_at=0.0,
+    )
     return EngineStatus(**{**fields, **overrides})
 
 
@@ -75,8 +90,19 @@ def test_each_app_has_its_own_registry() -> None:
 def test_engine_series_come_from_every_engine_status() -> None:
     client = fake_client()
     client.engines = {
-        "0": status("0", num_running=3, num_waiting=2, num_free_blocks=25, num_preemptions=4, prefix_cache_queries=90,
-                    prefix_cache_hits=32, step_count=10, step_wall_s=0.5, step_forward_s=0.25, num_dead_letters=1),
+        "0": status(
+            "0",
+            num_running=3,
+            num_waiting=2,
+            num_free_blocks=25,
+            num_preemptions=4,
+            prefix_cache_queries=90,
+            prefix_cache_hits=32,
+            step_count=10,
+            step_wall_s=0.5,
+            step_forward_s=0.25,
+            num_dead_letters=1,
+        ),
         "1": status("1", executor_id="", num_blocks=0, num_free_blocks=0),  # between executors
     }
     client.model_info, client.num_migrations, client.redis_rtt_s = client.engines["0"], 2, 0.001
@@ -158,8 +184,9 @@ def test_queue_time_travels_once_per_request() -> None:
 # -- the real stack ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("metrics")), gateways=2, engines=2,
-              executor_args=("--num-blocks", "256"))
+    s = Stack(
+        tiny_model(), Path(tmp_path_factory.mktemp("metrics")), gateways=2, engines=2, executor_args=("--num-blocks", "256")
+    )
     s.start()
     yield s
     s.stop()
@@ -179,9 +206,16 @@ def test_every_gateway_shows_every_engine(stack: Stack) -> None:
     model = stack.stats().model_name
     for url in stack.urls:
         got = scrape(url)
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                     "conveyor:engine_step_seconds_count", "conveyor:dead_letters_total"):
+        for name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:num_preemptions_total",
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total",
+            "conveyor:engine_step_seconds_count",
+            "conveyor:dead_letters_total",
+        ):
             assert sorted(s["engine"] for s in label_sets(got, name)) == ["0", "1"], name
             assert all(s["model_name"] == model for s in label_sets(got, name)), name
         assert all(0 <= s.value <= 1 for s in got if s.name == "vllm:kv_cache_usage_perc")
@@ -209,24 +243,45 @@ def test_request_counts_are_exact(stack: Stack) -> None:
     for g, c in enumerate(clients):
         r = c.completions.create(model="", prompt=f"def f{g}(", max_tokens=7 + g, temperature=0, extra_body=no_eos)
         served[g].append((r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason))
-        chat = c.chat.completions.create(model="", messages=messages, max_tokens=5, temperature=0.7, seed=g,
-                                         extra_body=no_eos)
+        chat = c.chat.completions.create(model="", messages=messages, max_tokens=5, temperature=0.7, seed=g, extra_body=no_eos)
         served[g].append((chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.choices[0].finish_reason))
-        chunks = list(c.completions.create(model="", prompt=f"class C{g}:", max_tokens=9, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}, extra_body=no_eos))
+        chunks = list(
+            c.completions.create(
+                model="",
+                prompt=f"class C{g}:",
+                max_tokens=9,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=no_eos,
+            )
+        )
         reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
         served[g].append((chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens, reason))
-        chat_chunks = list(c.chat.completions.create(model="", messages=messages, max_tokens=6, stream=True,
-                                                     stream_options={"include_usage": True}, extra_body=no_eos))
+        chat_chunks = list(
+            c.chat.completions.create(
+                model="", messages=messages, max_tokens=6, stream=True, stream_options={"include_usage": True}, extra_body=no_eos
+            )
+        )
         reason = [ch.choices[0].finish_reason for ch in chat_chunks if ch.choices][-1]
         served[g].append((chat_chunks[-1].usage.prompt_tokens, chat_chunks[-1].usage.completion_tokens, reason))
     # Stopped by a stop string, streaming and not: the engine is aborted; tokens after it are not the client's.
-    r = clients[1].completions.create(model="", prompt="import os\n", max_tokens=200, temperature=0, stop=[stop],
-                                      extra_body=no_eos)
+    r = clients[1].completions.create(
+        model="", prompt="import os\n", max_tokens=200, temperature=0, stop=[stop], extra_body=no_eos
+    )
     served[1].append((r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason))
-    chunks = list(clients[0].completions.create(model="", prompt="import os\n", max_tokens=200, temperature=0,
-                                                stop=[stop], stream=True, stream_options={"include_usage": True},
-                                                extra_body=no_eos))
+    chunks = list(
+        clients[0].completions.create(
+            model="",
+            prompt="import os\n",
+            max_tokens=200,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=no_eos,
+        )
+    )
     served[0].append((chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens, "stop"))
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
 
@@ -240,8 +295,13 @@ def test_request_counts_are_exact(stack: Stack) -> None:
         for reason in ("length", "stop", "abort", "error"):
             want = sum(x[2] == reason for x in mine)
             assert delta(b, a, "vllm:request_success_total", finished_reason=reason) == want, reason
-        for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                     "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        for name in (
+            "vllm:time_to_first_token_seconds",
+            "vllm:e2e_request_latency_seconds",
+            "vllm:request_queue_time_seconds",
+            "vllm:request_prompt_tokens",
+            "vllm:request_generation_tokens",
+        ):
             assert delta(b, a, f"{name}_count") == n, name
             assert delta(b, a, f"{name}_bucket", le="+Inf") == n, name
         # One inter-token interval per engine step after the first, and one token per step.
@@ -250,10 +310,18 @@ def test_request_counts_are_exact(stack: Stack) -> None:
         assert delta(b, a, "vllm:request_generation_tokens_sum") == sum(c for _, c, _ in mine)
         assert delta(b, a, "vllm:e2e_request_latency_seconds_sum") > delta(b, a, "vllm:time_to_first_token_seconds_sum") > 0
         assert delta(b, a, "vllm:request_queue_time_seconds_sum") >= 0
-    # The engines worked for both gateways; either gateway shows what they did.
-    assert value(after[1], "conveyor:engine_step_seconds_count") > engine_steps
-    assert value(after[1], "vllm:prefix_cache_queries_total") > queries
-    assert value(after[1], "conveyor:engine_step_forward_seconds_sum") > 0
+    # The engines worked for both gateways; either gateway shows what they did, once it has read
+    # the engines' published status (every 0.5 s) after their last steps.
+    deadline = time.monotonic() + 10
+    engines = after[1]
+    while value(engines, "conveyor:engine_step_seconds_count") <= engine_steps and time.monotonic() < deadline:
+        time.sleep(0.2)
+        engines = scrape(stack.urls[1])
+    assert value(engines, "conveyor:engine_step_seconds_count") > engine_steps
+    assert value(engines, "vllm:prefix_cache_queries_total") > queries
+    assert value(engines, "conveyor:engine_step_forward_seconds_sum") > 0, [
+        (s.name, s.labels["engine"], s.value) for s in engines if s.name.startswith("conveyor:engine_step")
+    ]
 
 
 def test_client_disconnect_counts_as_abort(stack: Stack) -> None:
@@ -280,9 +348,16 @@ def test_concurrent_streams_count_exactly(stack: Stack) -> None:
     before = scrape(url)
 
     async def one(client: openai.AsyncOpenAI, i: int) -> int:
-        stream = await client.completions.create(model="", prompt=f"x = {i} +", max_tokens=3 + i % 7, temperature=0.8,
-                                                 seed=i, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="",
+            prompt=f"x = {i} +",
+            max_tokens=3 + i % 7,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         usage = None
         async for chunk in stream:
             usage = chunk.usage or usage

@@ -268,8 +268,16 @@ def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
     assert ex._banned([SamplingParams(min_tokens=3, ignore_eos=True)], [1]) == [[]]
     assert ex._banned([SamplingParams(min_tokens=3)], [3]) is None
     b = Batch(
-        request_ids=["x"], input_ids=[ex.info.vocab_size], positions=[0], slot_mapping=[4], query_lens=[1],
-        seq_lens=[1], block_tables=[[1]], sample=[True], output_lens=[0], sampling_params=[SamplingParams()],
+        request_ids=["x"],
+        input_ids=[ex.info.vocab_size],
+        positions=[0],
+        slot_mapping=[4],
+        query_lens=[1],
+        seq_lens=[1],
+        block_tables=[[1]],
+        sample=[True],
+        output_lens=[0],
+        sampling_params=[SamplingParams()],
     )
     with pytest.raises(ValueError, match="token ids must be in"):
         ex.execute_batch(b)

@@ -120,8 +120,18 @@ def _engine(model_dir):
     from scheduler import LLM
 
     # A small step budget: chunked prefills mixed with decodes, over a few dozen steps.
-    return LLM(str(model_dir), dtype="float32", device="cpu", attention_backend="torch", block_size=8,
-               num_blocks=256, max_model_len=256, max_num_batched_tokens=40, max_num_seqs=6, seed=7)
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="torch",
+        block_size=8,
+        num_blocks=256,
+        max_model_len=256,
+        max_num_batched_tokens=40,
+        max_num_seqs=6,
+        seed=7,
+    )
 
 
 def _run(llm, prompts, params) -> list[tuple[list[int], list]]:
@@ -171,9 +181,18 @@ def test_import_order_has_no_cycle() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton not installed")
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
-    for first, second in [("executor.ops", "executor.kernels"), ("executor.kernels", "executor.ops"),
-                          ("executor.kernels.decode_split", "executor.ops_torch")]:
+    for first, second in [
+        ("executor.ops", "executor.kernels"),
+        ("executor.kernels", "executor.ops"),
+        ("executor.kernels.decode_split", "executor.ops_torch"),
+    ]:
         code = f"import {first}, {second}; from executor.backends import get_ops; get_ops('torch')"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -19,8 +19,14 @@ def make_router() -> OutputRouter:
     return OutputRouter(NAMES, resume_window_s=WINDOW_S, max_message_bytes=1 << 20)
 
 
-def out(request_id: str, new: list[int], total: int, finished: bool = False, reason: str | None = None,
-        logprobs: list[dict[int, float] | None] | None = None) -> StepOutput:
+def out(
+    request_id: str,
+    new: list[int],
+    total: int,
+    finished: bool = False,
+    reason: str | None = None,
+    logprobs: list[dict[int, float] | None] | None = None,
+) -> StepOutput:
     return StepOutput(request_id, new, logprobs if logprobs is not None else [None] * len(new), finished, reason, total)
 
 
@@ -35,8 +41,9 @@ def entries(msg: StepOutputs) -> list[tuple[str, int, list[int], bool, str | Non
     rows, pos = [], 0
     for i, request_id in enumerate(msg.request_ids):
         n = msg.num_tokens[i]
-        rows.append((request_id, msg.token_index[i], msg.token_ids[pos : pos + n], msg.finished[i],
-                     msg.finish_reasons[i], msg.errors[i]))
+        rows.append(
+            (request_id, msg.token_index[i], msg.token_ids[pos : pos + n], msg.finished[i], msg.finish_reasons[i], msg.errors[i])
+        )
         pos += n
     return rows
 
@@ -77,9 +84,9 @@ def test_route_carries_logprobs() -> None:
 
 def test_gateway_died_orphans_journaled_and_returns_the_others() -> None:
     router = make_router()
-    router.add("a", "g1", "")          # cannot be resumed: to abort
-    router.add("b", "g1", "resp-b")    # resumable: orphaned, journaled
-    router.add("c", "g2", "resp-c")    # another gateway's: untouched
+    router.add("a", "g1", "")  # cannot be resumed: to abort
+    router.add("b", "g1", "resp-b")  # resumable: orphaned, journaled
+    router.add("c", "g2", "resp-c")  # another gateway's: untouched
     router.add("d", "g1", "")
     assert router.gateways() == ({"g1", "g2"}, set())
     doomed = router.gateway_died("g1", now=100.0)
@@ -171,8 +178,10 @@ def test_errors_and_reject() -> None:
     assert [s.stream for s in sends] == [NAMES.outputs("g1"), NAMES.journal("resp-c")]
     assert sends[1].ttl_ms == int(WINDOW_S * 1000)
     msgs = by_stream(sends)
-    assert entries(msgs[NAMES.outputs("g1")]) == [("a", 0, [], True, "error", "engine error: boom"),
-                                                 ("b", 0, [], True, "error", "engine error: boom")]
+    assert entries(msgs[NAMES.outputs("g1")]) == [
+        ("a", 0, [], True, "error", "engine error: boom"),
+        ("b", 0, [], True, "error", "engine error: boom"),
+    ]
     assert entries(msgs[NAMES.journal("resp-c")]) == [("c", 0, [], True, "error", "engine error: boom")]
     assert set(router.routes) == {"keep"}
     assert router.errors(["a"], "again") == []  # forgotten: nothing more to say

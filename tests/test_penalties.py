@@ -18,8 +18,9 @@ from executor.sampler import Sampler
 VOCAB = 12
 
 
-def reference_penalties(logits: list[float], prompt: list[int], output: list[int], presence: float,
-                        frequency: float, repetition: float) -> list[float]:
+def reference_penalties(
+    logits: list[float], prompt: list[int], output: list[int], presence: float, frequency: float, repetition: float
+) -> list[float]:
     """vLLM's penalties written out per token, for one row."""
     out = []
     for token, x in enumerate(logits):
@@ -98,8 +99,10 @@ def test_sampler_applies_bias_and_penalties_but_logprobs_stay_raw() -> None:
         assert lps[i][t] == pytest.approx(float(raw[i, t]))  # logprobs of the model, not of the edits
     # A bias of -100 bans a token even at temperature 1, seeded or not; +100 forces one.
     for seed in (None, 1, 2):
-        params = [SamplingParams(temperature=1.0, seed=seed, logit_bias={0: -100, 1: -100, 2: -100}),
-                  SamplingParams(temperature=1.0, seed=seed, logit_bias={2: 100})]
+        params = [
+            SamplingParams(temperature=1.0, seed=seed, logit_bias={0: -100, 1: -100, 2: -100}),
+            SamplingParams(temperature=1.0, seed=seed, logit_bias={2: 100}),
+        ]
         assert Sampler(seed=5).sample(logits[:2], params, [3, 3])[0] == [3, 2]
 
 
@@ -117,8 +120,12 @@ def test_seeded_sampling_with_penalties_is_deterministic() -> None:
         logits[where] = row
         params = [SamplingParams(temperature=1.0)] * n
         params[where] = p
-        draws.append([Sampler(seed=n).sample(logits, params, [pos] * n, counts=TokenCounts([where], mask, counts))[0]
-                      [where] for pos in range(30)])
+        draws.append(
+            [
+                Sampler(seed=n).sample(logits, params, [pos] * n, counts=TokenCounts([where], mask, counts))[0][where]
+                for pos in range(30)
+            ]
+        )
     assert draws[0] == draws[1] and len(set(draws[0])) > 1
 
 
@@ -218,8 +225,12 @@ def test_validation(kw: dict, match: str) -> None:
 
 
 def test_boundary_values_are_valid() -> None:
-    for kw in (dict(presence_penalty=-2, frequency_penalty=2.0), dict(repetition_penalty=1e-3),
-               dict(logit_bias={0: -100, VOCAB - 1: 100.0}), dict(logit_bias={})):
+    for kw in (
+        dict(presence_penalty=-2, frequency_penalty=2.0),
+        dict(repetition_penalty=1e-3),
+        dict(logit_bias={0: -100, VOCAB - 1: 100.0}),
+        dict(logit_bias={}),
+    ):
         SamplingParams(**kw).validate(VOCAB)
     assert not SamplingParams(logit_bias={1: 5.0}).penalized
     assert SamplingParams(repetition_penalty=1.1).penalized and SamplingParams(frequency_penalty=-0.1).penalized
@@ -227,8 +238,13 @@ def test_boundary_values_are_valid() -> None:
 
 def test_wire_round_trip() -> None:
     """``logit_bias`` crosses msgpack (whose map keys must be strings here) as pairs."""
-    p = SamplingParams(temperature=0.5, presence_penalty=0.25, frequency_penalty=-1.0, repetition_penalty=1.3,
-                       logit_bias={7: -100, 2**31 - 1: 2.5})
+    p = SamplingParams(
+        temperature=0.5,
+        presence_penalty=0.25,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.3,
+        logit_bias={7: -100, 2**31 - 1: 2.5},
+    )
     out = SchedulerOutput(step=1, epoch=1)
     out.add_new("r", p, 1, [1], [0])
     wire = decode(encode(out), (SchedulerOutput,))

@@ -97,8 +97,9 @@ def attach(ex: KVCheckingExecutor, sched: Scheduler, async_scheduling: bool = Fa
     return EngineCore(sched, InlineExecutor(ex), async_scheduling=async_scheduling)
 
 
-def make(num_blocks: int = 64, budget: int = 64, max_seqs: int = 8, caching: bool = True,
-         async_scheduling: bool = False) -> tuple[Scheduler, KVCheckingExecutor, EngineCore]:
+def make(
+    num_blocks: int = 64, budget: int = 64, max_seqs: int = 8, caching: bool = True, async_scheduling: bool = False
+) -> tuple[Scheduler, KVCheckingExecutor, EngineCore]:
     ex = KVCheckingExecutor(num_blocks)
     config = SchedulerConfig(budget, max_seqs, enable_prefix_caching=caching)
     sched = Scheduler(config, CacheManager(num_blocks, BS), ex.info)
@@ -349,8 +350,7 @@ def test_random_shared_prefixes_with_preemption_and_abort(seed: int, async_sched
     budget = rng.choice([8, 16, 64])
 
     def drive(caching: bool) -> tuple[Scheduler, dict[str, list[int]]]:
-        sched, ex, core = make(num_blocks=12, budget=budget, max_seqs=6, caching=caching,
-                               async_scheduling=async_scheduling)
+        sched, ex, core = make(num_blocks=12, budget=budget, max_seqs=6, caching=caching, async_scheduling=async_scheduling)
         got: dict[str, list[int]] = {}
         pending = list(requests)
         steps = 0

@@ -37,17 +37,42 @@ from executor.input_batch import Batch, PersistentBatch
 V = PROTOCOL_VERSION  # raw messages below are of this build's version
 
 
-def _req(request_id: str = "r", prompt: list[int] | None = None, output: list[int] | None = None,
-         journal_id: str = "") -> GenerateRequest:
-    return GenerateRequest(request_id, "g1", "s0", "inc1", [1, 2] if prompt is None else prompt,
-                           [] if output is None else output, {"temperature": 0.0, "max_tokens": 4}, 12.5, journal_id)
+def _req(
+    request_id: str = "r", prompt: list[int] | None = None, output: list[int] | None = None, journal_id: str = ""
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id,
+        "g1",
+        "s0",
+        "inc1",
+        [1, 2] if prompt is None else prompt,
+        [] if output is None else output,
+        {"temperature": 0.0, "max_tokens": 4},
+        12.5,
+        journal_id,
+    )
 
 
 def _engine_status(**kw: object) -> EngineStatus:
     base: dict[str, object] = dict(
-        scheduler_id="s0", incarnation="inc1", model_name="tiny", model_path="/m", max_model_len=2048,
-        vocab_size=1024, block_size=16, num_blocks=100, executor_id="e1", epoch=17, num_free_blocks=90,
-        num_running=3, num_waiting=2, num_steps=1234, num_preemptions=1, num_dead_letters=0, updated_at=1.5e9)
+        scheduler_id="s0",
+        incarnation="inc1",
+        model_name="tiny",
+        model_path="/m",
+        max_model_len=2048,
+        vocab_size=1024,
+        block_size=16,
+        num_blocks=100,
+        executor_id="e1",
+        epoch=17,
+        num_free_blocks=90,
+        num_running=3,
+        num_waiting=2,
+        num_steps=1234,
+        num_preemptions=1,
+        num_dead_letters=0,
+        updated_at=1.5e9,
+    )
     base.update(kw)
     return EngineStatus(**base)  # type: ignore[arg-type]
 
@@ -138,9 +163,19 @@ _MISSING = object()  # a field left out of a raw message
 
 
 def _raw_req(**overrides: object) -> bytes:
-    body: dict[str, object] = {"v": V, "t": "req", "request_id": "r", "gateway_id": "g", "scheduler_id": "s0",
-                               "incarnation": "i", "prompt_token_ids": b"\x01\x00\x00\x00",
-                               "output_token_ids": b"", "sampling": {}, "arrival_time": 0.0, "journal_id": ""}
+    body: dict[str, object] = {
+        "v": V,
+        "t": "req",
+        "request_id": "r",
+        "gateway_id": "g",
+        "scheduler_id": "s0",
+        "incarnation": "i",
+        "prompt_token_ids": b"\x01\x00\x00\x00",
+        "output_token_ids": b"",
+        "sampling": {},
+        "arrival_time": 0.0,
+        "journal_id": "",
+    }
     body.update(overrides)
     return msgpack.packb({k: v for k, v in body.items() if v is not _MISSING}, use_bin_type=True)
 
@@ -171,10 +206,14 @@ def test_raw_request_helper_is_valid() -> None:
         (_raw_req(sampling=[1]), "GenerateRequest.sampling: expected"),
         (_raw_req(arrival_time="now"), "GenerateRequest.arrival_time: expected float"),
         (_raw_req(queue="q"), "GenerateRequest: unknown fields ['queue']"),
-        (msgpack.packb({"v": V, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": 1.5}),
-         "SyncRequest.from_index: expected int"),
-        (msgpack.packb({"v": V, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": True}),
-         "SyncRequest.from_index: expected int"),
+        (
+            msgpack.packb({"v": V, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": 1.5}),
+            "SyncRequest.from_index: expected int",
+        ),
+        (
+            msgpack.packb({"v": V, "t": "sync", "request_id": "r", "gateway_id": "g", "from_index": True}),
+            "SyncRequest.from_index: expected int",
+        ),
         (msgpack.packb({"v": V, "t": "route", "request_id": "r"}), "Route: missing field 'scheduler_id'"),
     ],
 )
@@ -265,8 +304,11 @@ def test_steps_rebuild_batches_and_stay_small() -> None:
     rng = random.Random(0)
     tokens = {r: [rng.randrange(1000) for _ in range(n)] for r, n in (("a", 6), ("b", 6), ("c", 5))}
     prompt = {r: list(t) for r, t in tokens.items()}
-    params = {"a": SamplingParams(temperature=0.0, max_tokens=8), "b": SamplingParams(top_k=5, seed=7),
-              "c": SamplingParams(temperature=0.5, stop_token_ids=[3], logprobs=2)}
+    params = {
+        "a": SamplingParams(temperature=0.0, max_tokens=8),
+        "b": SamplingParams(top_k=5, seed=7),
+        "c": SamplingParams(temperature=0.5, stop_token_ids=[3], logprobs=2),
+    }
     tables = {"a": [0, 1], "b": [10], "c": [20, 21]}
 
     def run(output: SchedulerOutput, rows: list[tuple[str, int, int]]) -> SchedulerOutput:
@@ -321,9 +363,17 @@ def test_steps_rebuild_batches_and_stay_small() -> None:
     body = msgpack.unpackb(encode(wire), raw=False)
     assert body["new_token_ids"] == b"" and body["num_computed_tokens"] == b"\x08\0\0\0\x07\0\0\0\x05\0\0\0"
     # A decode step's size does not depend on how long the sequences are.
-    far = SchedulerOutput(step=4, epoch=3, cached_req_ids=["a"], cached_resumed=[False], cached_num_blocks=[1],
-                          cached_block_ids=[200_000], scheduled_req_ids=["a", "b", "c"],
-                          num_scheduled_tokens=[1, 1, 1], num_computed_tokens=[800_000, 700_000, 500_000])
+    far = SchedulerOutput(
+        step=4,
+        epoch=3,
+        cached_req_ids=["a"],
+        cached_resumed=[False],
+        cached_num_blocks=[1],
+        cached_block_ids=[200_000],
+        scheduled_req_ids=["a", "b", "c"],
+        num_scheduled_tokens=[1, 1, 1],
+        num_computed_tokens=[800_000, 700_000, 500_000],
+    )
     assert len(encode(far)) == len(encode(wire)) < 400
     # 5: b finished (its state is dropped first); a was preempted and resumes in new blocks: its
     # whole new table is sent, none of its tokens, and it recomputes everything it knows.
@@ -364,16 +414,20 @@ def _known(vocab_size: int | None = 100) -> PersistentBatch:
         (lambda o: o.add_scheduled("a", 1, 3), r"positions \[3, 4\) but 3 tokens"),
         (lambda o: o.add_scheduled("a", 1, -1), r"positions \[-1, 0\)"),
         (lambda o: o.add_scheduled("a", 0, 1), r"positions \[1, 1\)"),  # nothing to compute
-        (lambda o: o.add_new("b", SamplingParams(), 5, [1] * 5, [1]) or o.add_scheduled("b", 5, 0),
-         r"positions \[0, 5\) but 5 tokens and 1 blocks"),  # past the block table
+        (
+            lambda o: o.add_new("b", SamplingParams(), 5, [1] * 5, [1]) or o.add_scheduled("b", 5, 0),
+            r"positions \[0, 5\) but 5 tokens and 1 blocks",
+        ),  # past the block table
         (lambda o: o.add_new("b", SamplingParams(), 2, [1, 100], [1]), r"token ids must be in \[0, 100\)"),
         (lambda o: o.add_new("b", SamplingParams(), 2, [-1, 1], [1]), r"token ids must be in \[0, 100\)"),
         (lambda o: o.add_new("b", SamplingParams(), 3, [1, 2], [1]), "3 prompt tokens of 2"),
         (lambda o: o.add_new("b", SamplingParams(), 0, [1, 2], [1]), "0 prompt tokens of 2"),
         (lambda o: o.scheduled_req_ids.append("a"), "scheduled-request columns differ in length"),
         (lambda o: o.new_num_tokens.append(1), "new-request columns differ in length"),
-        (lambda o: o.add_new("b", SamplingParams(), 1, [1], [1]) or o.new_token_ids.append(2),
-         "new-request token or block columns"),
+        (
+            lambda o: o.add_new("b", SamplingParams(), 1, [1], [1]) or o.new_token_ids.append(2),
+            "new-request token or block columns",
+        ),
         (lambda o: o.add_cached("a", False, [1]) or o.cached_block_ids.append(2), "cached-request block column"),
     ],
 )

@@ -86,14 +86,16 @@ def expected_output(prompt: list[int], params: SamplingParams, max_model_len: in
             return out
 
 
-def engine(ex: ScriptedExecutor, budget: int = 16, max_seqs: int = 8,
-           async_scheduling: bool = False) -> tuple[Scheduler, EngineCore]:
+def engine(
+    ex: ScriptedExecutor, budget: int = 16, max_seqs: int = 8, async_scheduling: bool = False
+) -> tuple[Scheduler, EngineCore]:
     sched = Scheduler(SchedulerConfig(budget, max_seqs), CacheManager(ex.info.num_blocks, ex.info.block_size), ex.info)
     return sched, EngineCore(sched, InlineExecutor(ex), async_scheduling=async_scheduling)
 
 
-def make(num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, max_model_len: int = 64,
-         async_scheduling: bool = False) -> tuple[Scheduler, ScriptedExecutor, EngineCore]:
+def make(
+    num_blocks: int = 64, budget: int = 16, max_seqs: int = 8, max_model_len: int = 64, async_scheduling: bool = False
+) -> tuple[Scheduler, ScriptedExecutor, EngineCore]:
     ex = ScriptedExecutor(num_blocks, max_model_len=max_model_len)
     sched, core = engine(ex, budget, max_seqs, async_scheduling)
     return sched, ex, core
@@ -273,8 +275,12 @@ def test_finished_ids_reach_the_executor(async_scheduling: bool) -> None:
     sched, ex, core = make(budget=32, async_scheduling=async_scheduling)
     eos = SamplingParams(temperature=0, max_tokens=40)
     length = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    reqs = [Request("eos", [3, 1, 4], eos), Request("len", [1, 2], length), Request("long", [11], eos),
-            Request("gone", [5, 5, 5], length)]
+    reqs = [
+        Request("eos", [3, 1, 4], eos),
+        Request("len", [1, 2], length),
+        Request("long", [11], eos),
+        Request("gone", [5, 5, 5], length),
+    ]
     for r in reqs:
         sched.add_request(r)
     got: dict[str, list[int]] = {}
@@ -599,7 +605,12 @@ def test_abort_with_error_reason() -> None:
     out = sched.abort("x", "error")
     assert out is not None
     assert (out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.num_output_tokens) == (
-        "x", [], True, "error", 3)
+        "x",
+        [],
+        True,
+        "error",
+        3,
+    )
     assert r.finish_reason == "error" and "x" not in sched.requests and sched.cache.get_block_table("x") == []
     out = sched.abort("w", "error")  # one still in its prefill too
     assert out is not None and out.finish_reason == "error" and w.finish_reason == "error"

@@ -31,8 +31,13 @@ NUM_BLOCKS = 256
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("stack")), gateways=2,
-              executor_args=("--num-blocks", str(NUM_BLOCKS)), gateway_args=("--max-body-bytes", "200000"))
+    s = Stack(
+        tiny_model(),
+        Path(tmp_path_factory.mktemp("stack")),
+        gateways=2,
+        executor_args=("--num-blocks", str(NUM_BLOCKS)),
+        gateway_args=("--max-body-bytes", "200000"),
+    )
     s.start()
     yield s
     s.stop()
@@ -62,8 +67,11 @@ def test_completions_match_offline_llm(stack: Stack, client: openai.OpenAI, llm:
         r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
         assert r.choices[0].text == exp.text
         assert r.usage.completion_tokens == len(exp.token_ids) and r.usage.prompt_tokens == len(exp.prompt_token_ids)
-        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == exp.text
         assert chunks[-1].usage.completion_tokens == len(exp.token_ids)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == exp.finish_reason
@@ -88,9 +96,16 @@ def test_chat_matches_offline_llm(stack: Stack, client: openai.OpenAI, llm: Any)
 def test_64_concurrent_streams(stack: Stack) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
         n = 4 + i % 13
-        stream = await client.completions.create(model="", prompt=f"x = {i} +", max_tokens=n, temperature=0.8, seed=i,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="",
+            prompt=f"x = {i} +",
+            max_tokens=n,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         reason, usage = None, None
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].finish_reason:
@@ -113,15 +128,20 @@ def test_one_step_ahead_services_match_step_at_a_time_offline(stack: Stack, tiny
     from scheduler import LLM
 
     prompts = [[5 + i, 17, 3 * i + 1, 40] * (1 + i % 3) for i in range(12)]
-    params = [SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i, max_tokens=6 + i % 5, ignore_eos=True)
-              for i in range(12)]
+    params = [SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i, max_tokens=6 + i % 5, ignore_eos=True) for i in range(12)]
     sync = LLM(str(tiny_model()), num_blocks=NUM_BLOCKS, async_scheduling=False)
     want = [(o.text, len(o.token_ids)) for o in sync.generate(prompts, params)]
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
         p = params[i]
-        r = await client.completions.create(model="", prompt=prompts[i], max_tokens=p.max_tokens,
-                                            temperature=p.temperature, seed=p.seed, extra_body={"ignore_eos": True})
+        r = await client.completions.create(
+            model="",
+            prompt=prompts[i],
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            seed=p.seed,
+            extra_body={"ignore_eos": True},
+        )
         return r.choices[0].text, r.usage.completion_tokens
 
     async def run() -> list[tuple[str, int]]:
@@ -152,10 +172,12 @@ def test_two_gateways_never_see_each_others_outputs(stack: Stack) -> None:
 
     async def run(url: str) -> list[str]:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+
             async def one(i: int) -> str:
                 r = await c.completions.create(model="", prompt=f"# {i}", max_tokens=8, extra_body={"ignore_eos": True})
                 assert r.usage.completion_tokens == 8
                 return r.id
+
             return list(await asyncio.gather(*(one(i) for i in range(12))))
 
     async def both() -> list[list[str]]:
@@ -209,11 +231,19 @@ def test_stop_string_cuts_output_and_frees_blocks(stack: Stack, client: openai.O
     # A long budget: the blocks come back only if the stop string aborts the request in the engine.
     steps0 = stack.stats().num_steps
     long = {"ignore_eos": True}
-    r = client.completions.create(model="", prompt="import os\n", max_tokens=1800, temperature=0, stop=[stop],
-                                  extra_body=long)
+    r = client.completions.create(model="", prompt="import os\n", max_tokens=1800, temperature=0, stop=[stop], extra_body=long)
     assert r.choices[0].text == exp[:cut] and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="", prompt="import os\n", max_tokens=1800, temperature=0, stop=[stop],
-                                            stream=True, extra_body={**long, "include_stop_str_in_output": True}))
+    chunks = list(
+        client.completions.create(
+            model="",
+            prompt="import os\n",
+            max_tokens=1800,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={**long, "include_stop_str_in_output": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == exp[:cut] + stop
     stats = stack.wait_stats(lambda s: s.num_running == 0, 2)
     assert stats.num_free_blocks == NUM_BLOCKS and stats.num_steps - steps0 < 1000, stats
@@ -290,21 +320,27 @@ def test_penalties_and_logit_bias_match_offline_llm(stack: Stack, client: openai
     for kw in PENALTY_CASES:
         params = SamplingParams(**{"temperature": 0.0, **kw, "max_tokens": n, "ignore_eos": True})
         expected = llm.generate(prompts, params)
-        plain = llm.generate(prompts, SamplingParams(**{"temperature": params.temperature, "seed": params.seed,
-                                                        "max_tokens": n, "ignore_eos": True}))
+        plain = llm.generate(
+            prompts,
+            SamplingParams(**{"temperature": params.temperature, "seed": params.seed, "max_tokens": n, "ignore_eos": True}),
+        )
         changed += sum(e.token_ids != q.token_ids for e, q in zip(expected, plain))
         native, extra = _http_sampling(kw)
         for prompt, exp in zip(prompts, expected):
-            r = client.completions.create(model="", prompt=prompt, max_tokens=n, temperature=params.temperature,
-                                          extra_body=extra, **native)
+            r = client.completions.create(
+                model="", prompt=prompt, max_tokens=n, temperature=params.temperature, extra_body=extra, **native
+            )
             assert r.choices[0].text == exp.text and r.usage.completion_tokens == n, kw
-            chunks = list(client.completions.create(model="", prompt=prompt, max_tokens=n,
-                                                    temperature=params.temperature, stream=True, extra_body=extra,
-                                                    **native))
+            chunks = list(
+                client.completions.create(
+                    model="", prompt=prompt, max_tokens=n, temperature=params.temperature, stream=True, extra_body=extra, **native
+                )
+            )
             assert "".join(c.choices[0].text for c in chunks) == exp.text, kw
         exp_chat = llm.generate([chat_ids], params)[0]
-        r = client.chat.completions.create(model="", messages=messages, max_tokens=n, temperature=params.temperature,
-                                           extra_body=extra, **native)
+        r = client.chat.completions.create(
+            model="", messages=messages, max_tokens=n, temperature=params.temperature, extra_body=extra, **native
+        )
         assert r.choices[0].message.content == exp_chat.text, kw
     assert changed >= len(PENALTY_CASES), "penalties and biases should change most outputs"
 
@@ -356,8 +392,11 @@ def test_stop_reason(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
     for kind in ("completion", "chat"):
         exp = llm.generate([prompt if kind == "completion" else chat_ids], _greedy(n))[0]
         k, token = _first_new_token(exp.token_ids)
-        stop = next(exp.text[i : i + 3] for i in range(4, len(exp.text) - 3)
-                    if "\ufffd" not in exp.text[i : i + 3] and exp.text[i : i + 3].strip())
+        stop = next(
+            exp.text[i : i + 3]
+            for i in range(4, len(exp.text) - 3)
+            if "\ufffd" not in exp.text[i : i + 3] and exp.text[i : i + 3].strip()
+        )
         cases: list[tuple[dict[str, Any], str, int | str | None, int]] = [
             (dict(stop=[stop, "\x00never"]), "stop", stop, -1),
             (dict(extra_body={"stop_token_ids": [token], "ignore_eos": True}), "stop", token, k + 1),
@@ -367,12 +406,12 @@ def test_stop_reason(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
             kwargs = {"max_tokens": n, "temperature": 0, **kwargs}
             if kind == "completion":
                 r: Any = client.completions.create(model="", prompt=prompt, **kwargs)
-                chunks = [c for c in client.completions.create(model="", prompt=prompt, stream=True, **kwargs)
-                          if c.choices]
+                chunks = [c for c in client.completions.create(model="", prompt=prompt, stream=True, **kwargs) if c.choices]
             else:
                 r = client.chat.completions.create(model="", messages=messages, **kwargs)
-                chunks = [c for c in client.chat.completions.create(model="", messages=messages, stream=True, **kwargs)
-                          if c.choices]
+                chunks = [
+                    c for c in client.chat.completions.create(model="", messages=messages, stream=True, **kwargs) if c.choices
+                ]
             choice = r.choices[0]
             assert (choice.finish_reason, choice.model_extra["stop_reason"]) == (reason, stop_reason), (kind, kwargs)
             if num_tokens > 0:
@@ -381,8 +420,7 @@ def test_stop_reason(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
             assert chunks[-1].choices[0].finish_reason == reason
 
 
-def test_tokenize_and_detokenize_match_the_tokenizer_and_the_chat_count(stack: Stack, client: openai.OpenAI,
-                                                                          llm: Any) -> None:
+def test_tokenize_and_detokenize_match_the_tokenizer_and_the_chat_count(stack: Stack, client: openai.OpenAI, llm: Any) -> None:
     tok, url = llm.tokenizer, stack.urls[0]
     text = "import os\nprint(os.getcwd())  # where am I?"
     got = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
@@ -417,10 +455,14 @@ def test_x_request_id_is_the_response_id_and_shared_ids_never_mix(stack: Stack, 
     async def run() -> list[Any]:
         clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) for url in stack.urls]
         try:
-            return await asyncio.gather(*(
-                c.completions.with_raw_response.create(model="", prompt=p, max_tokens=12, temperature=0,
-                                                       extra_headers={"X-Request-Id": "svc-dup-1"})
-                for c, p in zip((clients[0], clients[0], clients[1], clients[1]), prompts)))
+            return await asyncio.gather(
+                *(
+                    c.completions.with_raw_response.create(
+                        model="", prompt=p, max_tokens=12, temperature=0, extra_headers={"X-Request-Id": "svc-dup-1"}
+                    )
+                    for c, p in zip((clients[0], clients[0], clients[1], clients[1]), prompts)
+                )
+            )
         finally:
             for c in clients:
                 await c.close()
@@ -442,8 +484,9 @@ def test_x_request_id_is_the_response_id_and_shared_ids_never_mix(stack: Stack, 
 def test_a_streams_client_id_is_refused_while_taken_on_every_gateway(stack: Stack, llm: Any) -> None:
     expected = llm.generate(["def f("], _greedy(40))[0].text
     clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) for url in stack.urls]
-    kwargs: dict[str, Any] = dict(model="", max_tokens=40, temperature=0, stream=True,
-                                  extra_headers={"X-Request-Id": "svc-stream-1"})
+    kwargs: dict[str, Any] = dict(
+        model="", max_tokens=40, temperature=0, stream=True, extra_headers={"X-Request-Id": "svc-stream-1"}
+    )
     stream = clients[0].completions.create(prompt="def f(", **kwargs)
     chunks = [next(iter(stream))]  # in flight
     for c in clients:
@@ -463,13 +506,20 @@ def test_a_gateway_logs_json_lines_with_secrets_redacted(stack: Stack, llm: Any)
     redacted as it is in messages."""
     key = "sk-json-gateway-secret"
     port = free_port()
-    proc = stack.spawn("gateway-json", "gateway", "--host", "127.0.0.1", "--port", str(port), "--log-format", "json",
-                       "--api-key", key)
+    proc = stack.spawn(
+        "gateway-json", "gateway", "--host", "127.0.0.1", "--port", str(port), "--log-format", "json", "--api-key", key
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", 120, [proc])
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
-        r = c.completions.create(model="", prompt="def f(x):", max_tokens=7, temperature=0,
-                                 extra_headers={"X-Request-Id": "svc-json-1"}, extra_body={"ignore_eos": True})
+        r = c.completions.create(
+            model="",
+            prompt="def f(x):",
+            max_tokens=7,
+            temperature=0,
+            extra_headers={"X-Request-Id": "svc-json-1"},
+            extra_body={"ignore_eos": True},
+        )
         c.completions.create(model="", prompt="x", max_tokens=2, extra_headers={"X-Request-Id": key})
     finally:
         proc.terminate()
@@ -479,8 +529,11 @@ def test_a_gateway_logs_json_lines_with_secrets_redacted(stack: Stack, llm: Any)
     assert key not in text
     rec = next(rec for rec in records if rec.get("request_id") == "svc-json-1")
     assert rec["message"] == "request finished" and rec["level"] == "INFO"
-    assert (rec["prompt_tokens"], rec["completion_tokens"]) == (r.usage.prompt_tokens, r.usage.completion_tokens) == \
-        (len(llm.tokenizer("def f(x):")["input_ids"]), 7)
+    assert (
+        (rec["prompt_tokens"], rec["completion_tokens"])
+        == (r.usage.prompt_tokens, r.usage.completion_tokens)
+        == (len(llm.tokenizer("def f(x):")["input_ids"]), 7)
+    )
     assert (rec["finish_reason"], rec["engine"], rec["migrations"]) == ("length", "0", 0)
     assert re.fullmatch(r"svc-json-1-[0-9a-f]{8}", rec["engine_request_id"]) and 0 < rec["ttft_s"] <= rec["total_s"]
     assert any(rec.get("request_id") == "***" for rec in records)

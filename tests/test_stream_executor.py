@@ -27,8 +27,9 @@ def env(tmp_path: Path) -> Iterator[tuple[redis.Redis, Names, StreamExecutor]]:
     r = redis.Redis.from_url(url)
     transport = SyncTransport(url, names, owner="test")
     info = ExecutorInfo("m", 16, 4, 64, [0], 100)
-    executor = StreamExecutor(info, transport, scheduler_id="0", executor_id="e", epoch=EPOCH, results_cursor=b"0-0",
-                              result_timeout_s=5)
+    executor = StreamExecutor(
+        info, transport, scheduler_id="0", executor_id="e", epoch=EPOCH, results_cursor=b"0-0", result_timeout_s=5
+    )
     try:
         yield r, names, executor
     finally:
@@ -101,8 +102,10 @@ def test_a_burst_beyond_the_pool_waits_instead_of_failing(tmp_path: Path, caplog
         t = Transport(url, Names("test-pool"), owner="test")
         try:
             # BLPOP on a missing key holds its connection for 50 ms: all 64 are busy at once.
-            calls = [t.call(t.redis.blpop, [f"test-pool:none:{i}"], 0.05, deadline_s=5)
-                     for i in range(3 * CLIENT_OPTIONS["max_connections"])]
+            calls = [
+                t.call(t.redis.blpop, [f"test-pool:none:{i}"], 0.05, deadline_s=5)
+                for i in range(3 * CLIENT_OPTIONS["max_connections"])
+            ]
             return await asyncio.gather(*calls)
         finally:
             await t.close()

@@ -115,8 +115,9 @@ def _libgomp_report(code: str, **env: str) -> tuple[dict, str]:
     """Run ``code`` in a fresh interpreter with libgomp's ICV report on; return its JSON line and the report."""
     clean = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
     clean.update(OMP_DISPLAY_ENV="VERBOSE", PYTHONPATH=str(ROOT), **env)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean, capture_output=True, text=True,
-                          timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=clean, capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
@@ -144,13 +145,16 @@ def test_after_torch_libgomp_keeps_its_default():
 
 
 def test_users_policy_reaches_libgomp_untouched():
-    out, report = _libgomp_report("""
+    out, report = _libgomp_report(
+        """
         import json
         from executor.threads import set_openmp_env_defaults
         applied = set_openmp_env_defaults()
         import torch
         print(json.dumps(dict(applied=applied)))
-    """, OMP_WAIT_POLICY="ACTIVE")
+    """,
+        OMP_WAIT_POLICY="ACTIVE",
+    )
     assert out == {"applied": {}}
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in report
     assert f"GOMP_SPINCOUNT = '{DEFAULT_GOMP_SPINCOUNT}'" not in report

@@ -43,8 +43,7 @@ def dispatch_attention(
 ) -> torch.Tensor:
     """Dispatch: split-KV decode when few sequences decode over long contexts, else 2D."""
     if meta.max_query_len == 1:
-        splits = choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len,
-                                   _num_sms(q.device))
+        splits = choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len, _num_sms(q.device))
         if splits > 1:
             return decode_split(q, k_cache, v_cache, meta, scale, splits)
     return paged_attention_2d(q, k_cache, v_cache, meta, scale)

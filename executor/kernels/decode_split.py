@@ -80,9 +80,27 @@ def _decode_split_kernel(
     # The single query sits at position seq_len - 1: every key of the split is visible.
     q_abs = tl.full([BLOCK_M], 0, dtype=tl.int32) + (seq_len - 1)
     m_i, l_i, acc = attend_tiles(
-        q, m_i, l_i, acc, q_abs, row_valid, offs_d, d_mask, kv_lo, kv_hi, qk_scale,
-        table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
-        BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        q,
+        m_i,
+        l_i,
+        acc,
+        q_abs,
+        row_valid,
+        offs_d,
+        d_mask,
+        kv_lo,
+        kv_hi,
+        qk_scale,
+        table,
+        k_base,
+        v_base,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        BLOCK_SIZE,
+        TILE_N,
+        DOT_PRECISION,
     )
 
     # An empty split (short sequence) leaves l = 0: lse = -inf gives it zero weight.
@@ -121,8 +139,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     s_mask = offs_s < num_splits
     base = token * stride_pt + head * stride_ph
-    lse = tl.load(part_lse_ptr + (base + offs_s * stride_ps) // HEAD_PAD, mask=s_mask,
-                  other=float("-inf"))
+    lse = tl.load(part_lse_ptr + (base + offs_s * stride_ps) // HEAD_PAD, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m)  # 0 for empty splits
@@ -168,11 +185,8 @@ def decode_split(
     qpk = num_heads // num_kv_heads
     head_pad = max(16, triton.next_power_of_2(head_size))
     # Partials padded to HEAD_PAD so the lse index is the partial's row offset / HEAD_PAD.
-    part_out = torch.empty(
-        (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device
-    )
-    part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                           device=q.device)
+    part_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -47,10 +47,8 @@ def _kv_write_kernel(
 
     src_k = key_ptr + offs_t[:, None] * stride_kt + (head * stride_kh + dim)[None, :]
     src_v = value_ptr + offs_t[:, None] * stride_vt + (head * stride_vh + dim)[None, :]
-    dst_k = (k_cache_ptr + (block * stride_kcb + offset * stride_kcs)[:, None]
-             + (head * stride_kch + dim)[None, :])
-    dst_v = (v_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None]
-             + (head * stride_vch + dim)[None, :])
+    dst_k = k_cache_ptr + (block * stride_kcb + offset * stride_kcs)[:, None] + (head * stride_kch + dim)[None, :]
+    dst_v = v_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None] + (head * stride_vch + dim)[None, :]
     tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
     tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
 

@@ -19,9 +19,27 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def attend_tiles(
-    q, m_i, l_i, acc, q_abs, row_valid, offs_d, d_mask, kv_lo, kv_hi, qk_scale,
-    table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    q_abs,
+    row_valid,
+    offs_d,
+    d_mask,
+    kv_lo,
+    kv_hi,
+    qk_scale,
+    table,
+    k_base,
+    v_base,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax attention of the rows of ``q`` over keys ``[kv_lo, kv_hi)`` of one sequence.
 
@@ -139,9 +157,27 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
     m_i, l_i, acc = attend_tiles(
-        q, m_i, l_i, acc, q_abs, row_valid, offs_d, d_mask, 0, kv_end, qk_scale,
-        table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs,
-        BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        q,
+        m_i,
+        l_i,
+        acc,
+        q_abs,
+        row_valid,
+        offs_d,
+        d_mask,
+        0,
+        kv_end,
+        qk_scale,
+        table,
+        k_base,
+        v_base,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        BLOCK_SIZE,
+        TILE_N,
+        DOT_PRECISION,
     )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -176,8 +212,9 @@ def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int) -
     else:
         block_m = max(64, qpk_pad)
         block_q, tile_n, warps, stages = block_m // qpk_pad, 16, 8, 2
-    return dict(QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-                HEAD_PAD=head_pad, num_warps=warps, num_stages=stages)
+    return dict(
+        QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, HEAD_PAD=head_pad, num_warps=warps, num_stages=stages
+    )
 
 
 def paged_attention_2d(

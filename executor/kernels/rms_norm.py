@@ -36,8 +36,7 @@ def _rms_norm_kernel(
         x = rounded.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(

@@ -8,8 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, stride_t, stride_h, token, num_heads, half, cos, sin,
-            HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rotate(x_ptr, stride_t, stride_h, token, num_heads, half, cos, sin, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     offs_h = tl.arange(0, HEADS_PAD)
     offs_r = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < num_heads) & (offs_r[None, :] < half)
@@ -44,8 +43,7 @@ def _rotary_kernel(
     offs_r = tl.arange(0, HALF_PAD)
     r_mask = offs_r < half
     cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + half + offs_r, mask=r_mask,
-                  other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + half + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     _rotate(q_ptr, stride_qt, stride_qh, token, num_q_heads, half, cos, sin, QHEADS_PAD, HALF_PAD)
     _rotate(k_ptr, stride_kt, stride_kh, token, num_k_heads, half, cos, sin, KHEADS_PAD, HALF_PAD)
 

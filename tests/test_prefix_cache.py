@@ -21,17 +21,18 @@ from common.config import ExecutorInfo, SchedulerConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import EngineStatus, SchedulerOutput, decode, encode
 from common.sampling_params import SamplingParams
-from executor.input_batch import Batch, PersistentBatch
+from executor.input_batch import Batch
 from scheduler.cache_manager import ROOT_HASH, CacheManager, extra_keys, hash_block
 from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from tests.fake_executor import FakeExecutor
 from tests.test_scheduler import BOTH, VOCAB, expected_output, next_token
 
 BS = 4
 
 
-class KVCheckingExecutor:
+class KVCheckingExecutor(FakeExecutor):
     """A scripted executor (next token = f(last token, position)) that also audits the KV cache.
 
     Like `ModelExecutor`, it keeps each request's state in a `PersistentBatch` built from the
@@ -40,25 +41,10 @@ class KVCheckingExecutor:
     """
 
     def __init__(self, num_blocks: int, block_size: int = BS, max_model_len: int = 64) -> None:
-        self.info = ExecutorInfo("kv-checking", num_blocks, block_size, max_model_len, [0], VOCAB)
-        self.state = PersistentBatch(block_size, VOCAB)
+        super().__init__(ExecutorInfo("kv-checking", num_blocks, block_size, max_model_len, [0], VOCAB))
         self.sched: Scheduler | None = None  # to compare the executor's view with the scheduler's
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (token, position) written there
-        self.outputs: list[SchedulerOutput] = []
-        self.batches: list[Batch] = []
         self.written = 0  # tokens computed, over all steps
-
-    def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
-        try:
-            batch = self.state.prepare(output)
-            self.outputs.append(output)
-            self.batches.append(batch)
-            token_ids = self.run_batch(batch)
-            self.state.append_sampled(batch, token_ids)
-        except BaseException:
-            self.state.clear()
-            raise
-        return ExecutorOutput(token_ids, [None] * len(token_ids))
 
     def run_batch(self, batch: Batch) -> list[int]:
         batch.check()

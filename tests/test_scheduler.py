@@ -14,14 +14,13 @@ from __future__ import annotations
 import pytest
 
 from common.config import ExecutorInfo, SchedulerConfig
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
-from executor.input_batch import Batch, PersistentBatch
+from executor.input_batch import Batch
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
+from tests.fake_executor import FakeExecutor
 
 VOCAB = 97
 EOS = 0
@@ -34,28 +33,13 @@ def next_token(last: int, position: int) -> int:
     return (last * 7 + position + 1) % VOCAB
 
 
-class ScriptedExecutor:
+class ScriptedExecutor(FakeExecutor):
     """Keeps the executor's request state (`PersistentBatch`) like `ModelExecutor` does, and
     samples ``next_token(last, position)``; records every step and batch it ran."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_model_len: int = 64) -> None:
-        self.info = ExecutorInfo("scripted", num_blocks, block_size, max_model_len, [EOS], VOCAB)
-        self.state = PersistentBatch(block_size, VOCAB)
-        self.outputs: list[SchedulerOutput] = []
-        self.batches: list[Batch] = []
+        super().__init__(ExecutorInfo("scripted", num_blocks, block_size, max_model_len, [EOS], VOCAB))
         self.sampled: dict[str, int] = {}  # tokens sampled per request, any never reported included
-
-    def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
-        try:
-            batch = self.state.prepare(output)
-            self.outputs.append(output)
-            self.batches.append(batch)
-            token_ids = self.run_batch(batch)
-            self.state.append_sampled(batch, token_ids)
-        except BaseException:
-            self.state.clear()  # as `ModelExecutor` does: the scheduler resends every request
-            raise
-        return ExecutorOutput(token_ids, [None] * len(token_ids))
 
     def run_batch(self, batch: Batch) -> list[int]:
         batch.check()

@@ -15,19 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.serve import (
-    SAFE_IDS,
-    BenchRequest,
-    RequestResult,
-    TokenSource,
-    arrival_delays,
-    compute_metrics,
-    format_report,
-    jsonl_requests,
-    random_requests,
-    request_body,
-    send_request,
-)
+from bench.serve import request_body, send_request
+from bench.serve_data import SAFE_IDS, BenchRequest, TokenSource, arrival_delays, jsonl_requests, random_requests
+from bench.serve_metrics import RequestResult, compute_metrics, format_report
 from infra.stack import Stack
 
 # vLLM's benchmark_serving result fields: every run's result file must hold them.

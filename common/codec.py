@@ -3,7 +3,8 @@
 `Codec` turns a registry of message types (tag -> class) into ``encode``/``decode``: one msgpack
 map ``{"v": version, "t": tag, <field>: <value>, ...}`` per message, no pickle. Decoding checks the
 size, version, tag, every field's presence and type, and unknown fields, raising `ProtocolError`
-with what is wrong. Integer and float columns travel packed (fields declared with `packed`).
+with what is wrong. Integer and float columns travel packed (fields declared with `packed`);
+per-token logprobs travel as three columns (`pack_logprobs`, `unpack_logprobs`).
 """
 
 from __future__ import annotations
@@ -175,3 +176,34 @@ def _hint_name(hint: Any) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+# -- logprob columns ----------------------------------------------------------------------------
+def pack_logprobs(entries: list[dict[int, float] | None]) -> tuple[list[int], list[int], list[float]]:
+    """Columnar form of per-position logprob dicts: (counts with -1 for None, ids, values)."""
+    counts: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for entry in entries:
+        if entry is None:
+            counts.append(-1)
+            continue
+        counts.append(len(entry))
+        ids.extend(entry.keys())
+        values.extend(entry.values())
+    return counts, ids, values
+
+
+def unpack_logprobs(counts: list[int], ids: list[int], values: list[float]) -> list[dict[int, float] | None]:
+    """Inverse of `pack_logprobs`; raises `ProtocolError` if the columns disagree in length."""
+    out: list[dict[int, float] | None] = []
+    pos = 0
+    for count in counts:
+        if count < 0:
+            out.append(None)
+            continue
+        out.append(dict(zip(ids[pos : pos + count], values[pos : pos + count])))
+        pos += count
+    if pos != len(ids) or len(ids) != len(values):
+        raise ProtocolError("logprob columns disagree in length")
+    return out

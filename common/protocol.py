@@ -29,12 +29,12 @@ stream / key                 direction                    discipline and bound
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from common.codec import Codec, packed
+from common.codec import Codec, pack_logprobs, packed
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, sampling_to_dict
 
 PROTOCOL_VERSION = 2
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
@@ -466,62 +466,3 @@ def encode(msg: Any, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
 def decode(data: bytes, expected: tuple[type, ...] | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
     """Parse and type-check one message; raises `ProtocolError` saying what is wrong (see `Codec.decode`)."""
     return _CODEC.decode(data, expected, max_bytes)
-
-
-# -- helpers shared by services ------------------------------------------------------------------
-def pack_logprobs(entries: list[dict[int, float] | None]) -> tuple[list[int], list[int], list[float]]:
-    """Columnar form of per-position logprob dicts: (counts with -1 for None, ids, values)."""
-    counts: list[int] = []
-    ids: list[int] = []
-    values: list[float] = []
-    for entry in entries:
-        if entry is None:
-            counts.append(-1)
-            continue
-        counts.append(len(entry))
-        ids.extend(entry.keys())
-        values.extend(entry.values())
-    return counts, ids, values
-
-
-def unpack_logprobs(counts: list[int], ids: list[int], values: list[float]) -> list[dict[int, float] | None]:
-    """Inverse of `pack_logprobs`; raises `ProtocolError` if the columns disagree in length."""
-    out: list[dict[int, float] | None] = []
-    pos = 0
-    for count in counts:
-        if count < 0:
-            out.append(None)
-            continue
-        out.append(dict(zip(ids[pos : pos + count], values[pos : pos + count])))
-        pos += count
-    if pos != len(ids) or len(ids) != len(values):
-        raise ProtocolError("logprob columns disagree in length")
-    return out
-
-
-_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
-
-
-def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`.
-
-    ``logit_bias`` travels as ``[[token id, bias], ...]``: msgpack map keys must be strings here
-    (the codec decodes with ``strict_map_key``). `sampling_from_dict` undoes it.
-    """
-    out = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
-    if params.logit_bias is not None:
-        out["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
-    return out
-
-
-def sampling_from_dict(sampling: dict[str, Any]) -> SamplingParams:
-    """The `SamplingParams` of a map from `sampling_to_dict` (not validated: call ``validate``).
-
-    Raises ``TypeError`` for unknown fields and ``ValueError`` for a malformed ``logit_bias``.
-    """
-    bias = sampling.get("logit_bias")
-    if isinstance(bias, list):
-        if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
-            raise ValueError("logit_bias must be a list of [token id, bias] pairs")
-        sampling = {**sampling, "logit_bias": {token: value for token, value in bias}}
-    return SamplingParams(**sampling)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # Range of the engine's integer columns (token ids, counts) and of a sampling seed.
@@ -143,3 +143,32 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Pick the argmax: a temperature below `GREEDY_TEMPERATURE`, or ``top_k == 1``."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+# -- the plain map that carries it on the wire ---------------------------------------------------
+_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
+
+
+def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`.
+
+    ``logit_bias`` travels as ``[[token id, bias], ...]``: msgpack map keys must be strings here
+    (the codec decodes with ``strict_map_key``). `sampling_from_dict` undoes it.
+    """
+    out = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    if params.logit_bias is not None:
+        out["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
+    return out
+
+
+def sampling_from_dict(sampling: dict[str, Any]) -> SamplingParams:
+    """The `SamplingParams` of a map from `sampling_to_dict` (not validated: call ``validate``).
+
+    Raises ``TypeError`` for unknown fields and ``ValueError`` for a malformed ``logit_bias``.
+    """
+    bias = sampling.get("logit_bias")
+    if isinstance(bias, list):
+        if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
+            raise ValueError("logit_bias must be a list of [token id, bias] pairs")
+        sampling = {**sampling, "logit_bias": {token: value for token, value in bias}}
+    return SamplingParams(**sampling)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.protocol import SchedulerOutput, sampling_from_dict
-from common.sampling_params import SamplingParams
+from common.protocol import SchedulerOutput
+from common.sampling_params import SamplingParams, sampling_from_dict
 
 
 @dataclass(slots=True)

@@ -20,17 +20,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
-from common.protocol import (
-    ENGINE_STREAMS_TTL_MS,
-    RESULTS_MAXLEN,
-    BindExecutor,
-    ExecutorHello,
-    Names,
-    SchedulerOutput,
-    StepResult,
-    pack_logprobs,
-)
+from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
 from common.service_cli import add_engine_id, run_service, service_parser, setup_logging, stop_on_sigterm
 from common.transport import Heartbeat, Outgoing, SyncTransport
 

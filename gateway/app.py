@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.protocol import EngineStatus, JournalHeader, Names, encode, sampling_to_dict
+from common.protocol import EngineStatus, JournalHeader, Names, encode
+from common.sampling_params import sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece, RequestLog

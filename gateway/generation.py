@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.logs import log_event
-from common.protocol import sampling_to_dict
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, sampling_to_dict
 from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import RequestMetrics

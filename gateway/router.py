@@ -37,6 +37,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from common.codec import unpack_logprobs
 from common.config import ServiceDefaults
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
@@ -52,7 +53,6 @@ from common.protocol import (
     SyncRequest,
     decode,
     encode,
-    unpack_logprobs,
 )
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse

@@ -44,8 +44,8 @@ from common.protocol import (
     StepResult,
     SyncRequest,
     decode,
-    sampling_from_dict,
 )
+from common.sampling_params import sampling_from_dict
 from common.transport import Outgoing, SyncTransport
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore

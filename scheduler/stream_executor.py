@@ -17,16 +17,10 @@ import threading
 import time
 from collections import deque
 
+from common.codec import unpack_logprobs
 from common.config import ExecutorInfo
 from common.executor_output import ExecutorOutput
-from common.protocol import (
-    ENGINE_STREAMS_TTL_MS,
-    STEPS_MAXLEN,
-    BindExecutor,
-    SchedulerOutput,
-    StepResult,
-    unpack_logprobs,
-)
+from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, BindExecutor, SchedulerOutput, StepResult
 from common.transport import Outgoing, SyncTransport
 
 logger = logging.getLogger(__name__)

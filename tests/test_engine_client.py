@@ -12,6 +12,7 @@ from typing import Any
 import fakeredis
 import pytest
 
+from common.codec import unpack_logprobs
 from common.protocol import (
     ENTRY_FIELD,
     AbortRequests,
@@ -24,7 +25,6 @@ from common.protocol import (
     SyncRequest,
     decode,
     encode,
-    unpack_logprobs,
 )
 from common.transport import Outgoing
 from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse

@@ -19,16 +19,8 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
-from common.protocol import (
-    AbortRequests,
-    EngineStatus,
-    GenerateRequest,
-    Names,
-    StepOutputs,
-    decode,
-    encode,
-    sampling_from_dict,
-)
+from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
+from common.sampling_params import sampling_from_dict
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from infra.stack import find_redis

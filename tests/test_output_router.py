@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, Names, StepOutputs, decode, unpack_logprobs
+from common.codec import unpack_logprobs
+from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, Names, StepOutputs, decode
 from common.sampling_params import SamplingParams
 from common.transport import Outgoing
 from scheduler.outputs import OutputRouter

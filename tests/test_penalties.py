@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from common.protocol import SchedulerOutput, decode, encode, sampling_from_dict, sampling_to_dict
-from common.sampling_params import SamplingParams
+from common.protocol import SchedulerOutput, decode, encode
+from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
 from executor.input_batch import PersistentBatch
 from executor.penalties import TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties
 from executor.sampler import Sampler

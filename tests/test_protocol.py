@@ -10,6 +10,7 @@ import fakeredis
 import msgpack
 import pytest
 
+from common.codec import pack_logprobs, unpack_logprobs
 from common.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -27,8 +28,6 @@ from common.protocol import (
     SyncRequest,
     decode,
     encode,
-    pack_logprobs,
-    unpack_logprobs,
 )
 from common.sampling_params import SamplingParams
 from common.transport import Transport

@@ -38,15 +38,14 @@ from common.sampling_params import sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.generation import Generation, Piece, RequestLog
+from gateway.json_input import ApiError, parse_json
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
     BYTES_PER_TOKEN_ID,
-    ApiError,
     GenerationSpec,
     parse_chat,
     parse_completion,
     parse_detokenize,
-    parse_json,
     parse_request_id,
     parse_tokenize,
 )

@@ -18,8 +18,8 @@ from common.logs import log_event
 from common.sampling_params import SamplingParams, sampling_to_dict
 from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.json_input import ApiError
 from gateway.metrics import RequestMetrics
-from gateway.openai_schema import ApiError
 from gateway.request_handle import EngineUnavailable, RequestHandle, RequestIdInUse
 from gateway.router import EngineClient
 from gateway.stop import StopMatcher

@@ -1,131 +1,45 @@
-"""OpenAI request parsing and validation, and the OpenAI error format.
+"""OpenAI request parsing and validation (the error format is `gateway.json_input.ApiError`).
 
 Parsing is by hand rather than with pydantic models so every rejection carries OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
 values we cannot honour (``n > 1``, ``best_of``, ``suffix``, tools...) are rejected.
 
-No input gets past here as a 500 or as work that would slow other requests: the body must be
-JSON (no ``NaN``), nested at most `MAX_JSON_DEPTH` levels, with every string valid Unicode;
+No input gets past here as a 500 or as work that would slow other requests: the body has been
+through `gateway.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
 integers are range-checked (`SamplingParams.validate`); lists are bounded, since parsing runs on
 the event loop, except prompt token ids, which `check_token_ids` checks later in a worker thread.
 """
 
 from __future__ import annotations
 
-import json
-import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import SamplingParams
+from gateway.json_input import (
+    ApiError,
+    all_ints,
+    bad,
+    get_bool,
+    get_field,
+    get_int,
+    get_num,
+    is_int,
+    is_num,
+    preview,
+    typename,
+)
 
 MAX_STOP_STRINGS = 16
 # Stop strings are matched (and partial matches held back) on every streamed token; the cost of
 # holding back grows with the square of a stop string's length.
 MAX_STOP_STRING_CHARS = 256
-# Deeper JSON is never a real request; the limit also keeps the parser far from Python's recursion limit.
-MAX_JSON_DEPTH = 64
 # Messages and content parts are checked one by one on the event loop, so their number is bounded.
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096
 # About how many bytes of a JSON body one token id takes, to size inputs given as ids.
 BYTES_PER_TOKEN_ID = 4
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's format."""
-
-    def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
-
-
-# -- the body ----------------------------------------------------------------------------------
-def parse_json(data: bytes, cooperative: bool = False) -> Any:
-    """A request body as JSON, or a 400: not JSON (``NaN`` and ``Infinity`` are not JSON either),
-    nested deeper than `MAX_JSON_DEPTH`, or holding a string that is not valid Unicode (a lone
-    surrogate such as ``"\\ud800"``, which neither tokenizers nor UTF-8 encoders accept).
-
-    ``cooperative``: for a worker thread parsing a large body. The C parser holds the GIL for the
-    whole parse, which for a long array of numbers is long enough to stall the event loop; through
-    a Python-level ``parse_int`` the interpreter can switch threads while it parses.
-    """
-    try:
-        body = json.loads(data, parse_constant=_not_json, parse_int=_parse_int if cooperative else None)
-    except RecursionError:  # far deeper than MAX_JSON_DEPTH
-        raise _too_deep(None) from None
-    except ValueError as exc:  # UnicodeDecodeError included
-        raise bad(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    _check_tree(body)
-    return body
-
-
-def _parse_int(digits: str) -> int:
-    return int(digits)  # Python code on purpose: see `parse_json`
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _too_deep(param: str | None) -> ApiError:
-    return bad(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", param, "invalid_json")
-
-
-def _check_tree(body: Any) -> None:
-    """Reject nesting past `MAX_JSON_DEPTH` and invalid strings; errors name the top-level field."""
-    if isinstance(body, str):
-        _check_text(body, None)
-    if not isinstance(body, (dict, list)):
-        return
-    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
-    while stack:
-        value, depth, where = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise _too_deep(where)
-        if isinstance(value, dict):
-            for key, item in value.items():
-                _check_text(key, where)
-                name = key[:64] if where is None else where
-                if isinstance(item, str):
-                    _check_text(item, name)
-                elif isinstance(item, (dict, list)):
-                    stack.append((item, depth + 1, name))
-        else:
-            for item in value:
-                if isinstance(item, str):
-                    _check_text(item, where)
-                elif isinstance(item, (dict, list)):
-                    stack.append((item, depth + 1, where))
-
-
-def _check_text(text: str, where: str | None) -> None:
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        # The message names the code point but never holds it: it could not be encoded either.
-        raise bad(
-            f"{f'{where!r}' if where else 'request body'} holds a string that is not valid Unicode "
-            f"(lone surrogate \\u{ord(text[exc.start]):04x} at index {exc.start})",
-            where,
-            "invalid_string",
-        ) from None
 
 
 @dataclass(slots=True)
@@ -157,92 +71,35 @@ class GenerationSpec:
         )
 
 
-# -- typed getters -----------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _all_ints(values: list[Any]) -> bool:
-    """Every item an integer (not a boolean); builtins, not a Python loop."""
-    return set(map(type, values)) <= {int}
-
-
-def _typename(v: Any) -> str:
-    return {
-        dict: "object",
-        list: "array",
-        str: "string",
-        bool: "boolean",
-        type(None): "null",
-        float: "number",
-        int: "integer",
-    }.get(type(v), type(v).__name__)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 40
-_REPR.maxlist = _REPR.maxdict = 4
-
-
-def _preview(value: Any) -> str:
-    """A short rendering of a value from the body, whatever its size, for an error message."""
-    return _REPR.repr(value)
-
-
-def _get(body: dict[str, Any], name: str, check: Any, want: str, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise bad(f"'{name}' must be {want}, got {_typename(value)} {_preview(value)}", name)
-    return value
-
-
-def _int(body: dict[str, Any], name: str, default: Any) -> Any:
-    return _get(body, name, _is_int, "an integer", default)
-
-
-def _num(body: dict[str, Any], name: str, default: Any) -> Any:
-    return _get(body, name, _is_num, "a number", default)
-
-
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    return bool(_get(body, name, lambda v: isinstance(v, bool), "a boolean", default))
-
-
 def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
     value = body.get(name)
     if value is not None and value != neutral:
-        raise bad(f"'{name}' = {_preview(value)} is not supported by this server (only {neutral!r})", name)
+        raise bad(f"'{name}' = {preview(value)} is not supported by this server (only {neutral!r})", name)
 
 
 # -- shared parameters -------------------------------------------------------------------------
 def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: int | None) -> GenerationSpec:
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {_typename(body)}")
-    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
+        raise bad(f"request body must be a JSON object, got {typename(body)}")
+    model = get_field(body, "model", lambda v: isinstance(v, str), "a string", None)
     if body.get("n") is not None and body.get("n") != 1:
-        _int(body, "n", 1)
+        get_int(body, "n", 1)
         raise bad("only n = 1 is supported", "n")
     for name, neutral in (("best_of", 1), ("suffix", None)):
         _unsupported(body, name, neutral)
     logit_bias = _logit_bias(body)
-    stream = _bool(body, "stream", False)
-    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", None)
+    stream = get_bool(body, "stream", False)
+    options = get_field(body, "stream_options", lambda v: isinstance(v, dict), "an object", None)
     if options is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    include_usage = _bool(options or {}, "include_usage", False)
+    include_usage = get_bool(options or {}, "include_usage", False)
     stop = body.get("stop")
     if stop is None:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
     elif not isinstance(stop, list):
-        raise bad(f"'stop' must be a string or an array of strings, got {_typename(stop)}", "stop")
+        raise bad(f"'stop' must be a string or an array of strings, got {typename(stop)}", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     if not all(isinstance(s, str) for s in stop):
@@ -252,27 +109,27 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
         raise bad(f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters long", "stop")
     most = SamplingParams.MAX_STOP_TOKEN_IDS
-    stop_token_ids = _get(
+    stop_token_ids = get_field(
         body,
         "stop_token_ids",
-        lambda v: isinstance(v, list) and len(v) <= most and _all_ints(v),
+        lambda v: isinstance(v, list) and len(v) <= most and all_ints(v),
         f"an array of at most {most} integers",
         [],
     )
     sampling = SamplingParams(
-        temperature=_num(body, "temperature", 1.0),
-        top_p=_num(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", 0),
-        min_p=_num(body, "min_p", 0.0),
+        temperature=get_num(body, "temperature", 1.0),
+        top_p=get_num(body, "top_p", 1.0),
+        top_k=get_int(body, "top_k", 0),
+        min_p=get_num(body, "min_p", 0.0),
         max_tokens=max_tokens if max_tokens is not None else 1,
-        min_tokens=_int(body, "min_tokens", 0),
+        min_tokens=get_int(body, "min_tokens", 0),
         stop_token_ids=list(stop_token_ids),
-        ignore_eos=_bool(body, "ignore_eos", False),
-        seed=_int(body, "seed", None),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        seed=get_int(body, "seed", None),
         logprobs=logprobs,
-        presence_penalty=_num(body, "presence_penalty", 0.0),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        presence_penalty=get_num(body, "presence_penalty", 0.0),
+        frequency_penalty=get_num(body, "frequency_penalty", 0.0),
+        repetition_penalty=get_num(body, "repetition_penalty", 1.0),
         logit_bias=logit_bias,
     )
     if sampling.top_k == -1:
@@ -290,8 +147,8 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         stream=stream,
         include_usage=include_usage,
         stop=list(stop),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
     )
@@ -300,13 +157,13 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
 def _add_special_tokens(body: dict[str, Any], chat: bool) -> bool:
     """``add_special_tokens``, by default (vLLM's) true for a prompt and false for chat messages: a
     chat template already writes the special tokens it wants."""
-    return _bool(body, "add_special_tokens", not chat)
+    return get_bool(body, "add_special_tokens", not chat)
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
     """``logit_bias`` with integer keys (JSON object keys are strings); its ids and values are
     range-checked by `SamplingParams.validate`, the ids against the vocabulary once it is known."""
-    value = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object mapping token ids to biases", None)
+    value = get_field(body, "logit_bias", lambda v: isinstance(v, dict), "an object mapping token ids to biases", None)
     if value is None:
         return None
     most = SamplingParams.MAX_LOGIT_BIAS
@@ -317,16 +174,16 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
         # Decimal ASCII digits only (int() would also take " 7", "+7", "7_0" or other scripts' digits),
         # and few of them: no id has more.
         if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise bad(f"'logit_bias' keys must be token ids (decimal integers), got {_preview(key)}", "logit_bias")
-        if not _is_num(bias):
-            raise bad(f"'logit_bias' values must be numbers, got {_typename(bias)} {_preview(bias)}", "logit_bias")
+            raise bad(f"'logit_bias' keys must be token ids (decimal integers), got {preview(key)}", "logit_bias")
+        if not is_num(bias):
+            raise bad(f"'logit_bias' values must be numbers, got {typename(bias)} {preview(bias)}", "logit_bias")
         out[int(key)] = bias
     return out or None
 
 
 def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
     for name in names:
-        value = _int(body, name, None)
+        value = get_int(body, name, None)
         if value is not None:
             if value < 1:
                 raise bad(f"'{name}' must be at least 1, got {value}", name)
@@ -338,13 +195,13 @@ def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
 def parse_completion(body: Any) -> GenerationSpec:
     """Validate a ``/v1/completions`` body."""
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {_typename(body)}")
-    logprobs = _int(body, "logprobs", None)
+        raise bad(f"request body must be a JSON object, got {typename(body)}")
+    logprobs = get_int(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= SamplingParams.MAX_LOGPROBS:
         raise bad(f"'logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {logprobs}", "logprobs")
     max_tokens = _max_tokens(body, "max_tokens")
     spec = _common(body, "completion", 16 if max_tokens is None else max_tokens, logprobs)
-    spec.echo = _bool(body, "echo", False)
+    spec.echo = get_bool(body, "echo", False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -352,7 +209,7 @@ def parse_completion(body: Any) -> GenerationSpec:
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
         spec.prompt = prompt
-    elif isinstance(prompt, list) and prompt and _is_int(prompt[0]):
+    elif isinstance(prompt, list) and prompt and is_int(prompt[0]):
         # Token ids. Every one is checked later, by `check_token_ids` off the event loop: a body
         # of megabytes holds millions of them.
         spec.prompt_token_ids = prompt
@@ -371,12 +228,12 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 def parse_chat(body: Any) -> GenerationSpec:
     """Validate a ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {_typename(body)}")
+        raise bad(f"request body must be a JSON object, got {typename(body)}")
     for name in ("tools", "functions", "response_format", "tool_choice"):
         if body.get(name) not in (None, [], "none", {"type": "text"}):
             raise bad(f"'{name}' is not supported by this server", name)
-    want_logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None)
+    want_logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None)
     if top is not None:
         if not want_logprobs:
             raise bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
@@ -398,10 +255,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     num_parts = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise bad(f"messages[{i}] must be an object, got {_typename(message)}", "messages")
+            raise bad(f"messages[{i}] must be an object, got {typename(message)}", "messages")
         role = message.get("role")
         if role not in _ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {_preview(role)}", "messages")
+            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {preview(role)}", "messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is supported
             num_parts += len(content)
@@ -416,7 +273,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string, got {_typename(content)}", "messages")
+            raise bad(f"messages[{i}].content must be a string, got {typename(content)}", "messages")
         parsed.append({"role": role, "content": content})
     return parsed
 
@@ -447,9 +304,9 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
     """Validate a ``/tokenize`` body: ``{"prompt", "add_special_tokens"?}`` or ``{"messages",
     "add_generation_prompt"?, "add_special_tokens"?}``, each with ``model``? and ``return_token_strs``?."""
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {_typename(body)}")
-    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
-    return_token_strs = _bool(body, "return_token_strs", False)
+        raise bad(f"request body must be a JSON object, got {typename(body)}")
+    model = get_field(body, "model", lambda v: isinstance(v, str), "a string", None)
+    return_token_strs = get_bool(body, "return_token_strs", False)
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise bad("give either 'prompt' or 'messages', not both", "prompt")
@@ -465,7 +322,7 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
             None,
             _messages(body),
             _add_special_tokens(body, True),
-            _bool(body, "add_generation_prompt", True),
+            get_bool(body, "add_generation_prompt", True),
             return_token_strs,
         )
     prompt = body.get("prompt")
@@ -473,7 +330,7 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
         raise bad(
             "'prompt' (a string) or 'messages' is required"
             if prompt is None
-            else f"'prompt' must be a string, got {_typename(prompt)}",
+            else f"'prompt' must be a string, got {typename(prompt)}",
             "prompt",
         )
     return TokenizeSpec(model, prompt, None, _add_special_tokens(body, False), False, return_token_strs)
@@ -483,14 +340,14 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[Any]]:
     """Validate a ``/detokenize`` body ``{"model"?, "tokens": [...]}``: its model and token ids
     (checked later, off the event loop, by `check_token_ids`: there may be many)."""
     if not isinstance(body, dict):
-        raise bad(f"request body must be a JSON object, got {_typename(body)}")
-    model = _get(body, "model", lambda v: isinstance(v, str), "a string", None)
+        raise bad(f"request body must be a JSON object, got {typename(body)}")
+    model = get_field(body, "model", lambda v: isinstance(v, str), "a string", None)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise bad(
             "'tokens' (an array of token ids) is required"
             if tokens is None
-            else f"'tokens' must be an array of token ids, got {_typename(tokens)}",
+            else f"'tokens' must be an array of token ids, got {typename(tokens)}",
             "tokens",
         )
     return model, tokens
@@ -533,9 +390,9 @@ def check_token_ids(ids: list[Any], vocab_size: int, param: str) -> None:
     """A 400 unless every id is an integer in ``[0, vocab_size)``; for a worker thread."""
     for start in range(0, len(ids), _CHUNK):
         chunk = ids[start : start + _CHUNK]
-        if not _all_ints(chunk):
+        if not all_ints(chunk):
             wrong = next(v for v in chunk if type(v) is not int)
-            raise bad(f"'{param}' token ids must be integers, got {_typename(wrong)} {_preview(wrong)}", param)
+            raise bad(f"'{param}' token ids must be integers, got {typename(wrong)} {preview(wrong)}", param)
         if (low := min(chunk)) < 0:
             raise bad(f"'{param}' token ids must be non-negative, got {low}", param)
         if (high := max(chunk)) >= vocab_size:

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from common.protocol import EngineStatus
-from gateway.openai_schema import ApiError, GenerationSpec, TokenizeSpec, check_token_ids, fit_context
+from gateway.json_input import ApiError
+from gateway.openai_schema import GenerationSpec, TokenizeSpec, check_token_ids, fit_context
 
 T = TypeVar("T")
 # Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few

@@ -12,15 +12,8 @@ import pytest
 
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
-from gateway.openai_schema import (
-    _CHUNK,
-    MAX_JSON_DEPTH,
-    ApiError,
-    check_token_ids,
-    parse_chat,
-    parse_completion,
-    parse_json,
-)
+from gateway.json_input import MAX_JSON_DEPTH, ApiError, parse_json
+from gateway.openai_schema import _CHUNK, check_token_ids, parse_chat, parse_completion
 from gateway.tokenization import COUNT_WINDOW_CHARS, _count_past, encode_text, tokenize
 
 

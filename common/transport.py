@@ -27,10 +27,12 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common.batch_send import APPEND_SCRIPT, script_arguments
 from common.protocol import ENTRY_FIELD, MAX_MESSAGE_BYTES, Names, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -202,6 +204,10 @@ class TransportCore(Generic[Client]):
 class Transport(TransportCore[aioredis.Redis]):
     """One process's connection to the shared Redis, with protocol encode/decode built in (async)."""
 
+    def __init__(self, url: str, names: Names, *, max_message_bytes: int = MAX_MESSAGE_BYTES, owner: str = "?") -> None:
+        super().__init__(url, names, max_message_bytes=max_message_bytes, owner=owner)
+        self._append_script: AsyncScript | bool | None = None  # None: not tried yet; False: refused
+
     def _connect(self, url: str) -> aioredis.Redis:
         pool = aioredis.BlockingConnectionPool.from_url(url, timeout=POOL_WAIT_S, **CLIENT_OPTIONS)
         return aioredis.Redis(connection_pool=pool)
@@ -231,7 +237,20 @@ class Transport(TransportCore[aioredis.Redis]):
         return await self.call(self.redis.xadd, **self._xadd(stream, data, maxlen), deadline_s=deadline_s)
 
     async def send_many(self, sends: list[Outgoing], deadline_s: float | None = None) -> None:
-        """XADD every message (and refresh TTLs) in one pipelined round trip."""
+        """XADD every message (and refresh TTLs) in one round trip: one script call where the
+        server runs scripts (`common.batch_send`), else a pipeline."""
+        if len(sends) > 1 and self._append_script is not False:
+            if self._append_script is None:  # first use: can this server run it?
+                try:
+                    await self.call(self.redis.script_load, APPEND_SCRIPT, deadline_s=deadline_s)
+                    self._append_script = self.redis.register_script(APPEND_SCRIPT)
+                except redis.ResponseError as exc:
+                    logger.info("%s: Redis runs no scripts (%s); appends go pipelined", self.owner, exc)
+                    self._append_script = False
+            if self._append_script:  # reloaded by redis-py if the server lost it (restart, failover)
+                keys, args = script_arguments(sends)
+                await self.call(self._append_script, keys=keys, args=args, deadline_s=deadline_s)
+                return
         if sends:  # a new pipeline per try: a failed execute() leaves its own empty
             await self.call(lambda: self._pipeline(sends, None, None).execute(), deadline_s=deadline_s)
 

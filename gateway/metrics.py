@@ -151,7 +151,10 @@ class RequestMetrics:
         if n == 0 or event.replayed:
             return
         now = time.monotonic()
-        if self.last_token_at is not None:  # one observation per engine step, as vLLM's
+        # One observation per engine step, as vLLM's; the steps of a merged event came at once.
+        for _ in range(event.num_steps - 1):
+            s.inter_token_latency.observe(0.0)
+        if self.last_token_at is not None:
             s.inter_token_latency.observe(now - self.last_token_at)
         elif first:  # the prefill is done (vLLM counts prompt tokens then)
             s.prompt_tokens.inc(self.num_prompt_tokens)

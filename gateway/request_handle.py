@@ -19,6 +19,7 @@ class EngineEvent:
     queue_time_s: float | None = None  # on a request's first output from an engine (see `StepOutputs`)
     stop_reason: int | None = None  # on the last: the stop token id that ended it (see `StepOutputs`)
     replayed: bool = False  # from a journal: another gateway delivered these tokens first
+    num_steps: int = 1  # engine steps whose tokens this event carries (see `gateway.outputs`)
 
 
 @dataclass(slots=True)

@@ -37,7 +37,6 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from common.codec import unpack_logprobs
 from common.config import ServiceDefaults
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
@@ -55,6 +54,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
+from gateway.outputs import journal_entry, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
@@ -321,30 +321,10 @@ class EngineClient:
             scheduler_id=route.scheduler_id,
             attempts=int(number) + 1 if retried else 1,
         )
-        for msg in outputs:  # as `_dispatch` would deliver them: in order, without duplicates
-            stop_reasons = msg.stop_reasons()
-            for i, index in enumerate(msg.token_index):
-                if index > handle.next_index:
-                    break  # a gap (outputs lost with the old gateway): the engine resends from here
-                start = sum(msg.num_tokens[:i])
-                lps = unpack_logprobs(msg.lp_counts, msg.lp_token_ids, msg.lp_values) if msg.lp_counts else None
-                skip = handle.next_index - index
-                tokens = msg.token_ids[start + skip : start + msg.num_tokens[i]]
-                handle.output_token_ids.extend(tokens)
-                self._deliver(
-                    handle,
-                    EngineEvent(
-                        tokens,
-                        lps[start + skip : start + msg.num_tokens[i]] if lps else [None] * len(tokens),
-                        msg.finished[i],
-                        msg.finish_reasons[i],
-                        msg.errors[i],
-                        stop_reason=stop_reasons[i],
-                        replayed=True,
-                    ),
-                )
-                if handle.done:
-                    return handle  # the whole stream is in the journal
+        for event in replay(handle, outputs):  # as `_dispatch` delivered them
+            self._deliver(handle, event)
+        if handle.done:
+            return handle  # the whole stream is in the journal
         status = self.engines.get(route.scheduler_id)
         handle.incarnation = status.incarnation if status is not None else ""  # else: the watcher migrates it
         self.requests[request_id] = self.attempts[route.request_id] = handle
@@ -371,71 +351,36 @@ class EngineClient:
         self._outputs_cursors = cursors  # `_watch` trims what was read
         while True:
             try:
-                for _, _, msg in await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,)):
-                    await self._dispatch(msg)
+                received = await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,))
+                if received:
+                    await self._dispatch([msg for _, _, msg in received])
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("outputs reader failed; continuing")
                 await asyncio.sleep(0.2)
 
-    async def _dispatch(self, msg: StepOutputs) -> None:
-        """Deliver one step's outputs; resumable streams are journaled before their clients see them."""
-        logprobs = unpack_logprobs(msg.lp_counts, msg.lp_token_ids, msg.lp_values) if msg.lp_counts else None
-        queue_times = msg.queue_times()
-        stop_reasons = msg.stop_reasons()
-        journal: list[Outgoing] = []
-        ready: list[tuple[RequestHandle, EngineEvent]] = []
-        migrate: list[RequestHandle] = []
-        syncs: list[RequestHandle] = []
-        pos = 0
-        for i, engine_request_id in enumerate(msg.request_ids):
-            n = msg.num_tokens[i]
-            tokens = msg.token_ids[pos : pos + n]
-            lps: list[dict[int, float] | None] = logprobs[pos : pos + n] if logprobs else [None] * n
-            pos += n
-            handle = self.attempts.get(engine_request_id)
-            if handle is None or handle.done:
-                continue  # aborted, finished, or an earlier attempt of a migrated request
-            if msg.finish_reasons[i] == "unknown":
-                migrate.append(handle)
-                continue
-            index = msg.token_index[i]
-            if index > handle.next_index:
-                if handle.sync_from != handle.next_index:
-                    syncs.append(handle)
-                continue
-            skip = handle.next_index - index  # duplicates already delivered
-            tokens, lps = tokens[skip:], lps[skip:]
-            if not tokens and not msg.finished[i]:
-                continue  # nothing new (duplicates, or a resend with nothing after its index)
-            handle.output_token_ids.extend(tokens)
-            event = EngineEvent(
-                tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i], queue_times[i], stop_reason=stop_reasons[i]
+    async def _dispatch(self, msgs: list[StepOutputs]) -> None:
+        """Deliver the outputs of consecutive steps (one event per request: `route_outputs`);
+        resumable streams are journaled before their clients see them."""
+        routed = route_outputs(msgs, self.attempts)
+        journal = [
+            Outgoing(
+                self.names.journal(handle.journal_id),
+                encode(journal_entry(handle.engine_request_id, start, event)),
+                OUTPUTS_MAXLEN,
+                self.journal_ttl_ms,
             )
-            if handle.journal_id:
-                entry = StepOutputs()
-                entry.add(
-                    engine_request_id,
-                    handle.next_index - len(tokens),
-                    tokens,
-                    lps,
-                    event.finished,
-                    event.finish_reason,
-                    event.error,
-                    stop_reason=event.stop_reason,
-                )
-                journal.append(
-                    Outgoing(self.names.journal(handle.journal_id), encode(entry.sealed()), OUTPUTS_MAXLEN, self.journal_ttl_ms)
-                )
-            ready.append((handle, event))
+            for handle, event, start in routed.events
+            if handle.journal_id
+        ]
         if journal:  # write-ahead: no client sees an event that another gateway could not replay
             await self.transport.send_many(journal)
-        for handle, event in ready:
+        for handle, event, _ in routed.events:
             self._deliver(handle, event)
-        for handle in syncs:
+        for handle in routed.syncs:
             await self._sync(handle)
-        for handle in migrate:
+        for handle in routed.migrate:
             await self._migrate(handle, "its engine does not hold it")
 
     def _deliver(self, handle: RequestHandle, event: EngineEvent) -> None:

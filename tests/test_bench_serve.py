@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
 
 from bench.serve import request_body, send_request
 from bench.serve_data import SAFE_IDS, BenchRequest, TokenSource, arrival_delays, jsonl_requests, random_requests
@@ -119,11 +120,27 @@ def _sse(*events: Any) -> bytes:
     return b"".join(f"id: {i}\ndata: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for i, e in enumerate(events, 1))
 
 
-def _send(response: httpx.Response, body: dict[str, Any]) -> RequestResult:
+def _send(
+    status: int, body: bytes, content_type: str = "text/event-stream", request: dict[str, Any] | None = None
+) -> RequestResult:
+    """`send_request` against a real HTTP server that answers one canned response."""
+
     async def go() -> RequestResult:
-        transport = httpx.MockTransport(lambda request: response)
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await send_request(client, "http://x/v1/chat/completions", body)
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(status=status, body=body, content_type=content_type)
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await send_request(session, f"http://127.0.0.1:{port}/v1/chat/completions", request or {})
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -139,15 +156,15 @@ def test_client_reads_chunks_and_usage() -> None:
     body = request_body("chat", "m", "hi", 4, ignore_eos=True)
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_completion_tokens"] == 4
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
-    r = _send(httpx.Response(200, content=stream), body)
+    r = _send(200, stream, request=body)
     # The role-only chunk is not the first token; the finish chunk is one more output chunk.
     assert r.success and r.text == "abc" and r.chunks == 4 and len(r.itl) == 3
     assert (r.prompt_tokens, r.output_tokens) == (9, 4)
     assert 0 < r.ttft <= r.latency
 
-    failed = _send(httpx.Response(200, content=_sse(delta("a"), {"error": {"message": "engine died"}})), body)
+    failed = _send(200, _sse(delta("a"), {"error": {"message": "engine died"}}), request=body)
     assert not failed.success and failed.error == "engine died"
-    rejected = _send(httpx.Response(400, json={"error": {"message": "too long"}}), body)
+    rejected = _send(400, json.dumps({"error": {"message": "too long"}}).encode(), "application/json", body)
     assert not rejected.success and rejected.error.startswith("HTTP 400") and "too long" in rejected.error
     assert "ignore_eos" not in request_body("completions", "m", [1, 2], 4, ignore_eos=False)
 

@@ -27,6 +27,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import Outgoing
+from gateway.outputs import replay
 from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 
 NAMES = Names("t-client")
@@ -195,27 +196,59 @@ async def test_prompts_sharing_a_prefix_meet_on_one_engine_unless_it_is_too_busy
 
 
 # -- dispatching outputs -------------------------------------------------------------------------------
+async def dispatch_steps(client: EngineClient, *msgs: StepOutputs) -> None:
+    """Deliver steps' outputs as one read of the outputs stream (`EngineClient._dispatch`)."""
+    await client._dispatch(list(msgs))
+
+
 @async_test
 async def test_dispatch_drops_duplicate_token_indices() -> None:
     client = make_client()
     await publish(client, engine("s0"))
     h = await client.submit("r", [1, 2, 3], SAMPLING)
     other = await client.submit("q", [4], SAMPLING)
-    await client._dispatch(outputs(("r", 0, [5, 6]), ("q", 0, [9])))
-    await client._dispatch(outputs(("r", 1, [6, 7])))  # overlaps by one
-    await client._dispatch(outputs(("r", 0, [5, 6])))  # a whole duplicate (a retried exchange)
-    await client._dispatch(outputs(("r", 3, [8]), ("ghost", 0, [1])))
+    await dispatch_steps(client, outputs(("r", 0, [5, 6]), ("q", 0, [9])))
+    await dispatch_steps(client, outputs(("r", 1, [6, 7])))  # overlaps by one
+    await dispatch_steps(client, outputs(("r", 0, [5, 6])))  # a whole duplicate (a retried exchange)
+    await dispatch_steps(client, outputs(("r", 3, [8]), ("ghost", 0, [1])))
     events = drain(h)
     assert [e.token_ids for e in events] == [[5, 6], [7], [8]]
     assert h.output_token_ids == [5, 6, 7, 8] and not h.done
     assert tokens_of(drain(other)) == [9]
     # The final output (a duplicate index, with no new token) still ends the request, once.
-    await client._dispatch(outputs(("r", 3, [8], True, "length")))
+    await dispatch_steps(client, outputs(("r", 3, [8], True, "length")))
     [last] = drain(h)
     assert last.token_ids == [] and last.finished and last.finish_reason == "length" and h.done
-    await client._dispatch(outputs(("r", 4, [1], True, "length")))
+    await dispatch_steps(client, outputs(("r", 4, [1], True, "length")))
     assert drain(h) == [] and h.output_token_ids == [5, 6, 7, 8]
     assert [type(m) for m in await sent(client, "s0")] == [GenerateRequest, GenerateRequest]  # no sync asked
+
+
+@async_test
+async def test_steps_read_together_become_one_event_and_one_journal_entry() -> None:
+    client = make_client()
+    await publish(client, engine("s0"))
+    header = JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1], None)
+    h = await client.submit("r", [1], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
+    other = await client.submit("q", [4], SAMPLING)
+    # Three steps read at once (the gateway fell behind): one event per request, in order, with
+    # a duplicate dropped, the end carried, and the number of engine steps it stands for.
+    await dispatch_steps(
+        client,
+        outputs(("r", 0, [5]), ("q", 0, [9])),
+        outputs(("r", 1, [6]), ("q", 0, [9])),  # q's is a duplicate
+        outputs(("r", 2, [7], True, "length")),
+    )
+    [event] = drain(h)
+    assert event.token_ids == [5, 6, 7] and event.finished and event.finish_reason == "length"
+    assert event.num_steps == 3 and h.done
+    [q_event] = drain(other)
+    assert q_event.token_ids == [9] and q_event.num_steps == 1 and not q_event.finished
+    entries = await journal(client, "resp")
+    assert [(m.token_index, m.token_ids, m.finished) for m in entries[2:]] == [([0], [5, 6, 7], [True])]
+    # A journal replay delivers the same single event again (resumed streams number alike).
+    [replayed] = replay(RequestHandle("r", [1], SAMPLING), entries[2:])
+    assert replayed.token_ids == [5, 6, 7] and replayed.finished and replayed.replayed
 
 
 @async_test
@@ -223,19 +256,19 @@ async def test_dispatch_gap_asks_for_one_resend() -> None:
     client = make_client()
     await publish(client, engine("s0"))
     h = await client.submit("r", [1, 2, 3], SAMPLING)
-    await client._dispatch(outputs(("r", 0, [5, 6, 7])))
-    await client._dispatch(outputs(("r", 5, [9])))  # 3 and 4 were lost
-    await client._dispatch(outputs(("r", 6, [10])))  # still missing: no second request
+    await dispatch_steps(client, outputs(("r", 0, [5, 6, 7])))
+    await dispatch_steps(client, outputs(("r", 5, [9])))  # 3 and 4 were lost
+    await dispatch_steps(client, outputs(("r", 6, [10])))  # still missing: no second request
     assert tokens_of(drain(h)) == [5, 6, 7] and h.sync_from == 3
     syncs = [m for m in await sent(client, "s0") if isinstance(m, SyncRequest)]
     assert syncs == [SyncRequest("r", "g1", 3)]
     # The engine resends from 3; what arrives after is contiguous again.
-    await client._dispatch(outputs(("r", 3, [7, 8, 9, 10])))
-    await client._dispatch(outputs(("r", 7, [11])))
+    await dispatch_steps(client, outputs(("r", 3, [7, 8, 9, 10])))
+    await dispatch_steps(client, outputs(("r", 7, [11])))
     assert tokens_of(drain(h)) == [7, 8, 9, 10, 11] and h.output_token_ids == [5, 6, 7, 7, 8, 9, 10, 11]
     # A new gap (at a new index) is a new request.
-    await client._dispatch(outputs(("r", 9, [1])))
-    await client._dispatch(outputs(("r", 9, [1])))
+    await dispatch_steps(client, outputs(("r", 9, [1])))
+    await dispatch_steps(client, outputs(("r", 9, [1])))
     syncs = [m for m in await sent(client, "s0") if isinstance(m, SyncRequest)]
     assert syncs == [SyncRequest("r", "g1", 3), SyncRequest("r", "g1", 8)]
 
@@ -268,10 +301,10 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
     logprobs_msg = StepOutputs()
     logprobs_msg.add("resp", 0, [5, 6], [{5: -0.5}, {6: -0.25, 1: -3.0}])
     logprobs_msg.add("plain", 0, [7], None)
-    await client._dispatch(decode(encode(logprobs_msg.sealed())))
+    await dispatch_steps(client, decode(encode(logprobs_msg.sealed())))
     assert writes == [([NAMES.journal("resp")], 0)]  # written while the client had seen nothing
-    await client._dispatch(outputs(("resp", 1, [6, 8]), ("plain", 1, [9])))  # one duplicate token
-    await client._dispatch(outputs(("resp", 3, [9], True, "stop")))
+    await dispatch_steps(client, outputs(("resp", 1, [6, 8]), ("plain", 1, [9])))  # one duplicate token
+    await dispatch_steps(client, outputs(("resp", 3, [9], True, "stop")))
     assert [w[1] for w in writes] == [0, 1, 2]
     events = drain(h)
     assert [e.token_ids for e in events] == [[5, 6], [8], [9]] and events[0].logprobs == [{5: -0.5}, {6: -0.25, 1: -3.0}]
@@ -299,7 +332,7 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
 
     client.transport.send_many = broken  # type: ignore[method-assign]
     with pytest.raises(ConnectionError):
-        await client._dispatch(outputs(("resp2", 0, [4])))
+        await dispatch_steps(client, outputs(("resp2", 0, [4])))
     assert drain(h2) == []
 
 
@@ -350,10 +383,10 @@ async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
         journal=[Outgoing(NAMES.journal("resp"), encode(JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1, 2, 3])))],
     )
     assert h.scheduler_id == "s0" and h.engine_request_id == "resp" and h.attempts == 1
-    await client._dispatch(outputs(("resp", 0, [5, 6])))
+    await dispatch_steps(client, outputs(("resp", 0, [5, 6])))
     # s0 restarted and lost it (and is now busy); s2 appeared and is the least loaded.
     await publish(client, engine("s0", waiting=3, incarnation="inc-s0-b"), engine("s1", running=1), engine("s2"))
-    await client._dispatch(outputs(("resp", 0, [], True, "unknown", "the scheduler does not hold this request")))
+    await dispatch_steps(client, outputs(("resp", 0, [], True, "unknown", "the scheduler does not hold this request")))
     events = drain(h)  # the two tokens only: "unknown" is not shown to the client
     assert [e.token_ids for e in events] == [[5, 6]] and not any(e.finished for e in events) and not h.done
     assert h.output_token_ids == [5, 6]
@@ -368,8 +401,8 @@ async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     assert [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)] == [AbortRequests(["resp"], "client")]
     assert await sent(client, "s1") == []
     # Late outputs of the old attempt are ignored; the new attempt continues at index 2.
-    await client._dispatch(outputs(("resp", 2, [99])))
-    await client._dispatch(outputs(("resp~1", 2, [7], True, "stop")))
+    await dispatch_steps(client, outputs(("resp", 2, [99])))
+    await dispatch_steps(client, outputs(("resp~1", 2, [7], True, "stop")))
     events = drain(h)
     assert tokens_of(events) == [7] and events[-1].finish_reason == "stop" and h.done
 
@@ -379,10 +412,10 @@ async def test_migration_limit_fails_the_request() -> None:
     client = make_client(migration_limit=1)
     await publish(client, engine("s0"))
     h = await client.submit("r", [1], SAMPLING)
-    await client._dispatch(outputs(("r", 0, [4])))
-    await client._dispatch(outputs(("r", 0, [], True, "unknown")))
+    await dispatch_steps(client, outputs(("r", 0, [4])))
+    await dispatch_steps(client, outputs(("r", 0, [], True, "unknown")))
     assert h.engine_request_id == "r~1" and h.attempts == 2 and not h.done
-    await client._dispatch(outputs(("r~1", 1, [], True, "unknown")))
+    await dispatch_steps(client, outputs(("r~1", 1, [], True, "unknown")))
     events = drain(h)
     assert tokens_of(events) == [4]
     last = events[-1]
@@ -393,7 +426,7 @@ async def test_migration_limit_fails_the_request() -> None:
     aborts = [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)]
     assert len(aborts) == 1 and set(aborts[0].request_ids) == {"r", "r~1"}
     # Nothing more happens for it.
-    await client._dispatch(outputs(("r~1", 1, [5])))
+    await dispatch_steps(client, outputs(("r~1", 1, [5])))
     assert drain(h) == []
 
 
@@ -402,8 +435,8 @@ async def test_unknown_request_with_all_tokens_finishes_with_length() -> None:
     client = make_client()
     await publish(client, engine("s0"))
     h = await client.submit("r", [1], {"temperature": 0.0, "max_tokens": 2})
-    await client._dispatch(outputs(("r", 0, [4, 5])))
-    await client._dispatch(outputs(("r", 0, [], True, "unknown")))  # the final output was lost
+    await dispatch_steps(client, outputs(("r", 0, [4, 5])))
+    await dispatch_steps(client, outputs(("r", 0, [], True, "unknown")))  # the final output was lost
     events = drain(h)
     assert tokens_of(events) == [4, 5] and events[-1].finished and events[-1].finish_reason == "length"
     assert [type(m) for m in await sent(client, "s0")] == [GenerateRequest]  # not resubmitted
@@ -429,7 +462,7 @@ async def test_adopt_replays_journal_in_order_stops_at_gap_and_syncs() -> None:
     assert client.requests["resp"] is h and client.attempts["resp~1"] is h
     assert await sent(client, "s1") == [SyncRequest("resp~1", "g2", 5)]
     # The resend arrives: it continues the stream without duplicates.
-    await client._dispatch(outputs(("resp~1", 5, [10, 11, 12])))
+    await dispatch_steps(client, outputs(("resp~1", 5, [10, 11, 12])))
     assert tokens_of(drain(h)) == [10, 11, 12]
 
 
@@ -453,8 +486,8 @@ async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     await g2._refresh()
     header = JournalHeader("resp", "completion", '{"prompt": "hi"}', "tiny", 7, 10, [1, 2], "hi")
     h1 = await g1.submit("resp", [1, 2], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
-    await g1._dispatch(outputs(("resp", 0, [5, 6])))
-    await g1._dispatch(outputs(("resp", 2, [7])))
+    await dispatch_steps(g1, outputs(("resp", 0, [5, 6])))
+    await dispatch_steps(g1, outputs(("resp", 2, [7])))
     assert tokens_of(drain(h1)) == [5, 6, 7]
     # g1 dies; the client reconnects to g2, which reads the journal and takes the stream over.
     got_header, route, journaled = await g2.read_journal("resp")
@@ -463,7 +496,7 @@ async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     assert tokens_of(drain(h2)) == [5, 6, 7]
     assert [m for m in await sent(g2, "s0") if isinstance(m, SyncRequest)] == [SyncRequest("resp", "g2", 3)]
     # g2 journals what it delivers from now on, so a third gateway could resume it too.
-    await g2._dispatch(outputs(("resp", 3, [8], True, "length")))
+    await dispatch_steps(g2, outputs(("resp", 3, [8], True, "length")))
     assert tokens_of(drain(h2)) == [8] and h2.done
     _, _, journaled = await g2.read_journal("resp")
     assert [t for m in journaled for t in m.token_ids] == [5, 6, 7, 8] and journaled[-1].finished == [True]

@@ -1,0 +1,127 @@
+"""Engine outputs -> per-request events: duplicates dropped, gaps found, steps read together merged.
+
+The scheduler publishes one `StepOutputs` per step. When this gateway falls behind (a busy CPU,
+many streams), one read returns several steps; each request's tokens from all of them become one
+`EngineEvent`, hence one journal entry and one SSE chunk, as vLLM's output collector merges the
+outputs a slow consumer has not taken yet. The work per event (journal write, detokenization, JSON,
+a socket write on each side) is then paid once per read instead of once per step, so the cost of
+streaming falls exactly when the CPU is short. A journal replay (`replay`) delivers the same
+events again, so resumed streams number their SSE events as the first gateway did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from common.codec import unpack_logprobs
+from common.protocol import StepOutputs
+from gateway.request_handle import EngineEvent, RequestHandle
+
+
+@dataclass(slots=True)
+class Routed:
+    """What a batch of engine outputs means for this gateway's requests."""
+
+    # (handle, event, output index of the event's first token), in the order first seen
+    events: list[tuple[RequestHandle, EngineEvent, int]] = field(default_factory=list)
+    syncs: list[RequestHandle] = field(default_factory=list)  # outputs were lost: ask for a resend
+    migrate: list[RequestHandle] = field(default_factory=list)  # their engine does not hold them
+
+
+def _rows(msg: StepOutputs) -> Iterable[tuple[int, str, list[int], list[dict[int, float] | None]]]:
+    """(row, engine request id, tokens, logprobs) of each request in one step's outputs."""
+    logprobs = unpack_logprobs(msg.lp_counts, msg.lp_token_ids, msg.lp_values) if msg.lp_counts else None
+    pos = 0
+    for i, engine_request_id in enumerate(msg.request_ids):
+        n = msg.num_tokens[i]
+        yield i, engine_request_id, msg.token_ids[pos : pos + n], logprobs[pos : pos + n] if logprobs else [None] * n
+        pos += n
+
+
+def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]) -> Routed:
+    """Events for the requests in ``msgs`` (consecutive steps, in order), one per request.
+
+    Extends each handle's ``output_token_ids`` with the new tokens; ``attempts`` maps engine
+    request ids to the handles in flight (finished or unknown ones are skipped).
+    """
+    routed = Routed()
+    pending: dict[int, EngineEvent] = {}  # id(handle) -> its event in this batch
+    for msg in msgs:
+        queue_times = msg.queue_times()
+        stop_reasons = msg.stop_reasons()
+        for i, engine_request_id, tokens, lps in _rows(msg):
+            handle = attempts.get(engine_request_id)
+            if handle is None or handle.done:
+                continue  # aborted, finished, or an earlier attempt of a migrated request
+            event = pending.get(id(handle))
+            if event is not None and event.finished:
+                continue  # nothing follows the end
+            if msg.finish_reasons[i] == "unknown":
+                if handle not in routed.migrate:
+                    routed.migrate.append(handle)
+                continue
+            index = msg.token_index[i]
+            if index > handle.next_index:
+                if handle.sync_from != handle.next_index and handle not in routed.syncs:
+                    routed.syncs.append(handle)
+                continue
+            skip = handle.next_index - index  # duplicates already delivered
+            tokens, lps = tokens[skip:], lps[skip:]
+            if not tokens and not msg.finished[i]:
+                continue  # nothing new (duplicates, or a resend with nothing after its index)
+            handle.output_token_ids.extend(tokens)
+            if event is None:
+                event = EngineEvent(tokens, lps, queue_time_s=queue_times[i])
+                pending[id(handle)] = event
+                routed.events.append((handle, event, handle.next_index - len(tokens)))
+            elif tokens:
+                event.num_steps += 1
+                event.token_ids.extend(tokens)
+                event.logprobs.extend(lps)
+            if event.queue_time_s is None:
+                event.queue_time_s = queue_times[i]
+            event.finished = msg.finished[i]
+            event.finish_reason = msg.finish_reasons[i]
+            event.error = msg.errors[i]
+            event.stop_reason = stop_reasons[i]
+    return routed
+
+
+def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> StepOutputs:
+    """The journal's copy of one delivered event (what `replay` delivers again)."""
+    entry = StepOutputs()
+    entry.add(
+        engine_request_id,
+        start,
+        event.token_ids,
+        event.logprobs,
+        event.finished,
+        event.finish_reason,
+        event.error,
+        stop_reason=event.stop_reason,
+    )
+    return entry.sealed()
+
+
+def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEvent]:
+    """The journaled events of a stream, in order and without duplicates, as first delivered
+    (one per journal entry); stops at a gap (outputs lost with the old gateway: the engine resends
+    from there) and at the end. Extends ``handle.output_token_ids``."""
+    events: list[EngineEvent] = []
+    for msg in outputs:
+        stop_reasons = msg.stop_reasons()
+        for i, _, tokens, lps in _rows(msg):
+            index = msg.token_index[i]
+            if index > handle.next_index:
+                return events
+            skip = handle.next_index - index
+            tokens, lps = tokens[skip:], lps[skip:]
+            handle.output_token_ids.extend(tokens)
+            event = EngineEvent(
+                tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i], stop_reason=stop_reasons[i], replayed=True
+            )
+            events.append(event)
+            if event.finished:
+                return events
+    return events

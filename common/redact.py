@@ -17,7 +17,7 @@ from common.logs import STRUCTURED
 REDACTED = "***"
 # Query parameters that carry a secret (redis-py reads ``?password=`` too).
 _SECRET_QUERY = re.compile(
-    r"([?&;](?:password|passwd|pass|secret|token|access_token|api_key|apikey|auth)=)[^&;#\s]*", re.IGNORECASE
+    r"([?&;](?:sentinel_password|password|passwd|pass|secret|token|access_token|api_key|apikey|auth)=)[^&;#\s]*", re.IGNORECASE
 )
 # "host:8000/path/@name": the "@" is in the path, after a port; not a password.
 _PORT_THEN_PATH = re.compile(r"\d*/.*", re.DOTALL)

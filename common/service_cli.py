@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from common.config import ServiceDefaults
 from common.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS, formatter
 from common.redact import RedactingFilter
+from common.redis_url import URL_HELP, RedisUrlError, check_redis_url, redis_password
 from common.transport import RedisAuthFailed
 
 
@@ -19,7 +20,7 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     ``--log-format``."""
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--redis-url", default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url))
+    p.add_argument("--redis-url", type=redis_url_arg, default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url), help=URL_HELP)
     p.add_argument(
         "--namespace", default=env("CONVEYOR_NAMESPACE", ServiceDefaults.namespace), help="prefix of every stream and key"
     )
@@ -43,6 +44,15 @@ def _log_format(value: str) -> str:
     if value not in LOG_FORMATS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_FORMATS)}, got {value!r}")
     return value
+
+
+def redis_url_arg(value: str) -> str:
+    """``--redis-url``'s type: the URL checked (`common.redis_url.check_redis_url`), its error in
+    argparse's form; argparse would print a plain ValueError with the value, password and all."""
+    try:
+        return check_redis_url(value)
+    except RedisUrlError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_id(p: argparse.ArgumentParser, role: str, pair: str) -> None:
@@ -72,9 +82,13 @@ def add_recovery_flags(p: argparse.ArgumentParser, recovery_help: str, resume_he
 
 
 def setup_logging(level: str, secrets: Iterable[str | None] = (), log_format: str = DEFAULT_LOG_FORMAT) -> None:
-    """Log to stderr in ``log_format`` (`common.logs.LOG_FORMATS`), with URL passwords and ``secrets``
-    (an API key...) redacted from every record, in either format."""
+    """Log to stderr in ``log_format`` (`common.logs.LOG_FORMATS`), with URL passwords, the Redis
+    password from the environment and ``secrets`` (an API key...) redacted from every record, in either format."""
     logging.basicConfig(level=level.upper())  # a stderr handler, unless the root logger has one
+    try:
+        secrets = [*secrets, redis_password()]  # from the environment: it appears in no URL to redact
+    except RedisUrlError:
+        pass  # reported where the URL is checked
     redacting = RedactingFilter(secrets)
     for handler in logging.getLogger().handlers:
         handler.setFormatter(formatter(log_format))

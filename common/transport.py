@@ -34,6 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.batch_send import APPEND_SCRIPT, script_arguments
 from common.protocol import ENTRY_FIELD, MAX_MESSAGE_BYTES, Names, ProtocolError, decode, encode
+from common.redis_url import PASSWORD_ENV, async_client, sync_client
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Backoff:
         """How long to wait before retrying after ``exc``; re-raises it past the deadline."""
         if isinstance(exc, AuthenticationError):  # a ConnectionError to redis-py, but never transient
             raise RedisAuthFailed(
-                f"{self.owner}: Redis rejected the credentials in the Redis URL ({exc}); check the password (CONVEYOR_REDIS_URL)"
+                f"{self.owner}: Redis rejected the credentials ({exc}); check CONVEYOR_REDIS_URL and {PASSWORD_ENV}[_FILE]"
             ) from None
         if self.deadline_s is not None and time.monotonic() - self.start + self.delay > self.deadline_s:
             raise exc
@@ -209,8 +210,7 @@ class Transport(TransportCore[aioredis.Redis]):
         self._append_script: AsyncScript | bool | None = None  # None: not tried yet; False: refused
 
     def _connect(self, url: str) -> aioredis.Redis:
-        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=POOL_WAIT_S, **CLIENT_OPTIONS)
-        return aioredis.Redis(connection_pool=pool)
+        return async_client(url, pool_timeout_s=POOL_WAIT_S, **CLIENT_OPTIONS)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -321,8 +321,7 @@ class SyncTransport(TransportCore[redis.Redis]):
     """
 
     def _connect(self, url: str) -> redis.Redis:
-        pool = redis.BlockingConnectionPool.from_url(url, timeout=POOL_WAIT_S, **CLIENT_OPTIONS)
-        return redis.Redis(connection_pool=pool)
+        return sync_client(url, pool_timeout_s=POOL_WAIT_S, **CLIENT_OPTIONS)
 
     def close(self) -> None:
         self.redis.close()
@@ -414,7 +413,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self.ttl_ms = ttl_ms
         # Its own client with short timeouts: a beat must not wait behind, or outlive, the service's calls.
-        self.redis = redis.Redis.from_url(url, socket_timeout=max(1.0, ttl_ms / 1000), socket_connect_timeout=2.0)
+        self.redis = sync_client(url, socket_timeout=max(1.0, ttl_ms / 1000), socket_connect_timeout=2.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{kind}", daemon=True)
 

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import cast
 
 from common.redact import redact_url
+from common.redis_url import PASSWORD_ENV, PASSWORD_FILE_ENV, URL_HELP
+from common.service_cli import redis_url_arg
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=os.environ.get("CONVEYOR_MODEL"), help="default: a tiny random checkpoint")
     p.add_argument("--host", default=os.environ.get("CONVEYOR_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("CONVEYOR_PORT", "8000")))
-    p.add_argument("--redis-url", default=os.environ.get("CONVEYOR_REDIS_URL"))
+    p.add_argument(
+        "--redis-url",
+        type=redis_url_arg,
+        default=os.environ.get("CONVEYOR_REDIS_URL"),
+        help=f"default: a private Redis. {URL_HELP}",
+    )
     p.add_argument("--namespace", default=os.environ.get("CONVEYOR_NAMESPACE", f"conveyor-{uuid.uuid4().hex[:6]}"))
     p.add_argument(
         "--engines",
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(cached_model("llama", "tiny"))
         env = {**os.environ, "CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": args.namespace, "CONVEYOR_MODEL": model}
+        if not args.redis_url:  # the private Redis has no password: one from the environment is not for it
+            env = {k: v for k, v in env.items() if k not in (PASSWORD_ENV, PASSWORD_FILE_ENV)}
         cli = [sys.executable, "-m", "infra.cli"]
         for engine in range(args.engines):
             pair = ["--scheduler-id", str(engine)]

@@ -1,8 +1,8 @@
 """Start a real service stack for tests and benchmarks: Redis, N engines, N gateways.
 
-Redis comes from ``CONVEYOR_REDIS_URL``, else 127.0.0.1:6379 when reachable, else a private
-``redis-server`` on a free port. Every stack gets its own namespace, so parallel runs sharing one
-Redis never see each other's streams. Process logs go to files; `Stack.logs()` shows their tails.
+Redis comes from the ``redis_url`` given, else ``CONVEYOR_REDIS_URL``, else 127.0.0.1:6379 when
+reachable, else a private ``redis-server`` on a free port. Every stack gets its own namespace, so
+parallel runs sharing one Redis never see each other's streams. Process logs go to files; `Stack.logs()` shows their tails.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import cast
 import redis
 
 from common.protocol import EngineStatus, Names, decode
+from common.redis_url import sync_client
 from infra.launcher import free_port, proc_argv, start_redis, stop_all, wait_for_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,14 +53,19 @@ class Stack:
         gateway_args: tuple[str, ...] = (),
         heartbeat_ttl_ms: int = 1500,
         private_redis: bool = False,
+        redis_url: str | None = None,
     ) -> None:
         self.model = str(model)
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
         self.names = Names(self.namespace)
-        # A private redis-server when the test restarts it (never the shared one).
-        self.redis_url, self.redis_proc = start_redis(workdir) if private_redis else find_redis(workdir)
-        self.redis = redis.Redis.from_url(self.redis_url)
+        # A private redis-server when the test restarts it (never the shared one); ``redis_url``: one
+        # the test runs itself (TLS, Sentinel), its password, if not in the URL, in the environment.
+        if redis_url is not None:
+            self.redis_url, self.redis_proc = redis_url, None
+        else:
+            self.redis_url, self.redis_proc = start_redis(workdir) if private_redis else find_redis(workdir)
+        self.redis = sync_client(self.redis_url)
         self.num_gateways = gateways
         self.num_engines = engines
         self.executor_args, self.scheduler_args, self.gateway_args = executor_args, scheduler_args, gateway_args

@@ -14,9 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import redis
-
 from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
+from common.redis_url import sync_client
 from common.transport import CLIENT_OPTIONS, server_run_id
 
 logger = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class EngineBeat:
         self.ttl_ms = ttl_ms
         self.snapshot = snapshot
         self.on_redis_restart = on_redis_restart
-        self.redis = redis.Redis.from_url(url, **{**CLIENT_OPTIONS, "socket_timeout": max(1.0, ttl_ms / 1000)})
+        self.redis = sync_client(url, **{**CLIENT_OPTIONS, "socket_timeout": max(1.0, ttl_ms / 1000)})
         self.run_id: str | None = None
         self._poke = threading.Event()
         self._stop = threading.Event()

@@ -1,0 +1,160 @@
+"""Real Redis deployments for tests, on free ports under a test's tmp dir: a TLS server with a
+throwaway CA (made with ``openssl``), and a master + replica watched by three sentinels."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+from infra.launcher import free_port, stop_all, wait_for_port
+
+SERVICE = "mymaster"
+
+
+def redis_server() -> str:
+    """The ``redis-server`` binary, or skip the test saying why."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    return server
+
+
+def _start(argv: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for_port("127.0.0.1", port, 15, proc)
+    return proc
+
+
+def _server_args(workdir: Path, port: int, password: str | None) -> list[str]:
+    args = [redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args += ["--dir", str(workdir)]
+    if password:
+        args += ["--requirepass", password, "--masterauth", password]
+    return args
+
+
+def make_certs(workdir: Path) -> dict[str, Path]:
+    """A throwaway CA and a server and a client certificate it signed (for 127.0.0.1), as files."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificates for a TLS Redis")
+    out = {name: workdir / f"{name}.pem" for name in ("ca", "ca_key", "server", "server_key", "client", "client_key")}
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=workdir)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=conveyor-test-ca",
+        "-keyout", str(out["ca_key"]), "-out", str(out["ca"]))  # fmt: skip
+    ext = workdir / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for who in ("server", "client"):
+        csr = workdir / f"{who}.csr"
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", str(out[f"{who}_key"]), "-out", str(csr))
+        run("x509", "-req", "-in", str(csr), "-CA", str(out["ca"]), "-CAkey", str(out["ca_key"]), "-CAcreateserial",
+            "-days", "1", "-extfile", str(ext), "-out", str(out[who]))  # fmt: skip
+    return out
+
+
+def start_tls_redis(workdir: Path, password: str) -> tuple[subprocess.Popen[bytes], int, dict[str, Path]]:
+    """A redis-server on TLS only (plain port off), clients must show a certificate of the CA.
+    Skips when this redis-server was built without TLS."""
+    certs = make_certs(workdir)
+    port = free_port()
+    argv = _server_args(workdir, 0, password)
+    argv[argv.index("--port") + 1] = "0"
+    argv += ["--tls-port", str(port), "--tls-cert-file", str(certs["server"]), "--tls-key-file", str(certs["server_key"])]
+    argv += ["--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "yes"]
+    log = workdir / "redis-tls.log"
+    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port("127.0.0.1", port, 15, proc)
+    except Exception:
+        proc.kill()
+        text = log.read_text(errors="replace")
+        if "tls" in text.lower() and ("not supported" in text.lower() or "bad directive" in text.lower()):
+            pytest.skip(f"redis-server was built without TLS: {text.strip()[-200:]}")
+        raise
+    return proc, port, certs
+
+
+@dataclass
+class SentinelCluster:
+    """One master, one replica and three sentinels (quorum 2) on localhost, with a password."""
+
+    workdir: Path
+    password: str
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def start(self) -> SentinelCluster:
+        for name in ("master", "replica", "sentinel0", "sentinel1", "sentinel2"):
+            self.ports[name] = free_port()
+        master = self.ports["master"]
+        self.procs["master"] = _start(_server_args(self.workdir, master, self.password), master, self.workdir / "master.log")
+        replica = [*_server_args(self.workdir, self.ports["replica"], self.password), "--replicaof", "127.0.0.1", str(master)]
+        replica += ["--dbfilename", "replica.rdb"]
+        self.procs["replica"] = _start(replica, self.ports["replica"], self.workdir / "replica.log")
+        self._wait_replicated()
+        for i in range(3):
+            name = f"sentinel{i}"
+            conf = self.workdir / f"{name}.conf"
+            conf.write_text(
+                f"port {self.ports[name]}\nbind 127.0.0.1\ndir {self.workdir}\n"
+                f"sentinel monitor {SERVICE} 127.0.0.1 {master} 2\n"
+                f"sentinel auth-pass {SERVICE} {self.password}\n"
+                f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+                f"sentinel failover-timeout {SERVICE} 3000\n"
+                f"sentinel parallel-syncs {SERVICE} 1\n"
+            )
+            # `redis-server --sentinel` is redis-sentinel; the conf file must be writable (sentinels record state).
+            argv = [redis_server(), str(conf), "--sentinel"]
+            self.procs[name] = _start(argv, self.ports[name], self.workdir / f"{name}.log")
+        self._wait_sentinels_see_replica()
+        return self
+
+    @property
+    def url(self) -> str:
+        """The sentinel form of the URL, without the password (the services read it from the environment)."""
+        hosts = ",".join(f"127.0.0.1:{self.ports[f'sentinel{i}']}" for i in range(3))
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def client(self, name: str) -> redis.Redis:
+        return redis.Redis(port=self.ports[name], password=None if name.startswith("sentinel") else self.password)
+
+    def _wait_replicated(self, timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.client("replica").info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "the replica never synced with the master"
+            time.sleep(0.1)
+
+    def _wait_sentinels_see_replica(self, timeout_s: float = 20) -> None:
+        deadline = time.monotonic() + timeout_s
+        for i in range(3):
+            sentinel = self.client(f"sentinel{i}")
+            while not sentinel.sentinel_slaves(SERVICE) or int(sentinel.sentinel_master(SERVICE)["num-other-sentinels"]) < 2:
+                assert time.monotonic() < deadline, f"sentinel{i} never saw the replica and the other sentinels"
+                time.sleep(0.2)
+
+    def master_port(self) -> int:
+        """The port of the master the sentinels name now."""
+        return int(self.client("sentinel0").sentinel_get_master_addr_by_name(SERVICE)[1])
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (no shutdown: whatever was not yet replicated is lost)."""
+        self.procs["master"].kill()
+        self.procs["master"].wait()
+
+    def logs(self, lines: int = 20) -> str:
+        out = []
+        for name in self.procs:
+            tail = (self.workdir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {name} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        stop_all(list(self.procs.values()))

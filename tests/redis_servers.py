@@ -48,15 +48,16 @@ def make_certs(workdir: Path) -> dict[str, Path]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=workdir)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=conveyor-test-ca",
+    days = ["-days", "1"]
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", *days, "-subj", "/CN=conveyor-test-ca",
         "-keyout", str(out["ca_key"]), "-out", str(out["ca"]))  # fmt: skip
-    ext = workdir / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    san = workdir / "san.cnf"
+    san.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for who in ("server", "client"):
-        csr = workdir / f"{who}.csr"
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", str(out[f"{who}_key"]), "-out", str(csr))
-        run("x509", "-req", "-in", str(csr), "-CA", str(out["ca"]), "-CAkey", str(out["ca_key"]), "-CAcreateserial",
-            "-days", "1", "-extfile", str(ext), "-out", str(out[who]))  # fmt: skip
+        csr = str(workdir / f"{who}.csr")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", str(out[f"{who}_key"]), "-out", csr)
+        signer = ["-CA", str(out["ca"]), "-CAkey", str(out["ca_key"]), "-CAcreateserial"]
+        run("x509", "-req", "-in", csr, *signer, *days, "-extfile", str(san), "-out", str(out[who]))
     return out
 
 
@@ -65,8 +66,7 @@ def start_tls_redis(workdir: Path, password: str) -> tuple[subprocess.Popen[byte
     Skips when this redis-server was built without TLS."""
     certs = make_certs(workdir)
     port = free_port()
-    argv = _server_args(workdir, 0, password)
-    argv[argv.index("--port") + 1] = "0"
+    argv = _server_args(workdir, 0, password)  # --port 0: no plain-text port at all
     argv += ["--tls-port", str(port), "--tls-cert-file", str(certs["server"]), "--tls-key-file", str(certs["server_key"])]
     argv += ["--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "yes"]
     log = workdir / "redis-tls.log"

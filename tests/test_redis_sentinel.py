@@ -34,6 +34,7 @@ class Outcome:
     texts: list[tuple[int, str, int]] = field(default_factory=list)  # (prompt, text, completion tokens)
     refused: int = 0  # 503s before the request was taken, retried
     started_before_kill: int = 0  # requests in flight when the master died that completed
+    longest_s: float = 0.0  # the longest request of those
 
 
 def _refused_before_taken(exc: openai.APIStatusError) -> bool:
@@ -65,7 +66,7 @@ async def _client_loop(url: str, i: int, state: dict[str, Any], out: Outcome) ->
         n = 0
         while done_after < AFTER_FAILOVER:
             prompt = i * 100 + n % 3  # a few prompts, each asked before and after the fault
-            killed_before = state["killed"]
+            killed_before, t0 = state["killed"], time.monotonic()
             try:
                 text, tokens = await _one(client, prompt, stream=i % 2 == 1)
             except openai.APIStatusError as exc:
@@ -78,6 +79,7 @@ async def _client_loop(url: str, i: int, state: dict[str, Any], out: Outcome) ->
             n += 1
             if state["killed"] and not killed_before:
                 out.started_before_kill += 1
+                out.longest_s = max(out.longest_s, time.monotonic() - t0)
             if state["promoted"]:
                 done_after += 1
 
@@ -99,7 +101,7 @@ def test_master_killed_under_load_requests_complete(cluster: SentinelCluster, ti
     stack = Stack(tiny_model(), tmp_path, redis_url=cluster.url, scheduler_args=("--recovery-timeout", "60"))
     stack.start()
     try:
-        state = {"killed": False, "promoted": False}
+        state: dict[str, Any] = {"killed": False, "promoted": False}
         outcome = Outcome()
 
         async def main() -> None:
@@ -108,12 +110,11 @@ def test_master_killed_under_load_requests_complete(cluster: SentinelCluster, ti
                 await asyncio.sleep(0.01)
                 assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
             cluster.kill_master()
-            state["killed"] = True
-            deadline = time.monotonic() + 30
+            state["killed"], killed_at = True, time.monotonic()
             while cluster.master_port() == old_master:
-                assert time.monotonic() < deadline, f"no promotion within 30 s\n{cluster.logs()}"
+                assert time.monotonic() < killed_at + 30, f"no promotion within 30 s\n{cluster.logs()}"
                 await asyncio.sleep(0.1)
-            state["promoted"] = True
+            state["promoted"], state["promoted_after_s"] = True, time.monotonic() - killed_at
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
         t0 = time.monotonic()
@@ -138,5 +139,6 @@ def test_master_killed_under_load_requests_complete(cluster: SentinelCluster, ti
     assert PASSWORD not in logs
     print(
         f"failover: {len(outcome.texts)} requests completed in {elapsed:.1f} s, "
-        f"{outcome.started_before_kill} in flight at the kill, {outcome.refused} refused (503) and retried"
+        f"{outcome.started_before_kill} in flight at the kill (longest {outcome.longest_s:.1f} s), replica promoted "
+        f"{state['promoted_after_s']:.1f} s after the kill, {outcome.refused} refused (503) and retried"
     )

@@ -90,7 +90,8 @@ def parse_redis_url(url: str) -> RedisUrl:
         master = parse_url(plain)
     except ValueError as exc:
         raise RedisUrlError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
-    master.pop("host", None), master.pop("port", None)
+    del master["host"]  # the sentinels say where the master is
+    master.pop("port", None)
     if master.pop("connection_class", None) is not None:  # rediss: the sentinel pool picks its TLS class
         master["ssl"] = True
     tls_options = {k: v for k, v in master.items() if k.startswith("ssl")}

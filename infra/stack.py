@@ -30,7 +30,7 @@ def find_redis(workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
     candidates.append("redis://127.0.0.1:6379/0")
     for url in candidates:
         try:
-            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            sync_client(url, socket_connect_timeout=1).ping()
             return url, None
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             continue

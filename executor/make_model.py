@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES: tuple[str, ...] = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "tiny-mqa", "small")
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 # transformers maps model_type qwen2 to Qwen2Tokenizer, which rebuilds the tokenizer with this
@@ -49,6 +49,8 @@ CORPUS_CHARS = 2_000_000
 # Geometry per size. GQA everywhere (heads != kv heads) so that path is always exercised.
 GEOMETRY: dict[str, dict[str, int]] = {
     "tiny": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, inter=128, max_pos=2048),
+    # One KV head: split over 2+ tensor-parallel ranks, it is replicated (executor.parallel).
+    "tiny-mqa": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16, inter=128, max_pos=2048),
     "small": dict(vocab=8192, hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, inter=2048, max_pos=4096),
 }
 
@@ -158,7 +160,7 @@ def build_config(
         "hidden_act": "silu",
         "max_position_embeddings": g["max_pos"],
         "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
-        "rope_theta": 10000.0 if size == "tiny" else 500000.0,
+        "rope_theta": 10000.0 if size.startswith("tiny") else 500000.0,
         "rope_scaling": None,
         "tie_word_embeddings": arch == "qwen2",
         "attention_bias": attention_bias,

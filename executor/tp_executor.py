@@ -92,6 +92,8 @@ class TPExecutor:
         world = parallel_config.tensor_parallel_size
         cfg = load_config(model_config.model)
         check_divisible(cfg, world)  # before any process starts
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise ValueError("one tensor-parallel executor per process: shut the other one down first")
         device = rank_device(model_config, 0)
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}")

@@ -10,6 +10,7 @@ _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MAX_NUM_SEQS = 256  # SchedulerConfig's; also the largest decode batch an executor captures as a CUDA graph
 MAX_TENSOR_PARALLEL = 64  # ranks of one executor (one machine; multi-node is not supported)
 
 
@@ -125,7 +126,7 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig, SchedulerConfig
+from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ class ModelExecutor:
         parallel_config: ParallelConfig,
         cache_config: CacheConfig | None = None,
         tp: TensorParallel | None = None,
-        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ) -> None:
         cache_config = cache_config or CacheConfig()
         # Every option up front, with a clear ValueError, before a byte of the model is read.
@@ -79,9 +79,7 @@ class ModelExecutor:
         cache_config.validate()
         world = parallel_config.tensor_parallel_size
         if (tp.world if tp is not None else 1) != world:
-            raise ValueError(
-                f"tensor_parallel_size={world}: build the executor with executor.tp_executor.build_executor"
-            )
+            raise ValueError(f"tensor_parallel_size={world}: build the executor with executor.tp_executor.build_executor")
         # Ranks share the CPUs: by default each takes its share of them.
         threads = model_config.num_threads or (max(1, resolve_num_threads() // world) if world > 1 else None)
         self.num_threads = configure_cpu_threads(threads)

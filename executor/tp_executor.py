@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ModelConfig, ParallelConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput, decode, encode
 from executor.model_config import load_config
@@ -57,7 +57,7 @@ def build_executor(
     model_config: ModelConfig,
     parallel_config: ParallelConfig,
     cache_config: CacheConfig | None = None,
-    max_num_seqs: int = SchedulerConfig.max_num_seqs,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     fatal_peer_death: bool = False,
 ) -> ModelExecutor | TPExecutor:
     """A `ModelExecutor`, or a `TPExecutor` when ``tensor_parallel_size > 1``."""
@@ -104,7 +104,16 @@ class TPExecutor:
         self.last_command = time.monotonic()
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        args = (world, store.port, model_config, parallel_config, cache_config, max_num_seqs, os.getpid(), logger.getEffectiveLevel())
+        args = (
+            world,
+            store.port,
+            model_config,
+            parallel_config,
+            cache_config,
+            max_num_seqs,
+            os.getpid(),
+            logger.getEffectiveLevel(),
+        )
         self.procs = [
             ctx.Process(target=worker_main, args=(rank, *args), daemon=True, name=f"conveyor-tp-rank{rank}")
             for rank in range(1, world)

@@ -93,7 +93,9 @@ def test_padded_decode_through_the_buffers_equals_eager(tiny_model) -> None:
 
 def test_load_refuses_what_a_graph_cannot_run(tiny_model) -> None:
     ex = ModelExecutor(
-        ModelConfig(str(tiny_model()), device="cpu", num_threads=1, max_model_len=256), ParallelConfig(), CacheConfig(block_size=BLOCK, num_blocks=64)
+        ModelConfig(str(tiny_model()), device="cpu", num_threads=1, max_model_len=256),
+        ParallelConfig(),
+        CacheConfig(block_size=BLOCK, num_blocks=64),
     )
     ids, pos, meta, _ = ex._prepare(_batch([5, 3], [[1, 2], [3]], decode=False, rng=random.Random(0)))
     inputs = GraphInputs(4, 8, torch.device("cpu"))

@@ -39,7 +39,8 @@ def parity(llm: Any, model_dir: str, device: str, dtype: torch.dtype, n: int) ->
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(k)] for k in PROMPT_LENS]
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    hf = hf.to(device).eval()
     out = []
     for prompt, got in zip(prompts, ours):
         with torch.inference_mode():

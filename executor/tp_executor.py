@@ -112,6 +112,8 @@ class TPExecutor:
             cache_config,
             max_num_seqs,
             os.getpid(),
+            # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread.
+            threading.current_thread() is threading.main_thread(),
             logger.getEffectiveLevel(),
         )
         self.procs = [
@@ -125,6 +127,7 @@ class TPExecutor:
         logger.info("tensor parallel: %d ranks, pids %s", world, " ".join(str(pid) for pid in self.pids))
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         try:
+            self._wait_for_ranks(store, world)
             TensorParallel.init_group(0, world, store, device)
             self.tp = TensorParallel(0, world, ShardLayout.build(cfg, 0, world), device)
             self.inner = ModelExecutor(model_config, parallel_config, cache_config, self.tp, max_num_seqs)
@@ -133,6 +136,17 @@ class TPExecutor:
             raise
         self.info = self.inner.info
         threading.Thread(target=self._keepalive, name="tp-ping", daemon=True).start()
+
+    def _wait_for_ranks(self, store: dist.TCPStore, world: int) -> None:
+        """Wait until every rank reached the store (a rank that dies first is reported, not waited for)."""
+        keys = [f"rank{rank}-up" for rank in range(1, world)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            if self.dead is not None:
+                raise RuntimeError(self.dead)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not start within {COLLECTIVE_TIMEOUT}")
+            time.sleep(0.05)
 
     def _watch(self) -> None:
         while not self.closing.wait(WATCH_INTERVAL_S):
@@ -143,7 +157,7 @@ class TPExecutor:
                 if self.closing.is_set():
                     return
                 logger.error("%s: the executor stops as one unit", self.dead)
-                self._stop_workers()
+                self._stop_workers(grace_s=0.0)
                 if self.fatal_peer_death:
                     logging.shutdown()
                     os._exit(1)
@@ -202,12 +216,13 @@ class TPExecutor:
                 p.join(1.0)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(parent_pid: int, pdeathsig: bool) -> None:
     """End this process when ``parent_pid`` (rank 0) dies, however it dies."""
-    try:  # Linux: the kernel sends SIGKILL when the parent thread exits
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if pdeathsig:
+        try:  # Linux: the kernel sends SIGKILL when the parent (thread) exits: no polling delay
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
     if os.getppid() != parent_pid:  # already gone before the prctl took effect
         os._exit(1)
 
@@ -228,14 +243,16 @@ def worker_main(
     cache_config: CacheConfig,
     max_num_seqs: int,
     parent_pid: int,
+    pdeathsig: bool,
     log_level: int,
 ) -> None:
     """Rank ``rank`` > 0: load its shard, then run whatever rank 0 broadcasts until told to stop."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
-    _exit_with_parent(parent_pid)
+    _exit_with_parent(parent_pid, pdeathsig)
     try:
         device = rank_device(model_config, rank)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store.set(f"rank{rank}-up", str(os.getpid()))
         TensorParallel.init_group(rank, world, store, device)
         tp = TensorParallel(rank, world, ShardLayout.build(load_config(model_config.model), rank, world), device)
         executor = ModelExecutor(model_config, parallel_config, cache_config, tp, max_num_seqs)

@@ -171,7 +171,7 @@ class TensorParallel:
         """Rank 0 passes the step's ``n`` sampled tokens (None: its sampling failed) to every rank.
 
         The other ranks' persistent batches append them, as rank 0's does, so the next step reads
-        the same sequences everywhere. Raises `PeerStepFailed` on every rank when rank 0 failed.
+        the same sequences everywhere. Raises `PeerStepFailed` on the other ranks when rank 0 failed.
         """
         buf = torch.empty(n + 1, dtype=torch.int64)
         if self.rank == 0:
@@ -179,7 +179,7 @@ class TensorParallel:
             if tokens is not None:
                 buf[1:] = torch.tensor(tokens, dtype=torch.int64)
         dist.broadcast(buf, 0, group=self.control)
-        if int(buf[0]) == 0:
+        if int(buf[0]) == 0 and self.rank != 0:  # (rank 0 raises its own error)
             raise PeerStepFailed("rank 0 failed to sample this step")
         return buf[1:].tolist()
 

@@ -14,7 +14,7 @@ import torch
 from common import SamplingParams
 from executor.loader import load_weights
 from executor.model_config import load_config
-from executor.parallel import ShardLayout
+from executor.parallel import CMD_PING, ShardLayout
 from executor.shard_loader import load_shard
 from scheduler import LLM
 from tests.test_engine import hf_greedy, random_prompts
@@ -146,3 +146,41 @@ def test_dead_rank_stops_the_offline_engine(tiny_model) -> None:
     with pytest.raises(RuntimeError, match=f"rank 1 \\(pid {pids[1]}\\) exited"):
         tp_llama.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     tp_llama.shutdown()
+
+
+def test_step_failing_on_rank0_after_the_forward_is_recovered_everywhere(tiny_model, monkeypatch) -> None:
+    """Rank 0's sampling fails once (after every rank ran the forward pass): the other rank is
+    told (`PeerStepFailed`) and every rank drops its state. The offline engine raises the error
+    (as with one rank); the next requests run on both ranks with the tokens of one rank."""
+    model_dir = tiny_model("llama")
+    prompts = random_prompts(1000, seed=5)[:4]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model_dir, **OPTIONS).generate(prompts, params)]
+    import executor.tp_executor as tp_executor
+
+    monkeypatch.setattr(tp_executor, "PING_INTERVAL_S", 0.15)  # idle pings interleave with the steps
+    llm = LLM(model_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        ex: Any = llm.executor
+        sent: list[int] = []
+        command = ex._command
+        ex._command = lambda cmd, payload=b"": (sent.append(cmd), command(cmd, payload))[1]
+        time.sleep(0.6)
+        assert CMD_PING in sent
+        inner = ex.inner
+        sample, calls = inner._sample, []
+
+        def flaky(*args: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected sampling failure on rank 0")
+            return sample(*args)
+
+        inner._sample = flaky
+        with pytest.raises(RuntimeError, match="injected sampling failure"):
+            llm.generate(prompts, params)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert len(calls) > 3
+        assert llm.executor.dead is None  # type: ignore[union-attr]
+    finally:
+        llm.shutdown()

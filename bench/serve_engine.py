@@ -76,7 +76,10 @@ def offline_breakdown(
             else f"user: {p}\nassistant:"
             for p in prompts
         ]
+    from executor.model_executor import ModelExecutor
+
     ex = llm.executor
+    assert isinstance(ex, ModelExecutor), "the engine timings are of a single-rank executor"
     timers = {"execute": 0.0, "forward": 0.0, "sample": 0.0}
 
     def timed(name: str, fn: Any) -> Any:

@@ -10,6 +10,8 @@ _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MAX_NUM_SEQS = 256  # SchedulerConfig's; also the largest decode batch an executor captures as a CUDA graph
+MAX_TENSOR_PARALLEL = 64  # ranks of one executor (one machine; multi-node is not supported)
 
 
 def _check_int(name: str, value: object, lo: int = 1, hi: int = _INT32_MAX, optional: bool = False) -> None:
@@ -54,6 +56,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | torch | triton ("auto": triton on CUDA, torch on CPU)
     seed: int = 0
     num_threads: int | None = None  # CPU intra-op threads; None: CONVEYOR_NUM_THREADS, else OMP_NUM_THREADS, else the usable CPUs
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (every step runs eagerly)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option, before anything is loaded.
@@ -70,6 +73,8 @@ class ModelConfig:
         _check_int("max_model_len", self.max_model_len, optional=True)
         _check_int("seed", self.seed, _INT64_MIN, _INT64_MAX)
         _check_int("num_threads", self.num_threads, 1, 4096, optional=True)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         device = _device_type(self.device)
         if self.attention_backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -99,15 +104,14 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    """Parallelism of one executor. Only a single device is implemented today."""
+    """Parallelism of one executor: ``tensor_parallel_size`` ranks on one machine (see
+    `executor.tp_executor`; the model's heads must split over them, checked at load)."""
 
     tensor_parallel_size: int = 1
 
     def validate(self) -> None:
-        """Raise ``ValueError`` unless this is the one supported layout (a single device)."""
-        _check_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size > 1 is not supported, got {self.tensor_parallel_size}")
+        """Raise ``ValueError`` naming a bad option."""
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL)
 
 
 @dataclass(slots=True)
@@ -122,7 +126,7 @@ class SchedulerConfig:
     """
 
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
 

@@ -122,14 +122,16 @@ def check_checkpoint(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"checkpoint tensor(s) with the wrong shape for the config: {'; '.join(wrong[:8])}")
 
 
-def fuse_weights(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fuse_weights(cfg: HFModelConfig, sd: dict[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
     """Rename to engine names and concatenate q/k/v and gate/up so each is one matmul.
 
-    ``sd`` is checked first (`check_checkpoint`). Result keys: ``embed``, ``norm``, ``lm_head``,
+    ``sd`` is checked first (`check_checkpoint`) unless ``check`` is False (a tensor-parallel shard,
+    checked whole before it was sliced: `executor.shard_loader`). Result keys: ``embed``, ``norm``, ``lm_head``,
     and per layer ``layers.{i}.{qkv, qkv_bias?, o, o_bias?, gate_up, gate_up_bias?, down,
     down_bias?, in_norm, post_norm, q_norm?, k_norm?}``.
     """
-    check_checkpoint(cfg, sd)
+    if check:
+        check_checkpoint(cfg, sd)
     out: dict[str, torch.Tensor] = {"embed": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"]}
     out["lm_head"] = out["embed"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
     for i in range(cfg.num_layers):

@@ -6,7 +6,8 @@ tokenizer is a byte-level BPE trained here on the Python standard library's own 
 on every machine, so no download). Weights are initialised for *decisive* greedy decoding: the
 output head has a large init std, so the typical top-1/top-2 logit gap (~2) dwarfs fp32
 rounding error (~1e-5) and two correct implementations agree token for token on all but very
-long runs. ``tiny`` is ~0.2M parameters (fast tests); ``small`` ~80-107M (benchmarks).
+long runs. ``tiny`` is ~0.2M parameters (fast tests); ``small`` ~80-107M (benchmarks); ``1b`` ~1.0B
+(the GPU check).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES: tuple[str, ...] = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "tiny-mqa", "small", "1b")
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 # transformers maps model_type qwen2 to Qwen2Tokenizer, which rebuilds the tokenizer with this
@@ -49,7 +50,11 @@ CORPUS_CHARS = 2_000_000
 # Geometry per size. GQA everywhere (heads != kv heads) so that path is always exercised.
 GEOMETRY: dict[str, dict[str, int]] = {
     "tiny": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, inter=128, max_pos=2048),
+    # One KV head: split over 2+ tensor-parallel ranks, it is replicated (executor.parallel).
+    "tiny-mqa": dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16, inter=128, max_pos=2048),
     "small": dict(vocab=8192, hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, inter=2048, max_pos=4096),
+    # ~1.0B parameters (Llama 3.2 1B's shape, a smaller vocabulary): the GPU check's end-to-end model.
+    "1b": dict(vocab=8192, hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, inter=8192, max_pos=4096),
 }
 
 # Output-head std is HEAD_GAIN/sqrt(hidden): logits have std ~HEAD_GAIN, so greedy is decisive.
@@ -158,7 +163,7 @@ def build_config(
         "hidden_act": "silu",
         "max_position_embeddings": g["max_pos"],
         "rms_norm_eps": 1e-6 if arch.startswith("qwen") else 1e-5,
-        "rope_theta": 10000.0 if size == "tiny" else 500000.0,
+        "rope_theta": 10000.0 if size.startswith("tiny") else 500000.0,
         "rope_scaling": None,
         "tie_word_embeddings": arch == "qwen2",
         "attention_bias": attention_bias,

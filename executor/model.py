@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from executor.attention_metadata import AttentionMetadata
 from executor.model_config import HFModelConfig
 from executor.ops import Ops
+
+if TYPE_CHECKING:
+    from executor.parallel import TensorParallel
 
 
 def rope_inv_freq(cfg: HFModelConfig) -> torch.Tensor:
@@ -113,11 +117,20 @@ class _Layer:
 
 
 class LlamaModel:
-    """Decoder-only transformer over fused weights from `executor.loader.load_weights`."""
+    """Decoder-only transformer over fused weights from `executor.loader.load_weights`.
 
-    def __init__(self, cfg: HFModelConfig, weights: dict[str, torch.Tensor], ops: Ops, max_pos: int) -> None:
+    With ``tp`` (tensor parallelism), ``cfg`` is the rank's local view (its heads and MLP columns,
+    `executor.parallel.ShardLayout.local_config`) and ``weights`` its shard
+    (`executor.shard_loader.load_shard`): the embedding and the two row-parallel projections end in
+    an all-reduce, the LM head in an all-gather.
+    """
+
+    def __init__(
+        self, cfg: HFModelConfig, weights: dict[str, torch.Tensor], ops: Ops, max_pos: int, tp: TensorParallel | None = None
+    ) -> None:
         self.cfg = cfg
         self.ops = ops
+        self.tp = tp
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
@@ -166,7 +179,8 @@ class LlamaModel:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         eps = cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
+        tp = self.tp
+        h = F.embedding(input_ids, self.embed) if tp is None else tp.embed(input_ids, self.embed)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = ops.rms_norm(h, layer.in_norm, eps, residual)
@@ -181,12 +195,19 @@ class LlamaModel:
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = layer.o(attn.reshape(t, hq * d))
+            if tp is not None:  # row-parallel: each rank holds a partial sum
+                tp.all_reduce(h)
             x, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             h = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            if tp is not None:
+                tp.all_reduce(h)
         assert residual is not None
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` of the given hidden rows (only those that are sampled)."""
         x, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.tp is not None:  # vocabulary-parallel head: each rank has a block of columns
+            logits = self.tp.gather_logits(logits, self.cfg.vocab_size)
+        return logits.float()

@@ -12,19 +12,22 @@ from pathlib import Path
 
 import torch
 
-from common.config import CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
+from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
+from executor.cuda_graphs import CudaGraphRunner
 from executor.input_batch import Batch, PersistentBatch
 from executor.loader import load_weights
 from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
+from executor.parallel import TensorParallel
 from executor.penalties import TokenCountPool, TokenCounts
 from executor.sampler import Sampler
-from executor.threads import configure_cpu_threads
+from executor.shard_loader import load_shard
+from executor.threads import configure_cpu_threads, resolve_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +57,42 @@ def kv_block_bytes(cfg: HFModelConfig, block_size: int, dtype: torch.dtype) -> i
 
 
 class ModelExecutor:
-    """Loads a checkpoint, sizes and allocates the KV pool, and executes batches."""
+    """Loads a checkpoint, sizes and allocates the KV pool, and executes batches.
+
+    With ``tp`` it is one rank of a tensor-parallel executor (`executor.tp_executor` builds them):
+    it loads only its shard, its KV pool holds its KV heads, and ranks > 0 take the tokens rank 0
+    samples. ``max_num_seqs`` bounds the decode batch sizes captured as CUDA graphs.
+    """
 
     def __init__(
-        self, model_config: ModelConfig, parallel_config: ParallelConfig, cache_config: CacheConfig | None = None
+        self,
+        model_config: ModelConfig,
+        parallel_config: ParallelConfig,
+        cache_config: CacheConfig | None = None,
+        tp: TensorParallel | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ) -> None:
         cache_config = cache_config or CacheConfig()
         # Every option up front, with a clear ValueError, before a byte of the model is read.
         model_config.validate()
         parallel_config.validate()
         cache_config.validate()
-        self.num_threads = configure_cpu_threads(model_config.num_threads)
+        world = parallel_config.tensor_parallel_size
+        if (tp.world if tp is not None else 1) != world:
+            raise ValueError(f"tensor_parallel_size={world}: build the executor with executor.tp_executor.build_executor")
+        # Ranks share the CPUs: by default each takes its share of them.
+        threads = model_config.num_threads or (max(1, resolve_num_threads() // world) if world > 1 else None)
+        self.num_threads = configure_cpu_threads(threads)
         self.model_config = model_config
         self.cache_config = cache_config
+        self.tp = tp
         model_dir = Path(model_config.model)
         self.device, self.dtype = resolve_device_dtype(model_config)
+        if tp is not None:
+            self.device = tp.device
         self.hf_config = cfg = load_config(model_dir)
+        # What this rank holds (all of it without tensor parallelism).
+        local = tp.layout.local_config(cfg) if tp is not None else cfg
 
         max_len = model_config.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
@@ -82,13 +105,19 @@ class ModelExecutor:
         self.ops = get_ops(backend)
 
         torch.manual_seed(model_config.seed)
-        weights = load_weights(model_dir, cfg, self.dtype, self.device)
-        self.model = LlamaModel(cfg, weights, self.ops, max_pos=cfg.max_position_embeddings)
+        if tp is None:
+            weights = load_weights(model_dir, cfg, self.dtype, self.device)
+        else:
+            weights = load_shard(model_dir, cfg, tp.layout, self.dtype, self.device)
+        self.model = LlamaModel(local, weights, self.ops, max_pos=cfg.max_position_embeddings, tp=tp)
         del weights
 
         self.block_size = cache_config.block_size
-        self.num_blocks = self._num_blocks(cfg)
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # The budget is per rank (each holds its KV heads); all ranks take the smallest pool.
+        self.num_blocks = self._num_blocks(local)
+        if tp is not None:
+            self.num_blocks = tp.min_int(self.num_blocks)
+        shape = (self.num_blocks, self.block_size, local.num_kv_heads, cfg.head_dim)
         # Zero-filled: masked-out keys/values must be finite (0 x NaN would poison attention).
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -106,14 +135,26 @@ class ModelExecutor:
         )
         self.backend = backend
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
+        self.graphs: CudaGraphRunner | None = None
+        # Graphs need kernels that read every size from device tensors: the Triton backend's.
+        if self.device.type == "cuda" and backend == "triton" and not model_config.enforce_eager:
+            self.graphs = CudaGraphRunner(
+                lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_caches, meta),
+                max_num_seqs,
+                -(-self.max_model_len // self.block_size),
+                self.device,
+            )
+            self.graphs.capture()
         log.info(
-            "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens",
+            "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens, tensor parallel %d, cuda graphs %s",
             self.info.model_name,
             self.device,
             self.dtype,
             backend,
             self.num_blocks,
             self.block_size,
+            world,
+            "on" if self.graphs is not None else "off",
         )
 
     def _num_blocks(self, cfg: HFModelConfig) -> int:
@@ -198,27 +239,44 @@ class ModelExecutor:
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n
         with torch.inference_mode():
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+            if hidden is None:
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
             if not rows:
                 return ExecutorOutput(tokens, logprobs)
             if len(rows) < hidden.shape[0]:
                 hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
             logits = self.model.compute_logits(hidden)
             idx = [i for i, s in enumerate(batch.sample) if s]
-            params = [batch.sampling_params[i] for i in idx]
-            out_lens = [batch.output_lens[i] for i in idx]
-            banned = self._banned(params, out_lens)
-            counts: TokenCounts | None = None
-            step = batch.token_counts
-            if step is not None:  # some sampled request has penalties
-                self.token_counts.update(step)
-                rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
-                counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
-            sampled, lps = self.sampler.sample(logits, params, out_lens, banned, counts)
+            if self.tp is not None and self.tp.rank != 0:  # rank 0 samples; the others follow it
+                for i, token in zip(idx, self.tp.share_tokens(None, len(idx))):
+                    tokens[i] = token
+                return ExecutorOutput(tokens, logprobs)
+            try:
+                sampled, lps = self._sample(batch, idx, logits)
+            except BaseException:
+                if self.tp is not None:  # the other ranks wait for these tokens: tell them
+                    self.tp.share_tokens(None, len(idx))
+                raise
+            if self.tp is not None:
+                self.tp.share_tokens(sampled, len(idx))
         for j, i in enumerate(idx):
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]
         return ExecutorOutput(tokens, logprobs)
+
+    def _sample(self, batch: Batch, idx: list[int], logits: torch.Tensor) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Tokens (and logprobs) of the sampled rows ``idx`` of ``batch``, from their ``logits``."""
+        params = [batch.sampling_params[i] for i in idx]
+        out_lens = [batch.output_lens[i] for i in idx]
+        banned = self._banned(params, out_lens)
+        counts: TokenCounts | None = None
+        step = batch.token_counts
+        if step is not None:  # some sampled request has penalties
+            self.token_counts.update(step)
+            rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
+            counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
+        return self.sampler.sample(logits, params, out_lens, banned, counts)
 
     def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
         """EOS and stop tokens are banned while a request is below its ``min_tokens``."""

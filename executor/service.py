@@ -178,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=float(env("CONVEYOR_GPU_MEMORY_UTILIZATION", "0.9")))
     p.add_argument("--seed", type=int, default=int(env("CONVEYOR_SEED", "0")))
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=int(env("CONVEYOR_TENSOR_PARALLEL_SIZE", "1")),
+        help="ranks (GPUs, or CPU processes) this executor shards the model over, on this machine",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=env("CONVEYOR_ENFORCE_EAGER", "") not in ("", "0"),
+        help="no CUDA graphs: run every decode step eagerly",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -202,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
         seed=args.seed,
         num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager,
     )
+    parallel_config = ParallelConfig(args.tensor_parallel_size)
     cache_config = CacheConfig(
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
@@ -212,14 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad options are a usage error, reported before anything is loaded
         model_config.validate()
         cache_config.validate()
+        parallel_config.validate()
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level, log_format=args.log_format)
     stop_on_sigterm()
-    from executor.model_executor import ModelExecutor  # heavy (torch): only here
+    from executor.tp_executor import build_executor  # heavy (torch): only here
 
     logger.info("loading %s", args.model)
-    model_executor = ModelExecutor(model_config, ParallelConfig(), cache_config)
+    # A dead tensor-parallel rank ends this process: the scheduler sees one executor die.
+    model_executor = build_executor(model_config, parallel_config, cache_config, fatal_peer_death=True)
     config = ExecutorServiceConfig(
         args.redis_url,
         args.model,
@@ -230,4 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_config,
         args.heartbeat_ttl_ms,
     )
-    return run_service(ExecutorService(config, model_executor).run, logger)
+    try:
+        return run_service(ExecutorService(config, model_executor).run, logger)
+    finally:
+        model_executor.shutdown()  # a tensor-parallel executor stops its other ranks

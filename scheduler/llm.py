@@ -35,12 +35,13 @@ class RequestOutput:
     stop_reason: int | None = None  # the stop token id (of ``stop_token_ids``) that ended it; EOS, length: None
 
 
-def split_engine_options(options: dict[str, Any]) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+def split_engine_options(options: dict[str, Any]) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
     """Route flat ``LLM(**options)`` keywords to the config each belongs to."""
     model_kw: dict[str, Any] = {}
     cache_kw: dict[str, Any] = {}
     sched_kw: dict[str, Any] = {}
-    targets = [(ModelConfig, model_kw), (CacheConfig, cache_kw), (SchedulerConfig, sched_kw)]
+    par_kw: dict[str, Any] = {}
+    targets = [(ModelConfig, model_kw), (CacheConfig, cache_kw), (SchedulerConfig, sched_kw), (ParallelConfig, par_kw)]
     for key, value in options.items():
         for cls, kw in targets:
             if key in {f.name for f in fields(cls)}:
@@ -49,7 +50,7 @@ def split_engine_options(options: dict[str, Any]) -> tuple[ModelConfig, CacheCon
         else:
             raise TypeError(f"unknown engine option {key!r}")
     model = model_kw.pop("model")
-    return ModelConfig(model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw)
+    return ModelConfig(model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), ParallelConfig(**par_kw)
 
 
 class LLM:
@@ -58,7 +59,8 @@ class LLM:
     Options: ``dtype``, ``device``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``,
     ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``num_threads``
-    (CPU intra-op threads).
+    (CPU intra-op threads), ``tensor_parallel_size`` (ranks spawned by this process; call
+    `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -67,17 +69,24 @@ class LLM:
         set_openmp_env_defaults()  # effective only if nothing imported torch yet (see executor.threads)
         from transformers import AutoTokenizer
 
-        from executor.model_executor import ModelExecutor
+        from executor.tp_executor import build_executor
 
-        self.model_config, self.cache_config, self.scheduler_config = split_engine_options({"model": model, **options})
+        configs = split_engine_options({"model": model, **options})
+        self.model_config, self.cache_config, self.scheduler_config, self.parallel_config = configs
         self.scheduler_config.validate()  # before the model loads: a bad option fails fast
-        self.executor = ModelExecutor(self.model_config, ParallelConfig(), self.cache_config)
+        self.executor = build_executor(
+            self.model_config, self.parallel_config, self.cache_config, self.scheduler_config.max_num_seqs
+        )
         info = self.executor.info
         self.cache_manager = CacheManager(info.num_blocks, info.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, info)
         self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor), self.scheduler_config.async_scheduling)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the executor (its tensor-parallel ranks) and free its memory."""
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache entry: the next requests find nothing cached."""

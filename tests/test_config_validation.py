@@ -76,10 +76,12 @@ def test_model_config(kw: dict, match: str) -> None:
 
 
 def test_parallel_config() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        ParallelConfig(2).validate()
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ParallelConfig(0).validate()
+    ParallelConfig(2).validate()
+    for bad in (0, 65, 1.5, True):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            ParallelConfig(bad).validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="enforce_eager"):
+        ModelConfig("m", enforce_eager="yes").validate()  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")

@@ -48,6 +48,8 @@ def _answers(*cmd: str, timeout: float = 60) -> bool:
 
 def _engine_or_skip() -> bool:
     """A Docker engine with Compose v2 answers (started here if need be: True then), or skip."""
+    if os.environ.get("CONVEYOR_COMPOSE_TEST") == "0":
+        pytest.skip("CONVEYOR_COMPOSE_TEST=0")
     if _answers("docker", "info") and _answers("docker", "compose", "version"):
         return False
     if os.geteuid() != 0 or shutil.which("apt-get") is None:

@@ -4,7 +4,8 @@ A fixed ``--scheduler-id`` pairs a scheduler with the executor of the same id. R
 from one template (``docker compose up --scale scheduler=2 --scale executor=2``) have no ids to
 give, so with ``auto``:
 
-- an executor announces itself in the ``executors:unpaired`` sorted set (score: when) every
+- an executor announces itself in the ``executors:unpaired`` sorted set (score: when, in Redis's
+  clock) every
   `ANNOUNCE_INTERVAL_S` while no scheduler holds it, and polls its claim key;
 - a scheduler (its id made up at start) takes one announced, live executor with
   ``SET claim:<executor> <scheduler> NX PX ttl``: one owner at a time, whoever races;
@@ -16,7 +17,6 @@ give, so with ``auto``:
 
 from __future__ import annotations
 
-import time
 from typing import cast
 
 import redis
@@ -26,6 +26,15 @@ ANNOUNCE_INTERVAL_S = 0.5
 # Only the owner may refresh or release: compare and act in one step.
 REFRESH_SCRIPT = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 RELEASE_SCRIPT = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Announcements are stamped and aged by the Redis server's clock, not the hosts': replicas on
+# machines whose clocks disagree by more than a TTL would otherwise see each other's offers as stale.
+_NOW_MS = "local t = redis.call('time') local now = t[1] * 1000 + math.floor(t[2] / 1000) "
+ANNOUNCE_SCRIPT = _NOW_MS + "return redis.call('zadd', KEYS[1], now, ARGV[1])"
+OFFERED_SCRIPT = (
+    _NOW_MS
+    + "redis.call('zremrangebyscore', KEYS[1], '-inf', now - tonumber(ARGV[1])) "
+    + "return redis.call('zrange', KEYS[1], 0, -1)"
+)
 
 
 class Pairing:
@@ -41,6 +50,8 @@ class Pairing:
         self.ttl_ms = ttl_ms
         self._refresh = client.register_script(REFRESH_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
+        self._announce = client.register_script(ANNOUNCE_SCRIPT)
+        self._offered = client.register_script(OFFERED_SCRIPT)
 
     def claim_key(self, executor_id: str) -> str:
         return self.prefix + executor_id
@@ -48,7 +59,7 @@ class Pairing:
     # -- executor side ---------------------------------------------------------------------------
     def announce(self, executor_id: str) -> None:
         """Offer this executor to the schedulers (again: the score says how recently)."""
-        self.redis.zadd(self.unpaired, {executor_id: time.time()})
+        self._announce(keys=[self.unpaired], args=[executor_id])
 
     def withdraw(self, executor_id: str) -> None:
         """No longer offered (claimed, or stopping)."""
@@ -63,11 +74,7 @@ class Pairing:
     def offered(self) -> list[str]:
         """Executors announced within a claim TTL, longest waiting first (older entries are dropped:
         their executors stopped announcing, so they are claimed or gone)."""
-        stale = time.time() - self.ttl_ms / 1000
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zremrangebyscore(self.unpaired, "-inf", stale)
-        pipe.zrange(self.unpaired, 0, -1)
-        members = cast(list[bytes], pipe.execute()[1])
+        members = cast(list[bytes], self._offered(keys=[self.unpaired], args=[self.ttl_ms]))
         return [m.decode() for m in members]
 
     def try_claim(self, executor_id: str, scheduler_id: str) -> bool:

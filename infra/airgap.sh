@@ -11,7 +11,8 @@
 #                                 8765; other projects redirect to the host's index); prints the URL
 #   infra/airgap.sh env [PORT]    all of the above, then print the variables `docker compose` needs
 #                                 (COMPOSE_FILE with infra/compose.airgap.yml, TORCH_INDEX)
-#   infra/airgap.sh stop          stop the dockerd and index this script started (by pid)
+#   infra/airgap.sh stop [WHAT]   stop the index and dockerd this script started (by pid; WHAT:
+#                                 index or dockerd, default both)
 #
 # Needs root. State (pids, logs, the Debian rootfs) lives in $AIRGAP_DIR.
 set -euo pipefail
@@ -127,9 +128,10 @@ print_env() {
   echo "export TORCH_INDEX=$url"
 }
 
-stop() {
-  local name
-  for name in index dockerd; do
+stop() {  # stop [index] [dockerd]: both by default
+  local name targets=("$@")
+  [ ${#targets[@]} -gt 0 ] || targets=(index dockerd)
+  for name in "${targets[@]}"; do
     [ -f "$AIRGAP_DIR/$name.pid" ] || continue
     kill "$(cat "$AIRGAP_DIR/$name.pid")" 2>/dev/null || true
     rm -f "$AIRGAP_DIR/$name.pid"
@@ -141,6 +143,6 @@ case "${1:-}" in
   images) images ;;
   index) index "${2:-}" ;;
   env) print_env "${2:-}" ;;
-  stop) stop ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  stop) shift; stop "$@" ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac

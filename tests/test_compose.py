@@ -94,28 +94,31 @@ def compose() -> Iterator[Compose]:
     port = 8000 if _free(8000) else _free_port()
     if port != 8000:
         env["CONVEYOR_PORT"] = str(port)
-    # A registry that answers serves the base images; else local stand-ins and a torch index.
-    airgapped = not _answers("docker", "pull", "-q", "nginx:stable", timeout=120)
-    if airgapped:
-        _run("bash", str(AIRGAP), "images", timeout=1800)
-        env["TORCH_INDEX"] = _run("bash", str(AIRGAP), "index", str(INDEX_PORT), timeout=600).strip().splitlines()[-1]
-        env["COMPOSE_FILE"] = "docker-compose.yml:infra/compose.airgap.yml"
     c = Compose(env, port)
-    t0 = time.monotonic()
-    c("build", "gateway", timeout=1800)  # every Conveyor service shares this one image
-    size = _run("docker", "image", "inspect", "-f", "{{.Size}}", "conveyor:latest").strip()
-    print(f"\ncompose: image build {time.monotonic() - t0:.0f}s, conveyor:latest {int(size) / 1e6:.0f} MB")
+    built = airgapped = False
     try:
+        # A registry that answers serves the base images; else local stand-ins and a torch index.
+        airgapped = not _answers("docker", "pull", "-q", "nginx:stable", timeout=120)
+        if airgapped:
+            _run("bash", str(AIRGAP), "images", timeout=1800)
+            env["TORCH_INDEX"] = _run("bash", str(AIRGAP), "index", str(INDEX_PORT), timeout=600).strip().splitlines()[-1]
+            env["COMPOSE_FILE"] = "docker-compose.yml:infra/compose.airgap.yml"
+        t0 = time.monotonic()
+        c("build", "gateway", timeout=1800)  # every Conveyor service shares this one image
+        built = True
+        size = _run("docker", "image", "inspect", "-f", "{{.Size}}", "conveyor:latest").strip()
+        print(f"\ncompose: image build {time.monotonic() - t0:.0f}s, conveyor:latest {int(size) / 1e6:.0f} MB")
         yield c
-    except BaseException:
-        raise
     finally:
         try:
-            print(c("logs", "--no-color", "--tail", "30", timeout=120)[-20000:])
+            if built:
+                print(c("logs", "--no-color", "--tail", "30", timeout=120)[-20000:])
+                c("down", "-v", "--remove-orphans", "--timeout", "5", timeout=300)
         finally:
-            c("down", "-v", "--remove-orphans", "--timeout", "5", timeout=300)
-            if started_engine:
-                _run("bash", str(AIRGAP), "stop", check=False)
+            # What this run started: the index (cheap to start again), and dockerd if none answered.
+            what = ["index"] * airgapped + ["dockerd"] * started_engine
+            if what:
+                _run("bash", str(AIRGAP), "stop", *what, check=False)
 
 
 def _complete(client: openai.OpenAI, text: str) -> tuple[str, str]:

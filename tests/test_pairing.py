@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from common.pairing import Pairing
+from infra.launcher import free_port
 from infra.stack import REPO, Stack, find_redis
 
 
@@ -94,11 +95,12 @@ def test_engines_pair_without_ids_and_reclaim(tiny_model: Any, tmp_path: Path) -
             assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens == 4
         served = {sid for sid, status in stack.engines().items() if status.num_steps > 0}
         assert served, "no engine ran a step"
-        # The health command finds this host's services by the ids they recorded.
-        env = stack._env()
-        for role in ("scheduler", "executor"):
-            probe = subprocess.run([sys.executable, "-m", "infra.cli", "health", "--role", role], env=env, cwd=REPO)
-            assert probe.returncode == 0, role
+        # `conveyor health` (every compose healthcheck) finds the engine processes by the ids
+        # they recorded, and the gateway by its port.
+        for args in (["--role", "scheduler"], ["--role", "executor"], ["--role", "gateway", "--port", str(stack.ports[0])]):
+            assert _health(stack, *args).returncode == 0, args
+        probe = _health(stack, "--role", "executor", "--id", "no-such-executor")
+        assert probe.returncode == 1 and "no-such-executor is not beating" in probe.stderr
 
         # A scheduler killed outright never releases its claim: it expires, and a new scheduler
         # started without an id claims the orphaned executor.
@@ -117,6 +119,22 @@ def test_engines_pair_without_ids_and_reclaim(tiny_model: Any, tmp_path: Path) -
         raise
     finally:
         stack.stop()
+
+
+def _health(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "infra.cli", "health", *args]
+    return subprocess.run(cmd, env=stack._env(), cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_health_reports_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    from infra.health import main
+
+    monkeypatch.setenv("CONVEYOR_RUN_DIR", str(tmp_path))
+    assert main(["--role", "scheduler"]) == 1
+    assert "no scheduler has started here yet" in capsys.readouterr().err
+    port = free_port()  # nothing listens there
+    assert main(["--role", "gateway", "--port", str(port), "--timeout", "2"]) == 1
+    assert f"127.0.0.1:{port}/health" in capsys.readouterr().err
 
 
 def _logged_id(log: Path, scheduler_id: str) -> bool:

@@ -1,8 +1,8 @@
 """`conveyor scheduler`: the engine loop as a service between the gateways and one executor.
 
 One scheduler and its executor (paired by ``--scheduler-id``, or claimed with ``auto``: see
-`scheduler.binding`) form an *engine replica*; any number
-of them share one Redis and serve the same model. The scheduler owns every request it has taken:
+`scheduler.binding`) form an *engine replica*; any number of them share one Redis and serve the
+same model. The scheduler owns every request it has taken:
 it builds the very `Scheduler` and `CacheManager` the offline `LLM` uses, with a `StreamExecutor`,
 and loops: take requests, aborts and syncs from its own requests stream (read by a background
 thread, in order), run one step inline, route the outputs (`OutputRouter`).

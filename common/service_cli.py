@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import signal
+import tempfile
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from common.config import ServiceDefaults
 from common.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS, formatter
@@ -56,12 +58,28 @@ def redis_url_arg(value: str) -> str:
 
 
 def add_engine_id(p: argparse.ArgumentParser, role: str, pair: str) -> None:
-    """``--scheduler-id``: a scheduler and an executor with the same id form one engine replica."""
+    """``--scheduler-id``: a scheduler and an executor with the same id form one engine replica;
+    ``auto`` pairs them by claim instead (`common.pairing`), for replicas started without ids."""
     p.add_argument(
         "--scheduler-id",
         default=os.environ.get("CONVEYOR_SCHEDULER_ID", "0"),
-        help=f"pairs this {role} with the {pair} of the same id (one engine replica)",
+        help=f"pairs this {role} with the {pair} of the same id (one engine replica); "
+        f"'auto': a free {pair} is paired with it by claim (for replicas started from one template)",
     )
+
+
+def process_id_path(role: str) -> Path:
+    """Where a service records its process id for `conveyor health` (``$CONVEYOR_RUN_DIR``, else
+    the temp dir): the id is made up at start (auto pairing, executors), so a probe cannot know it."""
+    return Path(os.environ.get("CONVEYOR_RUN_DIR") or tempfile.gettempdir()) / f"conveyor-{role}.id"
+
+
+def record_process_id(role: str, process_id: str) -> None:
+    """Write this process's id to `process_id_path` (best effort: health checks are optional)."""
+    try:
+        process_id_path(role).write_text(process_id)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("could not record the %s id for health checks: %s", role, exc)
 
 
 def add_recovery_flags(p: argparse.ArgumentParser, recovery_help: str, resume_help: str) -> None:

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 
 from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
+from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
-from common.service_cli import add_engine_id, run_service, service_parser, setup_logging, stop_on_sigterm
-from common.transport import Heartbeat, Outgoing, SyncTransport
+from common.service_cli import add_engine_id, record_process_id, run_service, service_parser, setup_logging, stop_on_sigterm
+from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 
 HELLO_INTERVAL_S = 3.0
+CLAIM_CHECK_S = 0.5  # auto pairing: how often a claimed executor checks that the claim still holds
 
 
 @dataclass(slots=True)
@@ -74,73 +76,108 @@ class ExecutorService:
         )
 
     def run(self) -> None:
-        """Serve until interrupted: one blocking loop, each step executed inline.
-
-        The result of a step rides in the same round trip as the next blocking read of the step
-        stream (XADD, then XREAD), so a step costs this process one Redis round trip.
-        """
+        """Serve until interrupted: the scheduler of ``--scheduler-id``, or with ``auto`` whichever
+        scheduler claims this executor (`common.pairing`), again after each claim ends."""
         t = self.transport
         t.ping()
         ttl = self.config.heartbeat_ttl_ms
         heartbeat = Heartbeat(
             self.config.redis_url, self.names, "executor", self.eid, ServiceDefaults.heartbeat_interval_s(ttl), ttl
         ).start()
-        steps, results = self.names.steps(self.config.scheduler_id), self.names.results(self.config.scheduler_id)
+        record_process_id("executor", self.eid)
+        logger.info("executor %s up (%d blocks of %d)", self.eid, self.info.num_blocks, self.info.block_size)
+        pairing = Pairing(t.redis, self.names.namespace, ttl) if self.config.scheduler_id == AUTO else None
+        try:
+            if pairing is None:
+                self._serve(self.config.scheduler_id, None)
+            while pairing is not None and not self.stopping.is_set():
+                scheduler_id = self._wait_for_claim(pairing)
+                if scheduler_id is not None:
+                    self._serve(scheduler_id, pairing)
+                    logger.info("no longer claimed by scheduler %s; offering this executor again", scheduler_id)
+                    self.epoch = None
+                    self.model.reset()  # type: ignore[attr-defined]
+        finally:
+            if pairing is not None:
+                try:
+                    t.call(pairing.withdraw, self.eid, deadline_s=2)
+                except TRANSIENT_ERRORS:
+                    pass  # its entry goes stale and is dropped: `Pairing.offered`
+            heartbeat.stop()
+            t.close()
+
+    def _wait_for_claim(self, pairing: Pairing) -> str | None:
+        """Announce this executor until a scheduler claims it: that scheduler's id (None: stopping)."""
+        t = self.transport
+        logger.info("executor %s: waiting for a scheduler to claim it", self.eid)
+        while not self.stopping.is_set():
+            owner = t.call(pairing.owner, self.eid)
+            if owner is not None:
+                t.call(pairing.withdraw, self.eid)
+                logger.info("claimed by scheduler %s", owner)
+                return owner
+            t.call(pairing.announce, self.eid)
+            self.stopping.wait(ANNOUNCE_INTERVAL_S)
+        return None
+
+    def _serve(self, scheduler_id: str, pairing: Pairing | None) -> None:
+        """Execute the steps of ``scheduler_id`` until stopped, or (``pairing``) until its claim on
+        this executor ends.
+
+        The result of a step rides in the same round trip as the next blocking read of the step
+        stream (XADD, then XREAD), so a step costs this process one Redis round trip.
+        """
+        t = self.transport
+        steps, results = self.names.steps(scheduler_id), self.names.results(scheduler_id)
         cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
         hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS)
         sends: list[Outgoing] = [hello]
-        last_activity = time.monotonic()
+        last_activity = last_claim_check = time.monotonic()
         run_id = t.run_id()
-        logger.info(
-            "executor %s up (%d blocks of %d); waiting for scheduler %s",
-            self.eid,
-            self.info.num_blocks,
-            self.info.block_size,
-            self.config.scheduler_id,
-        )
-        try:
-            while not self.stopping.is_set():
-                # Steps already read are trimmed in the same round trip (this is the stream's only reader).
-                got = t.exchange(
-                    sends,
-                    cursors,
-                    count=16,
-                    block_ms=1000,
-                    expected=(BindExecutor, SchedulerOutput),
-                    trim={steps: cursors[steps]},
-                )
-                sends = []
-                if not got:
-                    # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
-                    # executor, and at once when Redis restarted (the announcements were lost with it).
-                    restarted = run_id != (run_id := t.run_id())
-                    if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
-                        sends.append(hello)
-                        last_activity = time.monotonic()
-                for k, (_, _, msg) in enumerate(got):
+        logger.info("executor %s: serving scheduler %s", self.eid, scheduler_id)
+        while not self.stopping.is_set():
+            if pairing is not None and time.monotonic() - last_claim_check > CLAIM_CHECK_S:
+                last_claim_check = time.monotonic()
+                if t.call(pairing.owner, self.eid) != scheduler_id:
+                    return
+            # Steps already read are trimmed in the same round trip (this is the stream's only reader).
+            got = t.exchange(
+                sends,
+                cursors,
+                count=16,
+                block_ms=1000,
+                expected=(BindExecutor, SchedulerOutput),
+                trim={steps: cursors[steps]},
+            )
+            sends = []
+            if not got:
+                # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
+                # executor, and at once when Redis restarted (the announcements were lost with it).
+                restarted = run_id != (run_id := t.run_id())
+                if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
+                    sends.append(hello)
                     last_activity = time.monotonic()
-                    if isinstance(msg, BindExecutor):
-                        if msg.executor_id == self.eid:
-                            logger.info("bound to scheduler %s, epoch %d", msg.scheduler_id, msg.epoch)
-                            self.epoch = msg.epoch
-                        elif self.epoch is not None:
-                            logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
-                            self.epoch = None
-                        self.model.reset()  # type: ignore[attr-defined]
-                        self.last_step = 0
-                    elif msg.epoch == self.epoch and msg.step > self.last_step:
-                        # (a step seen twice, from a retried send, is not executed twice)
-                        self.last_step = msg.step
-                        result = self._step(msg)
-                        if result.error is not None:
-                            self.epoch = None  # the rest of the epoch refers to the state just dropped
-                        sends.append(Outgoing(results, t.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
-                        if k + 1 < len(got):  # the scheduler waits for this result while the next step runs
-                            t.exchange(sends)
-                            sends = []
-        finally:
-            heartbeat.stop()
-            t.close()
+            for k, (_, _, msg) in enumerate(got):
+                last_activity = time.monotonic()
+                if isinstance(msg, BindExecutor):
+                    if msg.executor_id == self.eid:
+                        logger.info("bound to scheduler %s, epoch %d", msg.scheduler_id, msg.epoch)
+                        self.epoch = msg.epoch
+                    elif self.epoch is not None:
+                        logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
+                        self.epoch = None
+                    self.model.reset()  # type: ignore[attr-defined]
+                    self.last_step = 0
+                elif msg.epoch == self.epoch and msg.step > self.last_step:
+                    # (a step seen twice, from a retried send, is not executed twice)
+                    self.last_step = msg.step
+                    result = self._step(msg)
+                    if result.error is not None:
+                        self.epoch = None  # the rest of the epoch refers to the state just dropped
+                    sends.append(Outgoing(results, t.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
+                    if k + 1 < len(got):  # the scheduler waits for this result while the next step runs
+                        t.exchange(sends)
+                        sends = []
 
     def _step(self, output: SchedulerOutput) -> StepResult:
         result = StepResult(epoch=output.epoch, step=output.step)

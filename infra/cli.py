@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "executor": ("executor.service", "run the executor service"),
     "up": ("infra.launcher", "start Redis, executor, scheduler and gateway together"),
     "bench": ("bench.cli", "run a benchmark (offline, serve, prefix-overhead)"),
+    "health": ("infra.health", "exit 0 if this host's gateway, scheduler or executor is live (health checks)"),
 }
 
 

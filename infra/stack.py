@@ -17,6 +17,7 @@ from typing import cast
 
 import redis
 
+from common.pairing import AUTO
 from common.protocol import EngineStatus, Names, decode
 from common.redis_url import sync_client
 from infra.launcher import free_port, proc_argv, start_redis, stop_all, wait_for_port, wait_healthy
@@ -54,6 +55,7 @@ class Stack:
         heartbeat_ttl_ms: int = 1500,
         private_redis: bool = False,
         redis_url: str | None = None,
+        auto_pairing: bool = False,
     ) -> None:
         self.model = str(model)
         self.workdir = workdir
@@ -70,6 +72,8 @@ class Stack:
         self.num_engines = engines
         self.executor_args, self.scheduler_args, self.gateway_args = executor_args, scheduler_args, gateway_args
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        # `--scheduler-id auto` for every engine process: paired by claim, not by index
+        self.auto_pairing = auto_pairing
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: list[int] = []
 
@@ -82,6 +86,7 @@ class Stack:
             "CONVEYOR_HEARTBEAT_TTL_MS": str(self.heartbeat_ttl_ms),
             "PYTHONPATH": str(REPO),
             "TOKENIZERS_PARALLELISM": "false",
+            "CONVEYOR_RUN_DIR": str(self.workdir),  # where `conveyor health` finds the ids
         }
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -124,10 +129,13 @@ class Stack:
         wait_for_port("127.0.0.1", port, 15, self.redis_proc)
 
     def spawn_executor(self, i: int) -> subprocess.Popen[bytes]:
-        return self.spawn(f"executor{i}", "executor", "--scheduler-id", str(i), *self.executor_args)
+        return self.spawn(f"executor{i}", "executor", "--scheduler-id", self._engine_id(i), *self.executor_args)
 
     def spawn_scheduler(self, i: int) -> subprocess.Popen[bytes]:
-        return self.spawn(f"scheduler{i}", "scheduler", "--scheduler-id", str(i), *self.scheduler_args)
+        return self.spawn(f"scheduler{i}", "scheduler", "--scheduler-id", self._engine_id(i), *self.scheduler_args)
+
+    def _engine_id(self, i: int) -> str:
+        return AUTO if self.auto_pairing else str(i)
 
     def spawn_gateway(self, i: int) -> subprocess.Popen[bytes]:
         return self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(self.ports[i]), *self.gateway_args)

@@ -1,7 +1,8 @@
 """`conveyor scheduler`: the engine loop as a service between the gateways and one executor.
 
-One scheduler and its executor (paired by ``--scheduler-id``) form an *engine replica*; any number
-of them share one Redis and serve the same model. The scheduler owns every request it has taken:
+One scheduler and its executor (paired by ``--scheduler-id``, or claimed with ``auto``: see
+`scheduler.binding`) form an *engine replica*; any number of them share one Redis and serve the
+same model. The scheduler owns every request it has taken:
 it builds the very `Scheduler` and `CacheManager` the offline `LLM` uses, with a `StreamExecutor`,
 and loops: take requests, aborts and syncs from its own requests stream (read by a background
 thread, in order), run one step inline, route the outputs (`OutputRouter`).
@@ -29,24 +30,13 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from common.config import ExecutorInfo, SchedulerConfig, ServiceDefaults
-from common.protocol import (
-    ENTRY_FIELD,
-    MAX_MESSAGE_BYTES,
-    STEPS_MAXLEN,
-    AbortRequests,
-    BindExecutor,
-    EngineStatus,
-    ExecutorHello,
-    GenerateRequest,
-    Names,
-    ProtocolError,
-    StepResult,
-    SyncRequest,
-    decode,
-)
+from common.config import SchedulerConfig, ServiceDefaults
+from common.pairing import AUTO
+from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, ExecutorHello, GenerateRequest, Names, SyncRequest
 from common.sampling_params import sampling_from_dict
+from common.service_cli import record_process_id
 from common.transport import Outgoing, SyncTransport
+from scheduler.binding import ExecutorBinding
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore
 from scheduler.engine_status import EngineBeat
@@ -102,7 +92,8 @@ class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         self.names = Names(config.namespace)
-        self.sid = config.scheduler_id
+        # `auto`: an id of its own, and the executor is claimed (`common.pairing`)
+        self.sid = f"s-{uuid.uuid4().hex[:10]}" if config.scheduler_id == AUTO else config.scheduler_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.transport = SyncTransport(
             config.redis_url, self.names, max_message_bytes=config.max_message_bytes, owner=f"scheduler {self.sid}"
@@ -113,11 +104,17 @@ class SchedulerService:
         self.wakeup = threading.Event()
         self.stopping = threading.Event()
         self.redis_restarted = threading.Event()
+        self.binding = ExecutorBinding(
+            self.transport,
+            self.sid,
+            auto=config.scheduler_id == AUTO,
+            ttl_ms=config.heartbeat_ttl_ms,
+            result_timeout_s=config.result_timeout_s,
+            redis_restarted=self.redis_restarted,
+        )
         self.router = OutputRouter(self.names, config.resume_window_s, config.max_message_bytes)
         self.engine: Scheduler | None = None
         self.executor: StreamExecutor | None = None
-        self.hello: ExecutorHello | None = None  # of the executor bound last
-        self.epoch = 0
         self.lost_since: float | None = None  # when the executor was lost (None: bound)
         self.settle_until = 0.0  # after a Redis restart, no gateway is declared dead before this
         self.beat: EngineBeat | None = None
@@ -144,10 +141,12 @@ class SchedulerService:
         ).start()
         threading.Thread(target=self._read_requests, args=(cursor,), name="requests", daemon=True).start()
         threading.Thread(target=self._watch_gateways, name="gateways", daemon=True).start()
+        self.binding.start()
+        record_process_id("scheduler", self.sid)
         logger.info("scheduler %s up (incarnation %s)", self.sid, self.incarnation)
         try:
             while not self.stopping.is_set():
-                executor = self._bind_executor()
+                executor = self.binding.wait(self.stopping, self._idle)
                 if executor is None:
                     break
                 cache = CacheManager(executor.info.num_blocks, executor.info.block_size)
@@ -172,13 +171,14 @@ class SchedulerService:
         finally:
             self.stopping.set()
             self.beat.stop()  # type: ignore[union-attr]
+            self.binding.close()
             # Gone at once rather than at the TTL: gateways migrate this engine's requests now.
             t.call(t.redis.delete, self.names.engine(self.sid), deadline_s=2)
             t.close()
 
     def status(self) -> EngineStatus:
         """This engine's liveness, model and load (read by `EngineBeat` on its thread)."""
-        engine, hello, executor = self.engine, self.hello, self.executor
+        engine, hello, executor = self.engine, self.binding.hello, self.executor
         h = hello if hello is not None else ExecutorHello("", "", "", 0, 0, 0, 0)
         return EngineStatus(
             scheduler_id=self.sid,
@@ -190,7 +190,7 @@ class SchedulerService:
             block_size=h.block_size,
             num_blocks=h.num_blocks,
             executor_id=executor.executor_id if executor else "",
-            epoch=self.epoch,
+            epoch=self.binding.epoch,
             num_free_blocks=engine.cache.get_num_free_blocks() if engine else 0,
             num_running=len(engine.running) if engine else 0,
             num_waiting=len(engine.waiting) if engine else 0,
@@ -211,66 +211,10 @@ class SchedulerService:
         self.wakeup.set()
 
     # -- executor binding ----------------------------------------------------------------------
-    def _bind_executor(self) -> StreamExecutor | None:
-        """Wait for a live executor (the last one first), bind it with a new epoch (None: stopping)."""
-        results = self.names.results(self.sid)
-        t = self.transport
-        cursor = t.last_id(results)
-        candidates: list[ExecutorHello] = [self.hello] if self.hello is not None else []
-        for _, entry in t.call(t.redis.xrevrange, results, count=200):
-            try:
-                msg = decode(entry.get(ENTRY_FIELD, b""))
-            except ProtocolError:
-                continue
-            if isinstance(msg, ExecutorHello):
-                candidates.append(msg)
-        logger.info("waiting for an executor on %s", results)
-        while True:
-            if self.stopping.is_set():
-                return None  # `stop` was called
-            for hello in candidates:  # the last bound, then newest first
-                if t.alive("executor", hello.executor_id):
-                    return self._bind(hello, cursor)
-            cursors: dict[str, bytes | str] = {results: cursor}
-            # (late results of a lost executor may still arrive: skipped, they are no fault)
-            got = t.read(cursors, block_ms=500, expected=(ExecutorHello, StepResult))
-            candidates = [msg for _, _, msg in reversed(got) if isinstance(msg, ExecutorHello)]
-            cursor = cursors[results]  # type: ignore[assignment]
-            self.redis_restarted.clear()  # nothing in flight: nothing to redo
-            self._serve_inbox()
-            self._check_recovery_timeout()
-
-    def _next_epoch(self) -> int:
-        # Epochs only grow (the executor drops steps of any other): wall-clock ms, unique per bind.
-        self.epoch = max(self.epoch + 1, int(time.time() * 1000))
-        return self.epoch
-
-    def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
-        self.transport.send(
-            self.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self._next_epoch()), maxlen=STEPS_MAXLEN
-        )
-        self.hello = hello
-        info = ExecutorInfo(
-            hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size
-        )
-        logger.info(
-            "bound executor %s (epoch %d): %s, %d blocks of %d",
-            hello.executor_id,
-            self.epoch,
-            hello.model_name,
-            hello.num_blocks,
-            hello.block_size,
-        )
-        return StreamExecutor(
-            info,
-            self.transport,
-            scheduler_id=self.sid,
-            executor_id=hello.executor_id,
-            epoch=self.epoch,
-            results_cursor=cursor,
-            result_timeout_s=self.config.result_timeout_s,
-            redis_restarted=self.redis_restarted,
-        )
+    def _idle(self) -> None:
+        """Between polls for an executor: serve the inbox, fail requests past the recovery timeout."""
+        self._serve_inbox()
+        self._check_recovery_timeout()
 
     def _check_recovery_timeout(self) -> None:
         """Without an executor for ``recovery_timeout_s``, requests fail instead of waiting on."""
@@ -349,6 +293,8 @@ class SchedulerService:
                 # on the idle tick only: a request that wakes the loop should not pay a round trip.
                 if not woke and not self.transport.alive("executor", executor.executor_id):
                     raise ExecutorLost(f"executor {executor.executor_id} stopped (its heartbeat expired)")
+                if self.binding.claim_lost.is_set():
+                    raise ExecutorLost(f"executor {executor.executor_id} was claimed by another scheduler")
             self._serve_inbox()
             if not core.has_work():
                 continue
@@ -373,7 +319,7 @@ class SchedulerService:
         """The executor dropped its state (`EngineCore` has reset ours): rebind it with a new epoch,
         then find the request that fails alone and fail only it."""
         engine = core.scheduler
-        executor.rebind(self._next_epoch())
+        executor.rebind(self.binding.next_epoch())
         culprit = engine.step_failed(core.failed_request_ids)
         if culprit is not None:
             logger.error("request %s fails the step alone: %s", culprit, exc)
@@ -428,10 +374,10 @@ class SchedulerService:
         if msg.request_id in engine.requests:
             logger.warning("duplicate request id %s ignored", msg.request_id)
             return None
-        assert self.hello is not None
+        assert self.binding.hello is not None
         try:
             params = sampling_from_dict(msg.sampling)
-            vocab = self.hello.vocab_size
+            vocab = self.binding.hello.vocab_size
             params.validate(vocab)
             if any(not 0 <= t < vocab for t in msg.prompt_token_ids + msg.output_token_ids):
                 raise ValueError(f"token ids must be in [0, {vocab})")

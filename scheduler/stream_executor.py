@@ -57,6 +57,7 @@ class StreamExecutor:
         result_timeout_s: float = 60.0,
         liveness_check_s: float = 0.5,
         redis_restarted: threading.Event | None = None,
+        claim_lost: threading.Event | None = None,
     ) -> None:
         self.info = info
         self.transport = transport
@@ -67,6 +68,7 @@ class StreamExecutor:
         self.result_timeout_s = result_timeout_s
         self.liveness_check_s = liveness_check_s
         self.redis_restarted = redis_restarted or threading.Event()
+        self.claim_lost = claim_lost or threading.Event()  # auto pairing: another scheduler took it
         self.last_forward_s = 0.0
         self.outbox: list[Outgoing] = []  # messages that ride with the next round trip
         self.in_flight: deque[tuple[int, int]] = deque()  # (step, number of requests), oldest first
@@ -147,6 +149,8 @@ class StreamExecutor:
                     last_check = now
                     if not self.transport.alive("executor", self.executor_id):
                         raise ExecutorLost(f"executor {self.executor_id} stopped (its heartbeat expired)")
+                    if self.claim_lost.is_set():
+                        raise ExecutorLost(f"executor {self.executor_id} was claimed by another scheduler")
                 got = self.transport.read(cursors, count=64, block_ms=block_ms)
         finally:
             self.results_cursor = cursors[self._results_stream]  # type: ignore[assignment]

@@ -1,0 +1,164 @@
+"""`ExecutorBinding`: how a scheduler finds, claims and binds its executor.
+
+With a fixed ``--scheduler-id`` the executor is whichever announces itself (`ExecutorHello`) on
+this scheduler's results stream: the executor started with the same id. With ``auto``
+(`common.pairing`) the scheduler first claims an announced, unpaired executor; the executor then
+announces itself on this scheduler's streams, and is bound like any other. A thread keeps the
+claim alive while the scheduler lives; losing it (taken by another scheduler after this one
+stalled past its TTL) sets ``claim_lost``, which the step loop treats as the executor being lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from common.config import ExecutorInfo, ServiceDefaults
+from common.pairing import Pairing
+from common.protocol import ENTRY_FIELD, STEPS_MAXLEN, BindExecutor, ExecutorHello, ProtocolError, StepResult, decode
+from common.transport import TRANSIENT_ERRORS, SyncTransport
+from scheduler.stream_executor import StreamExecutor
+
+logger = logging.getLogger("conveyor.scheduler")
+
+
+class ExecutorBinding:
+    """The executor side of one scheduler: the last bound `ExecutorHello`, the epoch, and (with
+    ``auto`` pairing) the claim on the executor."""
+
+    def __init__(
+        self,
+        transport: SyncTransport,
+        scheduler_id: str,
+        *,
+        auto: bool,
+        ttl_ms: int,
+        result_timeout_s: float,
+        redis_restarted: threading.Event,
+    ) -> None:
+        self.transport = transport
+        self.sid = scheduler_id
+        self.result_timeout_s = result_timeout_s
+        self.redis_restarted = redis_restarted
+        self.hello: ExecutorHello | None = None  # of the executor bound last
+        self.epoch = 0
+        self.pairing = Pairing(transport.redis, transport.names.namespace, ttl_ms) if auto else None
+        self.claimed: str | None = None  # the executor this scheduler holds a claim on (auto)
+        self.claim_lost = threading.Event()
+        self._stop = threading.Event()
+        self._interval_s = ServiceDefaults.heartbeat_interval_s(ttl_ms)
+
+    def start(self) -> ExecutorBinding:
+        """Start refreshing claims (auto pairing only); returns self."""
+        if self.pairing is not None:
+            threading.Thread(target=self._keep_claim, name="claim", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        """Stop refreshing and give the claimed executor up at once, for another scheduler."""
+        self._stop.set()
+        claimed = self.claimed
+        if self.pairing is not None and claimed is not None:
+            try:
+                self.pairing.release(claimed, self.sid)
+            except TRANSIENT_ERRORS as exc:
+                logger.warning("could not release executor %s (its claim expires instead): %s", claimed, exc)
+
+    def next_epoch(self) -> int:
+        """A new epoch: epochs only grow (the executor drops steps of any other), wall-clock ms."""
+        self.epoch = max(self.epoch + 1, int(time.time() * 1000))
+        return self.epoch
+
+    def wait(self, stopping: threading.Event, idle: Callable[[], None]) -> StreamExecutor | None:
+        """Wait for a live executor (the last one first), bind it with a new epoch (None: stopping).
+        ``idle`` runs between polls (the service serves its inbox meanwhile)."""
+        t = self.transport
+        results = t.names.results(self.sid)
+        cursor = t.last_id(results)
+        candidates: list[ExecutorHello] = [self.hello] if self.hello is not None else []
+        for _, entry in t.call(t.redis.xrevrange, results, count=200):
+            try:
+                msg = decode(entry.get(ENTRY_FIELD, b""))
+            except ProtocolError:
+                continue
+            if isinstance(msg, ExecutorHello):
+                candidates.append(msg)
+        logger.info("waiting for an executor on %s", results)
+        while not stopping.is_set():
+            self._claim()
+            for hello in candidates:  # the last bound, then newest first
+                if self._mine(hello.executor_id) and t.alive("executor", hello.executor_id):
+                    return self._bind(hello, cursor)
+            cursors: dict[str, bytes | str] = {results: cursor}
+            # (late results of a lost executor may still arrive: skipped, they are no fault)
+            got = t.read(cursors, block_ms=500, expected=(ExecutorHello, StepResult))
+            candidates = [msg for _, _, msg in reversed(got) if isinstance(msg, ExecutorHello)]
+            cursor = cursors[results]  # type: ignore[assignment]
+            self.redis_restarted.clear()  # nothing in flight: nothing to redo
+            idle()
+        return None
+
+    def _mine(self, executor_id: str) -> bool:
+        return self.pairing is None or executor_id == self.claimed
+
+    def _claim(self) -> None:
+        """Auto pairing: hold a claim on a live executor (keep a live one; else take an offered one)."""
+        pairing, t = self.pairing, self.transport
+        if pairing is None:
+            return
+        if self.claimed is not None:
+            if t.alive("executor", self.claimed) and not self.claim_lost.is_set():
+                return
+            logger.info("giving up executor %s (stopped, or claimed by another scheduler)", self.claimed)
+            t.call(pairing.release, self.claimed, self.sid)
+            self.claimed = None
+        self.claim_lost.clear()
+        for executor_id in t.call(pairing.offered):
+            if t.alive("executor", executor_id) and t.call(pairing.try_claim, executor_id, self.sid):
+                logger.info("claimed executor %s", executor_id)
+                self.claimed = executor_id
+                return
+
+    def _keep_claim(self) -> None:
+        """Refresh the claim every heartbeat interval; re-take it if Redis lost it (restart)."""
+        assert self.pairing is not None
+        while not self._stop.wait(self._interval_s):
+            claimed = self.claimed
+            if claimed is None:
+                continue
+            try:
+                if not self.pairing.refresh(claimed, self.sid) and not self.pairing.try_claim(claimed, self.sid):
+                    if claimed == self.claimed:
+                        logger.error("executor %s was claimed by another scheduler", claimed)
+                        self.claim_lost.set()
+            except Exception as exc:  # keep refreshing whatever happens; a miss or two is within the TTL
+                logger.warning("claim refresh of %s failed: %s", claimed, exc)
+
+    def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
+        t = self.transport
+        t.send(t.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self.next_epoch()), maxlen=STEPS_MAXLEN)
+        self.hello = hello
+        info = ExecutorInfo(
+            hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size
+        )
+        logger.info(
+            "bound executor %s (epoch %d): %s, %d blocks of %d",
+            hello.executor_id,
+            self.epoch,
+            hello.model_name,
+            hello.num_blocks,
+            hello.block_size,
+        )
+        return StreamExecutor(
+            info,
+            t,
+            scheduler_id=self.sid,
+            executor_id=hello.executor_id,
+            epoch=self.epoch,
+            results_cursor=cursor,
+            result_timeout_s=self.result_timeout_s,
+            redis_restarted=self.redis_restarted,
+            claim_lost=self.claim_lost,
+        )

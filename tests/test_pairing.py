@@ -1,0 +1,141 @@
+"""Claim-based pairing (`--scheduler-id auto`): the claim's rules on real Redis, then engines
+started without ids pairing up, and a dead scheduler's executor claimed again."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+
+from common.pairing import Pairing
+from infra.launcher import free_port
+from infra.stack import REPO, Stack, find_redis
+
+
+@pytest.fixture()
+def pairing(tmp_path: Path) -> Iterator[Pairing]:
+    url, proc = find_redis(tmp_path)
+    client = redis.Redis.from_url(url)
+    namespace = f"test-pairing-{uuid.uuid4().hex[:8]}"
+    yield Pairing(client, namespace, ttl_ms=300)
+    keys = list(client.scan_iter(match=f"{namespace}:*"))
+    if keys:
+        client.delete(*keys)
+    if proc is not None:
+        proc.kill()
+
+
+def test_one_owner_at_a_time(pairing: Pairing) -> None:
+    assert pairing.try_claim("e1", "s1")
+    assert not pairing.try_claim("e1", "s2")  # taken: NX
+    assert pairing.owner("e1") == "s1"
+    assert not pairing.refresh("e1", "s2") and not pairing.release("e1", "s2")  # only the owner may
+    assert pairing.owner("e1") == "s1"
+    assert pairing.refresh("e1", "s1")
+    assert pairing.release("e1", "s1")
+    assert pairing.owner("e1") is None
+    assert pairing.try_claim("e1", "s2")  # free again once released
+
+
+def test_claim_expires_without_refresh(pairing: Pairing) -> None:
+    assert pairing.try_claim("e1", "s1")
+    time.sleep(0.2)
+    assert pairing.refresh("e1", "s1")  # a refresh extends it past the first TTL...
+    time.sleep(0.2)
+    assert pairing.owner("e1") == "s1"
+    time.sleep(0.4)  # ...and without one it expires: the scheduler is gone
+    assert pairing.owner("e1") is None
+    assert not pairing.refresh("e1", "s1")
+    assert pairing.try_claim("e1", "s2")
+
+
+def test_offered_executors(pairing: Pairing) -> None:
+    pairing.announce("e1")
+    pairing.announce("e2")
+    assert pairing.offered() == ["e1", "e2"]  # longest waiting first
+    pairing.withdraw("e1")
+    assert pairing.offered() == ["e2"]
+    time.sleep(0.4)  # no longer announcing (claimed, or dead): dropped after a TTL
+    pairing.announce("e3")
+    assert pairing.offered() == ["e3"]
+
+
+def _executors(stack: Stack) -> dict[str, str]:
+    return {sid: status.executor_id for sid, status in stack.engines().items()}
+
+
+def _wait(predicate: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_engines_pair_without_ids_and_reclaim(tiny_model: Any, tmp_path: Path) -> None:
+    stack = Stack(tiny_model(), tmp_path, engines=2, auto_pairing=True, executor_args=("--num-blocks", "256"))
+    try:
+        stack.start()
+        _wait(lambda: len(_executors(stack)) == 2, 60)
+        paired = _executors(stack)
+        assert len(set(paired.values())) == 2, paired  # each scheduler has an executor of its own
+        assert not set(paired) & {"0", "1"}  # ids were made up, not given
+        client = openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        for i in range(6):
+            r = client.completions.create(model=model, prompt=f"hello {i}", max_tokens=4, temperature=0)
+            assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens == 4
+        served = {sid for sid, status in stack.engines().items() if status.num_steps > 0}
+        assert served, "no engine ran a step"
+        # `conveyor health` (every compose healthcheck) finds the engine processes by the ids
+        # they recorded, and the gateway by its port.
+        for args in (["--role", "scheduler"], ["--role", "executor"], ["--role", "gateway", "--port", str(stack.ports[0])]):
+            assert _health(stack, *args).returncode == 0, args
+        probe = _health(stack, "--role", "executor", "--id", "no-such-executor")
+        assert probe.returncode == 1 and "no-such-executor is not beating" in probe.stderr
+
+        # A scheduler killed outright never releases its claim: it expires, and a new scheduler
+        # started without an id claims the orphaned executor.
+        victim = next(sid for sid in paired)
+        victim_name = next(n for n in ("scheduler0", "scheduler1") if _logged_id(tmp_path / f"{n}.log", victim))
+        stack.procs[victim_name].send_signal(signal.SIGKILL)
+        stack.procs[victim_name].wait()
+        stack.spawn_scheduler(2)
+        _wait(lambda: paired[victim] in _executors(stack).values() and victim not in _executors(stack), 60)
+        survivors = _executors(stack)
+        assert len(survivors) == 2 and len(set(survivors.values())) == 2, survivors
+        r = client.completions.create(model=model, prompt="after the failover", max_tokens=4, temperature=0)
+        assert r.usage is not None and r.usage.completion_tokens == 4
+    except BaseException:
+        print(stack.logs(), file=sys.stderr)
+        raise
+    finally:
+        stack.stop()
+
+
+def _health(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "infra.cli", "health", *args]
+    return subprocess.run(cmd, env=stack._env(), cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_health_reports_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    from infra.health import main
+
+    monkeypatch.setenv("CONVEYOR_RUN_DIR", str(tmp_path))
+    assert main(["--role", "scheduler"]) == 1
+    assert "no scheduler has started here yet" in capsys.readouterr().err
+    port = free_port()  # nothing listens there
+    assert main(["--role", "gateway", "--port", str(port), "--timeout", "2"]) == 1
+    assert f"127.0.0.1:{port}/health" in capsys.readouterr().err
+
+
+def _logged_id(log: Path, scheduler_id: str) -> bool:
+    return f"scheduler {scheduler_id} up" in log.read_text(errors="replace")

@@ -23,6 +23,7 @@ from executor.loader import load_weights
 from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
 from executor.penalties import TokenCountPool, TokenCounts
+from executor.prompt_logprobs import compute_prompt_logprobs
 from executor.sampler import Sampler
 from executor.threads import configure_cpu_threads
 
@@ -199,8 +200,9 @@ class ModelExecutor:
         logprobs: list[dict[int, float] | None] = [None] * n
         with torch.inference_mode():
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            prompt_lps = compute_prompt_logprobs(self.model, hidden, batch) if batch.prompt_lp else []
             if not rows:
-                return ExecutorOutput(tokens, logprobs)
+                return ExecutorOutput(tokens, logprobs, prompt_lps)
             if len(rows) < hidden.shape[0]:
                 hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
             logits = self.model.compute_logits(hidden)
@@ -218,7 +220,7 @@ class ModelExecutor:
         for j, i in enumerate(idx):
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]
-        return ExecutorOutput(tokens, logprobs)
+        return ExecutorOutput(tokens, logprobs, prompt_lps)
 
     def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
         """EOS and stop tokens are banned while a request is below its ``min_tokens``."""

@@ -24,6 +24,7 @@ from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
 from common.service_cli import add_engine_id, run_service, service_parser, setup_logging, stop_on_sigterm
+from common.step_outputs import pack_prompt_logprobs
 from common.transport import Heartbeat, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
@@ -156,6 +157,8 @@ class ExecutorService:
         result.token_ids = list(out.token_ids)
         if out.logprobs and any(lp is not None for lp in out.logprobs):
             result.lp_counts, result.lp_token_ids, result.lp_values = pack_logprobs(list(out.logprobs))
+        if out.prompt_logprobs:
+            result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(out.prompt_logprobs)
         return result
 
 

@@ -68,5 +68,5 @@ def select_best(cumulative: Sequence[float | None], n: int) -> list[int]:
     highest cumulative logprobs, best first (vLLM's order), ties by index."""
     if len(cumulative) <= n:
         return list(range(len(cumulative)))
-    order = sorted(range(len(cumulative)), key=lambda i: (-(cumulative[i] if cumulative[i] is not None else float("-inf")), i))
-    return order[:n]
+    scores = [float("-inf") if c is None else c for c in cumulative]
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n]

@@ -379,8 +379,9 @@ class Scheduler:
                 continue  # finished (its extra token is dropped) or aborted while the step ran
             if caching and request.status is RequestStatus.RUNNING and start % block_size + n >= block_size:
                 self.cache.cache_full_blocks(request, start + n)  # a block filled up and the step succeeded
-            if result.prompt_logprobs and result.prompt_logprobs[i] is not None and start == len(request.prompt_logprobs):
-                request.prompt_logprobs.extend(result.prompt_logprobs[i])  # not again after a preemption
+            computed = result.prompt_logprobs[i] if result.prompt_logprobs else None
+            if computed is not None and start == len(request.prompt_logprobs):
+                request.prompt_logprobs.extend(computed)  # not again after a preemption
             if not samples:
                 continue
             request.num_output_placeholders -= 1

@@ -74,11 +74,6 @@ class GenerationSpec:
             + sum(len(p) if isinstance(p, str) else BYTES_PER_TOKEN_ID * len(p) for p in self.prompts or ())
         )
 
-    @property
-    def num_choices(self) -> int:
-        """Choices in the response: ``n`` per prompt."""
-        return self.sampling.n * len(self.prompts or [None])
-
 
 def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
     value = body.get(name)

@@ -110,7 +110,9 @@ def test_echo_with_logprobs_returns_prompt_logprobs(stack: Stack, client: openai
     from transformers import AutoModelForCausalLM
 
     prompt = ids(21, 4)
-    out = client.completions.create(model="", prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0, extra_body=NO_EOS)
+    out = client.completions.create(
+        model="", prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0, extra_body=NO_EOS
+    )
     lp = out.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None and lp.tokens is not None
     assert len(lp.tokens) == len(prompt) + 3

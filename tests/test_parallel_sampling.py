@@ -144,3 +144,36 @@ def test_child_params_and_selection() -> None:
 def test_bad_parallel_params_raise(params: SamplingParams, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         params.validate()
+
+
+def test_prompt_logprob_columns_round_trip() -> None:
+    from common.protocol import StepOutputs, StepResult, decode, encode
+    from common.step_outputs import pack_prompt_logprobs, unpack_prompt_logprobs
+
+    msg = StepOutputs()
+    msg.add("a", 0, [5], None)
+    msg.add("b", 0, [6], None, prompt_logprobs=[None, {3: -0.5, 4: -1.5}, {7: -2.0}])
+    msg.add("c", 0, [7], None)
+    got = decode(encode(msg.sealed()))
+    assert got.prompt_logprobs() == [None, [None, {3: -0.5, 4: -1.5}, {7: -2.0}], None]
+    plain = StepOutputs()
+    plain.add("a", 0, [5], None)
+    assert decode(encode(plain.sealed())).plp_num == []  # no column when nobody asked
+    rows: list = [None, [{1: -0.25}], [], None]
+    result = StepResult(0, 1, [1, 2, 3, 4])
+    result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(rows)
+    back = decode(encode(result))
+    assert unpack_prompt_logprobs(4, back.plp_num, back.plp_counts, back.plp_token_ids, back.plp_values) == rows
+    assert pack_prompt_logprobs([None, None]) == ([], [], [], [])
+
+
+def test_siblings_without_prefix_caching_run_side_by_side(tiny_model) -> None:
+    """No cache to share through: siblings are not held, and give the same samples."""
+    opts: dict = {"dtype": "float32", "block_size": BLOCK, "num_blocks": 128, "max_num_batched_tokens": 256}
+    plain = LLM(tiny_model("llama"), enable_prefix_caching=False, **opts)
+    prompt = prompt_ids(plain, 3 * BLOCK + 2, seed=6)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=5, ignore_eos=True, seed=5)
+    [out] = plain.generate([prompt], params)
+    assert plain.scheduler.prefix_cache_hits == 0
+    cached = LLM(tiny_model("llama"), **opts)
+    assert [o.token_ids for o in cached.generate([prompt], params)[0].outputs] == [o.token_ids for o in out.outputs]

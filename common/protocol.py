@@ -32,9 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.codec import Codec, pack_logprobs, packed
+from common.codec import Codec, packed
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
 from common.sampling_params import SamplingParams, sampling_to_dict
+from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the one schema module
 
 PROTOCOL_VERSION = 2
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
@@ -102,6 +103,8 @@ class GenerateRequest:
     tokens already generated and streamed by an earlier attempt (a migrated request continues
     after them; ``max_tokens`` and seeds count them). ``journal_id`` is set for a resumable
     stream: if the gateway dies, the scheduler journals its outputs there until one adopts it.
+    ``group_id`` is shared by the sibling requests of one prompt's ``n`` samples: the scheduler
+    admits a sibling once another's prompt blocks are cached, so they share them.
     """
 
     request_id: str
@@ -113,6 +116,7 @@ class GenerateRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # `SamplingParams` fields
     arrival_time: float = 0.0
     journal_id: str = ""
+    group_id: str = ""
 
 
 @dataclass(slots=True)
@@ -282,6 +286,9 @@ class StepResult:
     did not sample), or an error.
 
     Logprobs are columnar: ``lp_counts[i]`` entries (-1: none) of ``lp_token_ids``/``lp_values``.
+    Prompt logprobs (requests with ``prompt_logprobs``): ``plp_num[i]`` entries (-1: none; the
+    column is empty when no request has any) of the ``plp_*`` columns, for the prompt positions
+    the step computed (see `common.step_outputs.pack_prompt_logprobs`).
     """
 
     epoch: int
@@ -292,90 +299,10 @@ class StepResult:
     lp_values: list[float] = packed("d")
     error: str | None = None
     forward_s: float = 0.0
-
-
-@dataclass(slots=True)
-class StepOutputs:
-    """scheduler -> one gateway: what one engine step produced for that gateway's requests.
-
-    Per request: ``token_index`` is the output index of its first new token (a reader drops
-    duplicates and detects gaps with it); ``num_tokens`` new tokens are concatenated in
-    ``token_ids``; logprobs are per token, columnar as in `StepResult`, and ``lp_counts`` is
-    empty when no request of the message asked for them. ``queue_time_s`` is the request's time
-    from arrival at the scheduler to its first scheduling (vLLM's queue time; the gateway observes
-    it), carried once, on the request's first output from that engine: -1 for the others, and
-    empty when no request of the message carries it (the common case). ``stop_reason_ids``: on a
-    request's last output, the stop token id (of its ``stop_token_ids``) that ended it (vLLM's
-    ``stop_reason``); -1 for the others, and empty when no request of the message has one.
-    """
-
-    request_ids: list[str] = field(default_factory=list)
-    token_index: list[int] = packed("i")
-    num_tokens: list[int] = packed("i")
-    token_ids: list[int] = packed("i")
-    finished: list[bool] = field(default_factory=list)
-    finish_reasons: list[str | None] = field(default_factory=list)
-    errors: list[str | None] = field(default_factory=list)
-    lp_counts: list[int] = packed("i")
-    lp_token_ids: list[int] = packed("i")
-    lp_values: list[float] = packed("d")
-    queue_time_s: list[float] = packed("d")
-    stop_reason_ids: list[int] = packed("i")
-
-    def add(
-        self,
-        request_id: str,
-        index: int,
-        tokens: list[int],
-        logprobs: list[dict[int, float] | None] | None,
-        finished: bool = False,
-        finish_reason: str | None = None,
-        error: str | None = None,
-        queue_time_s: float | None = None,
-        stop_reason: int | None = None,
-    ) -> None:
-        """Append one request's tokens (the first at output index ``index``)."""
-        self.request_ids.append(request_id)
-        self.token_index.append(index)
-        self.num_tokens.append(len(tokens))
-        self.token_ids.extend(tokens)
-        self.finished.append(finished)
-        self.finish_reasons.append(finish_reason)
-        self.errors.append(error)
-        if logprobs and any(lp is not None for lp in logprobs):
-            counts, ids, values = pack_logprobs(logprobs)
-        else:  # the common case: no logprobs requested
-            counts, ids, values = [-1] * len(tokens), [], []
-        self.lp_counts.extend(counts)
-        self.lp_token_ids.extend(ids)
-        self.lp_values.extend(values)
-        self.queue_time_s.append(-1.0 if queue_time_s is None else queue_time_s)
-        self.stop_reason_ids.append(-1 if stop_reason is None else stop_reason)
-
-    def sealed(self) -> StepOutputs:
-        """Ready to send: without logprob columns when no request asked for logprobs, and without
-        queue times when none is carried."""
-        if not self.lp_token_ids:
-            self.lp_counts.clear()  # the reader then skips unpacking
-        if self.queue_time_s and max(self.queue_time_s) < 0:
-            self.queue_time_s.clear()
-        if self.stop_reason_ids and max(self.stop_reason_ids) < 0:
-            self.stop_reason_ids.clear()
-        return self
-
-    def queue_times(self) -> list[float | None]:
-        """``queue_time_s`` per request, None where not carried (all None if the column is absent
-        or does not match the requests)."""
-        if len(self.queue_time_s) != len(self.request_ids):
-            return [None] * len(self.request_ids)
-        return [q if q >= 0 else None for q in self.queue_time_s]
-
-    def stop_reasons(self) -> list[int | None]:
-        """``stop_reason_ids`` per request: the stop token id that ended it, None where none did
-        (all None if the column is absent or does not match the requests)."""
-        if len(self.stop_reason_ids) != len(self.request_ids):
-            return [None] * len(self.request_ids)
-        return [t if t >= 0 else None for t in self.stop_reason_ids]
+    plp_num: list[int] = packed("i")
+    plp_counts: list[int] = packed("i")
+    plp_token_ids: list[int] = packed("i")
+    plp_values: list[float] = packed("d")
 
 
 @dataclass(slots=True)

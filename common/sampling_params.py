@@ -45,6 +45,11 @@ class SamplingParams:
     every token in the prompt or the output so far; ``frequency_penalty`` subtracts itself times
     the number of times a token was generated, ``presence_penalty`` itself once if it was
     (OpenAI's semantics: generated tokens only). 0, 0, 1 and no bias leave the logits alone.
+
+    ``n`` samples per prompt (vLLM's): each is an engine request of its own, sibling ``i`` seeded
+    with ``seed + i``; ``best_of`` (>= ``n``) of them are generated and the ``n`` with the highest
+    cumulative logprob returned (`common.parallel_sampling`). ``prompt_logprobs`` is how many top
+    logprobs to return per prompt token (None: none; the first prompt token has none).
     """
 
     temperature: float = 1.0
@@ -61,6 +66,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    n: int = 1
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
 
     # The most top logprobs a request may ask for; bounds the executor's top-k work.
     MAX_LOGPROBS = 20
@@ -72,6 +80,8 @@ class SamplingParams:
     # OpenAI's ranges for the penalties and the biases.
     MAX_PENALTY = 2.0
     MAX_LOGIT_BIAS_VALUE = 100.0
+    # The most samples (``n``, ``best_of``) one prompt may ask for: each is a request in the engine.
+    MAX_N = 128
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad field (the message starts with its name).
@@ -98,6 +108,14 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS
+        ):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= self.MAX_N:
+            raise ValueError(f"n must be an integer in [1, {self.MAX_N}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= self.MAX_N):
+            raise ValueError(f"best_of must be an integer in [n, {self.MAX_N}] (n = {self.n}), got {self.best_of!r}")
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or len(ids) > self.MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids must be a list of at most {self.MAX_STOP_TOKEN_IDS} token ids")

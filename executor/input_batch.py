@@ -52,6 +52,9 @@ class Batch:
     ``sample`` (False for a prefill chunk that does not reach the end of the prompt),
     ``output_lens`` (tokens generated so far: seeds per-step randomness), ``sampling_params``.
     ``token_counts``: None unless a sampling request has penalties (see `TokenCountStep`).
+    ``prompt_lp``: per sequence with ``prompt_logprobs`` whose step computes prompt positions that
+    predict a prompt token, ``(sequence index, how many: from its first new token, top-k)``;
+    ``prompt_lp_targets``: those predicted prompt tokens, concatenated.
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -65,6 +68,8 @@ class Batch:
     output_lens: list[int] = field(default_factory=list)
     sampling_params: list[SamplingParams] = field(default_factory=list)
     token_counts: TokenCountStep | None = None
+    prompt_lp: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_lp_targets: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -163,6 +168,11 @@ class PersistentBatch:
             batch.sample.append(end == len(tokens))
             batch.output_lens.append(len(tokens) - state.num_prompt_tokens)
             batch.sampling_params.append(state.params)
+            top = state.params.prompt_logprobs
+            last = min(end, state.num_prompt_tokens - 1)  # position P - 1 predicts the first output token
+            if top is not None and last > start:
+                batch.prompt_lp.append((i, last - start, top))
+                batch.prompt_lp_targets.extend(tokens[start + 1 : last + 1])
             if end == len(tokens) and state.params.penalized:
                 if batch.token_counts is None:
                     batch.token_counts = TokenCountStep(slots=[-1] * i)

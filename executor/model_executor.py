@@ -25,6 +25,7 @@ from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
 from executor.parallel import TensorParallel
 from executor.penalties import TokenCountPool, TokenCounts
+from executor.prompt_logprobs import compute_prompt_logprobs
 from executor.sampler import Sampler
 from executor.shard_loader import load_shard
 from executor.threads import configure_cpu_threads, resolve_num_threads
@@ -242,8 +243,9 @@ class ModelExecutor:
             hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
             if hidden is None:
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            prompt_lps = compute_prompt_logprobs(self.model, hidden, batch) if batch.prompt_lp else []
             if not rows:
-                return ExecutorOutput(tokens, logprobs)
+                return ExecutorOutput(tokens, logprobs, prompt_lps)
             if len(rows) < hidden.shape[0]:
                 hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
             logits = self.model.compute_logits(hidden)
@@ -263,7 +265,7 @@ class ModelExecutor:
         for j, i in enumerate(idx):
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]
-        return ExecutorOutput(tokens, logprobs)
+        return ExecutorOutput(tokens, logprobs, prompt_lps)
 
     def _sample(self, batch: Batch, idx: list[int], logits: torch.Tensor) -> tuple[list[int], list[dict[int, float] | None]]:
         """Tokens (and logprobs) of the sampled rows ``idx`` of ``batch``, from their ``logits``."""

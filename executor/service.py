@@ -25,6 +25,7 @@ from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefau
 from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
 from common.service_cli import add_engine_id, record_process_id, run_service, service_parser, setup_logging, stop_on_sigterm
+from common.step_outputs import pack_prompt_logprobs
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
@@ -193,6 +194,8 @@ class ExecutorService:
         result.token_ids = list(out.token_ids)
         if out.logprobs and any(lp is not None for lp in out.logprobs):
             result.lp_counts, result.lp_token_ids, result.lp_values = pack_logprobs(list(out.logprobs))
+        if out.prompt_logprobs:
+            result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(out.prompt_logprobs)
         return result
 
 

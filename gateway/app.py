@@ -37,8 +37,9 @@ from common.protocol import EngineStatus, JournalHeader, Names, encode
 from common.sampling_params import sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
+from gateway.fanout import FanoutContext, needs_fanout, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
-from gateway.json_input import ApiError, parse_json
+from gateway.json_input import ApiError
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
     BYTES_PER_TOKEN_ID,
@@ -49,37 +50,19 @@ from gateway.openai_schema import (
     parse_request_id,
     parse_tokenize,
 )
-from gateway.responses import ResponseFormatter
+from gateway.responses import ResponseFormatter, sse
 from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import (
     LARGE_INPUT_BYTES,
     InputWorkers,
     Tokenizers,
     detokenize,
+    read_json,
     tokenize,
     tokenize_only,
 )
 
 logger = logging.getLogger("conveyor.gateway")
-
-
-async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:
-    """The body as JSON (a 400 unless `parse_json` accepts it); 413 past ``limit`` bytes (checked
-    while reading). A large body is parsed off the event loop."""
-    declared = request.headers.get("content-length", "")
-    # ASCII digits only ("²".isdigit() is true), and few enough for int() to be cheap and safe.
-    if declared.isascii() and declared.isdigit() and len(declared) <= 18 and int(declared) > limit:
-        raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is over the {limit}-byte limit", code="request_too_large")
-        chunks.append(chunk)
-    data = b"".join(chunks)
-    if len(data) > LARGE_INPUT_BYTES:
-        return await workers.run(True, parse_json, data, True)
-    return parse_json(data)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -291,6 +274,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = ready_info()
         name = check_model(spec.model, info)
         tokenizer = await tokenizers.get(info)
+        if needs_fanout(spec):
+            response_id, engine_id = response_ids(request, spec, client_id)
+            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, config.max_inflight)
+            out = await serve_choices(ctx, request, spec, response_id, engine_id, arrival)
+            return (
+                JSONResponse(out, headers={"X-Request-Id": response_id})
+                if isinstance(out, dict)
+                else event_stream(out, response_id)
+            )
         prompt_ids, prompt_text, max_tokens = await workers.run(
             spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, tokenizers.call_lock, spec, info
         )
@@ -307,12 +299,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "rate_limit_error",
                 code="too_many_requests",
             )
-        if client_id is None:
-            prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
-            response_id = engine_id = f"{prefix}-{uuid.uuid4().hex}"
-            request.state.response_id = response_id
-        else:  # vLLM's rule: the engine id gets a random suffix, so requests sharing a client's id never mix
-            response_id, engine_id = client_id, f"{client_id}-{uuid.uuid4().hex[:8]}"
+        response_id, engine_id = response_ids(request, spec, client_id)
         gen = Generation(
             client,
             tokenizer,
@@ -326,7 +313,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             RequestLog(response_id, name, spec.kind, spec.stream, arrival),
         )
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
-        fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo)
+        fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo, 0, prompt_ids)
         if not spec.stream:
             await gen.start()
             return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
@@ -339,6 +326,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         else:  # a client's id may be taken: the journal is claimed first
             await gen.start(response_id, claim=first)
         return event_stream(stream_events(gen, fmt, 0), response_id)
+
+    def response_ids(request: Request, spec: GenerationSpec, client_id: str | None) -> tuple[str, str]:
+        """The response id and the engine id (vLLM's rule: a client's id gets a random suffix)."""
+        if client_id is None:
+            response_id = f"{'chatcmpl' if spec.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            request.state.response_id = response_id
+            return response_id, response_id
+        return client_id, f"{client_id}-{uuid.uuid4().hex[:8]}"
 
     @app.get("/v1/streams/{response_id:path}")  # a client's id may hold "/"
     async def resume_stream(request: Request, response_id: str) -> Response:
@@ -445,7 +440,3 @@ def journal_body(body: dict[str, Any], kind: str) -> str:
     echo text) beside it, and the parsers only need a valid stand-in to rebuild the parameters."""
     stand_in = {"prompt": [0]} if kind == "completion" else {"messages": [{"role": "user", "content": ""}]}
     return json.dumps({**body, **stand_in})
-
-
-def sse(payload: dict[str, Any], number: int) -> str:
-    return f"id: {number}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"

@@ -33,7 +33,8 @@ class Piece:
     """Text to emit now, the tokens it came with, and the finish reason on the last piece.
 
     ``stop_reason`` (vLLM's, on the last piece): the stop string or the stop token id that ended
-    the generation; None when EOS or the length limit did.
+    the generation; None when EOS or the length limit did. ``prompt_logprobs`` (on the piece of the
+    engine's first output, when the request asked for them): one entry per prompt token, None first.
     """
 
     text: str
@@ -41,6 +42,7 @@ class Piece:
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -118,15 +120,30 @@ class Generation:
         self.num_completion_tokens = 0
         self.handle: RequestHandle | None = None
         self.finished = False
+        self.got_prompt_logprobs = False
         self.metrics = metrics  # observed before each last piece is yielded: a client that has it sees it counted
         self.log = log  # likewise logged
 
-    async def start(self, journal_id: str = "", journal: list[Outgoing] | None = None, claim: Outgoing | None = None) -> None:
-        """Submit to the engine (a resumable stream: see `EngineClient.submit`); errors here become
-        HTTP errors (nothing was streamed yet)."""
+    async def start(
+        self,
+        journal_id: str = "",
+        journal: list[Outgoing] | None = None,
+        claim: Outgoing | None = None,
+        group_id: str = "",
+        prefer_engine: str = "",
+    ) -> None:
+        """Submit to the engine (a resumable stream, siblings: see `EngineClient.submit`); errors
+        here become HTTP errors (nothing was streamed yet)."""
         try:
             self.handle = await self.client.submit(
-                self.request_id, self.prompt_token_ids, sampling_to_dict(self.sampling), journal_id, journal, claim
+                self.request_id,
+                self.prompt_token_ids,
+                sampling_to_dict(self.sampling),
+                journal_id,
+                journal,
+                claim,
+                group_id,
+                prefer_engine,
             )
         except RequestIdInUse:
             raise ApiError(
@@ -158,6 +175,9 @@ class Generation:
                 self.num_completion_tokens += len(event.token_ids)
                 if self.metrics is not None:
                     self.metrics.on_event(event)
+                prompt_lps = None
+                if event.prompt_logprobs is not None and not self.got_prompt_logprobs:  # once: a migrated request resends them
+                    prompt_lps, self.got_prompt_logprobs = event.prompt_logprobs, True
                 text = self.detokenizer.add(event.token_ids)
                 if event.finished:
                     text += self.detokenizer.finish()
@@ -167,7 +187,7 @@ class Generation:
                         self.client.abort(self.request_id)  # the engine would go on generating
                     self.finished = True
                     self._finish("stop")
-                    yield Piece(out, event.token_ids, event.logprobs, "stop", self.stop.matched)
+                    yield Piece(out, event.token_ids, event.logprobs, "stop", self.stop.matched, prompt_lps)
                     return
                 if event.finished:
                     self.finished = True
@@ -179,10 +199,11 @@ class Generation:
                         event.logprobs,
                         reason,
                         event.stop_reason if reason == "stop" else None,
+                        prompt_lps,
                     )
                     return
                 if out or event.token_ids:
-                    yield Piece(out, event.token_ids, event.logprobs)
+                    yield Piece(out, event.token_ids, event.logprobs, prompt_logprobs=prompt_lps)
         finally:
             if self.finished:
                 self.client.release(self.request_id)

@@ -3,7 +3,7 @@
 Parsing is by hand rather than with pydantic models so every rejection carries OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
-values we cannot honour (``n > 1``, ``best_of``, ``suffix``, tools...) are rejected.
+values we cannot honour (``suffix``, tools, ``best_of`` on chat...) are rejected.
 
 No input gets past here as a 500 or as work that would slow other requests: the body has been
 through `gateway.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
@@ -40,6 +40,8 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096
 # About how many bytes of a JSON body one token id takes, to size inputs given as ids.
 BYTES_PER_TOKEN_ID = 4
+# The most prompts one /v1/completions request may list (each runs as ``best_of or n`` requests).
+MAX_PROMPTS = 256
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class GenerationSpec:
     max_tokens: int | None  # None: fill the context (chat default)
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None  # checked with the model's vocabulary: `check_token_ids`
+    prompts: list[str | list[int]] | None = None  # a list of several prompts (completions); then ``prompt*`` are None
     messages: list[dict[str, str]] | None = None
     stream: bool = False
     include_usage: bool = False
@@ -68,6 +71,7 @@ class GenerationSpec:
             len(self.prompt or "")
             + BYTES_PER_TOKEN_ID * len(self.prompt_token_ids or ())
             + sum(len(m["content"]) for m in self.messages or ())
+            + sum(len(p) if isinstance(p, str) else BYTES_PER_TOKEN_ID * len(p) for p in self.prompts or ())
         )
 
 
@@ -82,13 +86,15 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {typename(body)}")
     model = get_field(body, "model", lambda v: isinstance(v, str), "a string", None)
-    if body.get("n") is not None and body.get("n") != 1:
-        get_int(body, "n", 1)
-        raise bad("only n = 1 is supported", "n")
-    for name, neutral in (("best_of", 1), ("suffix", None)):
-        _unsupported(body, name, neutral)
+    _unsupported(body, "suffix", None)
+    if kind == "chat":
+        _unsupported(body, "best_of", 1)
+    n = get_int(body, "n", 1)
+    best_of = get_int(body, "best_of", None)
     logit_bias = _logit_bias(body)
     stream = get_bool(body, "stream", False)
+    if stream and best_of is not None and best_of > 1:  # the best are known only at the end (OpenAI's rule)
+        raise bad("'best_of' cannot be used with 'stream': results cannot be streamed", "best_of")
     options = get_field(body, "stream_options", lambda v: isinstance(v, dict), "an object", None)
     if options is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
@@ -131,6 +137,8 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         frequency_penalty=get_num(body, "frequency_penalty", 0.0),
         repetition_penalty=get_num(body, "repetition_penalty", 1.0),
         logit_bias=logit_bias,
+        n=n,
+        best_of=best_of,
     )
     if sampling.top_k == -1:
         sampling.top_k = 0
@@ -202,9 +210,14 @@ def parse_completion(body: Any) -> GenerationSpec:
     max_tokens = _max_tokens(body, "max_tokens")
     spec = _common(body, "completion", 16 if max_tokens is None else max_tokens, logprobs)
     spec.echo = get_bool(body, "echo", False)
+    if spec.echo and logprobs is not None and not spec.stream:
+        spec.sampling.prompt_logprobs = logprobs  # the prompt's logprobs come with its echo
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        spec.prompts = _prompt_list(prompt)
+        return spec
     if isinstance(prompt, str):
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
@@ -215,11 +228,24 @@ def parse_completion(body: Any) -> GenerationSpec:
         spec.prompt_token_ids = prompt
     elif prompt is None:
         raise bad("'prompt' is required", "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
-        raise bad("only one prompt per request is supported", "prompt")
     else:
         raise bad("'prompt' must be a non-empty string or a non-empty array of token ids", "prompt")
     return spec
+
+
+def _prompt_list(prompts: list[Any]) -> list[str | list[int]]:
+    """Several prompts: non-empty strings or non-empty arrays of token ids (each id is checked
+    later, off the event loop, by `check_token_ids`)."""
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"'prompt' may list at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
+    for i, item in enumerate(prompts):
+        if not (isinstance(item, str) or isinstance(item, list)) or not item:
+            raise bad(
+                f"'prompt' must be a string, an array of token ids, or an array of non-empty strings or token-id "
+                f"arrays; prompt[{i}] is {typename(item)} {preview(item)}",
+                "prompt",
+            )
+    return prompts
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -50,6 +50,7 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
     for msg in msgs:
         queue_times = msg.queue_times()
         stop_reasons = msg.stop_reasons()
+        prompt_lps = msg.prompt_logprobs() if msg.plp_num else None
         for i, engine_request_id, tokens, lps in _rows(msg):
             handle = attempts.get(engine_request_id)
             if handle is None or handle.done:
@@ -81,6 +82,8 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
                 event.logprobs.extend(lps)
             if event.queue_time_s is None:
                 event.queue_time_s = queue_times[i]
+            if prompt_lps is not None and prompt_lps[i] is not None:
+                event.prompt_logprobs = prompt_lps[i]
             event.finished = msg.finished[i]
             event.finish_reason = msg.finish_reasons[i]
             event.error = msg.errors[i]
@@ -100,6 +103,7 @@ def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> Ste
         event.finish_reason,
         event.error,
         stop_reason=event.stop_reason,
+        prompt_logprobs=event.prompt_logprobs,
     )
     return entry.sealed()
 
@@ -111,6 +115,7 @@ def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEven
     events: list[EngineEvent] = []
     for msg in outputs:
         stop_reasons = msg.stop_reasons()
+        prompt_lps = msg.prompt_logprobs() if msg.plp_num else [None] * len(msg.request_ids)
         for i, _, tokens, lps in _rows(msg):
             index = msg.token_index[i]
             if index > handle.next_index:
@@ -119,7 +124,14 @@ def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEven
             tokens, lps = tokens[skip:], lps[skip:]
             handle.output_token_ids.extend(tokens)
             event = EngineEvent(
-                tokens, lps, msg.finished[i], msg.finish_reasons[i], msg.errors[i], stop_reason=stop_reasons[i], replayed=True
+                tokens,
+                lps,
+                msg.finished[i],
+                msg.finish_reasons[i],
+                msg.errors[i],
+                stop_reason=stop_reasons[i],
+                replayed=True,
+                prompt_logprobs=prompt_lps[i],
             )
             events.append(event)
             if event.finished:

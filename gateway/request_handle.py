@@ -19,6 +19,7 @@ class EngineEvent:
     queue_time_s: float | None = None  # on a request's first output from an engine (see `StepOutputs`)
     stop_reason: int | None = None  # on the last: the stop token id that ended it (see `StepOutputs`)
     replayed: bool = False  # from a journal: another gateway delivered these tokens first
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first output, if asked for
     num_steps: int = 1  # engine steps whose tokens this event carries (see `gateway.outputs`)
 
 
@@ -42,6 +43,8 @@ class RequestHandle:
     done: bool = False
     unrouted_since: float | None = None  # waiting for a live engine to migrate to
     sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
+    group_id: str = ""  # shared by one prompt's ``n`` sibling requests (`GenerateRequest.group_id`)
+    prefer_engine: str = ""  # a sibling's engine: the first attempt goes there if it is live
 
     @property
     def next_index(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -10,12 +11,25 @@ from gateway.openai_schema import GenerationSpec
 
 
 class ResponseFormatter:
-    """Formats one request's pieces; keeps the running text offset for completion logprobs."""
+    """Formats one choice's pieces (choice ``index``); keeps the running text offset for completion
+    logprobs. With ``echo`` and logprobs, a completion's logprobs start with the prompt's (from the
+    piece that carries them; the first token's is null): ``prompt_token_ids`` names its tokens."""
 
     def __init__(
-        self, spec: GenerationSpec, request_id: str, model: str, tokenizer: Any, num_prompt_tokens: int, echo_text: str | None
+        self,
+        spec: GenerationSpec,
+        request_id: str,
+        model: str,
+        tokenizer: Any,
+        num_prompt_tokens: int,
+        echo_text: str | None,
+        index: int = 0,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.spec = spec
+        self.index = index
+        self.final_usage = True  # a streamed choice ends with the usage chunk (if asked for)
+        self.prompt_token_ids = prompt_token_ids
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
@@ -62,6 +76,18 @@ class ResponseFormatter:
                 )
             return {"content": content}
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        prompt_lps = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+        if prompt_lps is not None and self.echo_text is not None and self.prompt_token_ids is not None:
+            offset = 0
+            for token_id, prompt_entry in zip(self.prompt_token_ids, prompt_lps):
+                text = self._token_text(token_id)
+                out["tokens"].append(text)
+                out["token_logprobs"].append(None if prompt_entry is None else prompt_entry.get(token_id))
+                out["top_logprobs"].append(
+                    None if prompt_entry is None else {self._token_text(t): v for t, v in self._top(prompt_entry)}
+                )
+                out["text_offset"].append(offset)
+                offset += len(text)
         for token_id, entry in pairs:
             text = self._token_text(token_id)
             out["tokens"].append(text)
@@ -73,35 +99,39 @@ class ResponseFormatter:
 
     # -- non-streaming -----------------------------------------------------------------------
     def full_response(self, pieces: list[Piece], completion_tokens: int) -> dict[str, Any]:
+        return self.response([self.choice(pieces)], completion_tokens)
+
+    def response(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
+        """The whole response body around ``choices``."""
+        return {
+            "id": self.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(completion_tokens),
+        }
+
+    def choice(self, pieces: list[Piece]) -> dict[str, Any]:
+        """This choice of a non-streaming response, from all its pieces."""
         text = "".join(p.text for p in pieces)
         reason = pieces[-1].finish_reason if pieces else "stop"
         stop_reason = pieces[-1].stop_reason if pieces else None
         logprobs = self.logprobs(pieces)
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
+            return {
+                "index": self.index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": reason,
                 "stop_reason": stop_reason,
             }
-            kind = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": (self.echo_text or "") + text,
-                "logprobs": logprobs,
-                "finish_reason": reason,
-                "stop_reason": stop_reason,
-            }
-            kind = "text_completion"
         return {
-            "id": self.request_id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(completion_tokens),
+            "index": self.index,
+            "text": (self.echo_text or "") + text,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
         }
 
     # -- streaming ---------------------------------------------------------------------------
@@ -122,7 +152,7 @@ class ResponseFormatter:
             return [
                 self._chunk(
                     {
-                        "index": 0,
+                        "index": self.index,
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
@@ -132,7 +162,9 @@ class ResponseFormatter:
             ]
         if self.echo_text:
             return [
-                self._chunk({"index": 0, "text": self.echo_text, "logprobs": None, "finish_reason": None, "stop_reason": None})
+                self._chunk(
+                    {"index": self.index, "text": self.echo_text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                )
             ]
         return []
 
@@ -143,7 +175,7 @@ class ResponseFormatter:
             if self.chat:
                 delta = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
                 choice = {
-                    "index": 0,
+                    "index": self.index,
                     "delta": delta,
                     "logprobs": logprobs,
                     "finish_reason": piece.finish_reason,
@@ -151,22 +183,22 @@ class ResponseFormatter:
                 }
             else:
                 choice = {
-                    "index": 0,
+                    "index": self.index,
                     "text": piece.text,
                     "logprobs": logprobs,
                     "finish_reason": piece.finish_reason,
                     "stop_reason": piece.stop_reason,
                 }
             chunks.append(self._chunk(choice))
-        if piece.finish_reason is not None and self.spec.include_usage:
-            chunks.append(
-                {
-                    "id": self.request_id,
-                    "object": self._chunk({})["object"],
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": [],
-                    "usage": self.usage(completion_tokens),
-                }
-            )
+        if piece.finish_reason is not None and self.spec.include_usage and self.final_usage:
+            chunks.append(self.usage_chunk(completion_tokens))
         return chunks
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+        return {**self._chunk({}), "choices": [], "usage": self.usage(completion_tokens)}
+
+
+def sse(payload: dict[str, Any], number: int) -> str:
+    """One server-sent event numbered ``number`` (its ``id:``, for ``Last-Event-ID``)."""
+    return f"id: {number}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"

@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import random
 import time
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,17 +51,13 @@ from common.protocol import (
     encode,
 )
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
+from gateway.engine_choice import AFFINITY_SLACK, choose_engine
 from gateway.outputs import journal_entry, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
 logger = logging.getLogger("conveyor.gateway")
-
-# How much more load (`EngineStatus.load` units: a running request 1, a waiting one 4) a prompt's
-# affinity engine may carry than the least-loaded engine before the prompt goes to the latter: a
-# cached prefix saves its prefill, but not the wait behind a long queue.
-AFFINITY_SLACK = 8
 
 
 class EngineClient:
@@ -159,19 +152,22 @@ class EngineClient:
         journal_id: str = "",
         journal: list[Outgoing] | None = None,
         claim: Outgoing | None = None,
+        group_id: str = "",
+        prefer_engine: str = "",
     ) -> RequestHandle:
         """Send a new request (``request_id``: unique, see `RequestHandle`) to the best live engine.
 
         A resumable stream has a ``journal_id`` (its response id) and the journal's first entries:
         ``journal``, written in the same round trip as the request; or, when the client chose the
         response id, ``claim``, written first and only if that journal does not exist yet, so that
-        an id names one stream whichever gateways serve it (else `RequestIdInUse`).
+        an id names one stream whichever gateways serve it (else `RequestIdInUse`). Siblings (one
+        prompt's ``n`` samples) share a ``group_id`` and go to the first one's engine (``prefer_engine``).
         """
         if self.down_reason is not None:
             raise EngineUnavailable(self.down_reason)
         if claim is not None and not await self.transport.create_stream(claim, deadline_s=5):
             raise RequestIdInUse(f"a stream with id {journal_id!r} is in flight or still resumable")
-        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id=journal_id)
+        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id, group_id=group_id, prefer_engine=prefer_engine)
         self.requests[request_id] = handle
         try:
             if not await self._route(handle, journal or []):
@@ -213,32 +209,13 @@ class EngineClient:
         return status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
 
     def pick_engine(self, prompt_token_ids: Sequence[int] = ()) -> EngineStatus | None:
-        """Where a request should run: among live engines (those with an executor bound, if any),
-        the prompt's *affinity* engine unless it is busier than the least-loaded one by more than
-        `AFFINITY_SLACK`, else the least loaded.
-
-        The affinity engine is chosen by rendezvous hashing of the prompt's first KV block, so
-        prompts that share a prefix (a system prompt, a conversation's history) meet on the engine
-        whose prefix cache holds it, whichever gateway routes them, and an engine's death moves only
-        its own share of prefixes.
-        """
-        engines = list(self.engines.values())
-        bound = [e for e in engines if e.executor_id]
-        candidates = bound or engines
-        if not candidates:
-            return None
-        # Ties broken at random: gateways that see the same loads must not all pick the same engine.
-        least = min(candidates, key=lambda e: (self.load_of(e), -e.num_free_blocks, random.random()))
-        block = least.block_size
-        if block < 1 or len(prompt_token_ids) < block or len(candidates) == 1:
-            return least
-        first_block = array("i", prompt_token_ids[:block]).tobytes()
-        preferred = max(candidates, key=lambda e: hashlib.blake2b(first_block + e.scheduler_id.encode(), digest_size=8).digest())
-        return preferred if self.load_of(preferred) <= self.load_of(least) + AFFINITY_SLACK else least
+        """Where a request should run (`gateway.engine_choice.choose_engine`)."""
+        return choose_engine(list(self.engines.values()), self.load_of, prompt_token_ids)
 
     async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
         """Submit ``handle``'s next attempt to the best engine; False if none is live."""
-        engine = self.pick_engine(handle.prompt_token_ids)
+        sibling = self.engines.get(handle.prefer_engine) if handle.attempts == 0 else None
+        engine = sibling if sibling is not None and sibling.executor_id else self.pick_engine(handle.prompt_token_ids)
         if engine is None:
             return False
         self.attempts.pop(handle.engine_request_id, None)
@@ -257,6 +234,7 @@ class EngineClient:
             handle.sampling,
             time.time(),
             handle.journal_id,
+            handle.group_id,
         )
         sends = list(extra)
         if handle.journal_id:

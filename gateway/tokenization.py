@@ -3,7 +3,8 @@
 `Tokenizers` loads the served model's tokenizer once; `InputWorkers` runs parsing and
 tokenization in worker threads; `tokenize` turns a request into prompt token ids, checking the
 vocabulary and the context (`fit_context`) without ever materializing millions of ids;
-`tokenize_only` and `detokenize` answer ``/tokenize`` and ``/detokenize`` the same way.
+`tokenize_only` and `detokenize` answer ``/tokenize`` and ``/detokenize`` the same way;
+`read_json` reads a request body, parsing a large one off the event loop too.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from fastapi import Request
+
 from common.protocol import EngineStatus
-from gateway.json_input import ApiError
+from gateway.json_input import ApiError, parse_json
 from gateway.openai_schema import GenerationSpec, TokenizeSpec, check_token_ids, fit_context
 
 T = TypeVar("T")
@@ -39,6 +42,25 @@ class InputWorkers:
 
     def close(self) -> None:
         self.large.shutdown(wait=False, cancel_futures=True)
+
+
+async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:
+    """The body as JSON (a 400 unless `parse_json` accepts it); 413 past ``limit`` bytes (checked
+    while reading). A large body is parsed off the event loop."""
+    declared = request.headers.get("content-length", "")
+    # ASCII digits only ("²".isdigit() is true), and few enough for int() to be cheap and safe.
+    if declared.isascii() and declared.isdigit() and len(declared) <= 18 and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the {limit}-byte limit", code="request_too_large")
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    if len(data) > LARGE_INPUT_BYTES:
+        return await workers.run(True, parse_json, data, True)
+    return parse_json(data)
 
 
 def _load_tokenizer(path: str) -> Any:

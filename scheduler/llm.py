@@ -8,10 +8,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from common.parallel_sampling import child_params, cumulative_logprob, num_children, select_best
 from common.sampling_params import SamplingParams
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
@@ -22,8 +23,26 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a prompt (vLLM's ``CompletionOutput``); ``index`` is its child index (with
+    ``best_of`` > ``n``: the index among the ``best_of`` generated). ``cumulative_logprob``: the
+    sum of its tokens' logprobs, None unless logprobs were computed (``logprobs`` or ``best_of``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str
+    stop_reason: int | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """The finished result of one prompt."""
+    """The finished result of one prompt: ``outputs`` holds its ``n`` samples (vLLM's shape; with
+    ``best_of``, the best first); ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` and
+    ``stop_reason`` are those of ``outputs[0]``, for the common ``n == 1``. ``prompt_logprobs``
+    (with ``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the first."""
 
     request_id: str
     prompt: str | None
@@ -33,6 +52,8 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[dict[int, float]] | None
     stop_reason: int | None = None  # the stop token id (of ``stop_token_ids``) that ended it; EOS, length: None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def split_engine_options(options: dict[str, Any]) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
@@ -130,14 +151,22 @@ class LLM:
         params_list = [sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
-        requests: list[Request] = []
+        groups: list[tuple[SamplingParams, list[Request]]] = []  # per prompt: its params and children
         vocab = self.executor.info.vocab_size
         for prompt, params in zip(batch, params_list):
             params.validate(vocab)
             text, ids = self._prompt_ids(prompt)
             if len(ids) > self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
-            requests.append(Request(str(next(self._ids)), ids, params, prompt=text))
+            base = str(next(self._ids))
+            k = num_children(params)
+            group = base if k > 1 else None
+            children = [
+                Request(base if k == 1 else f"{base}_{i}", ids, child_params(params, i), prompt=text, group_id=group)
+                for i in range(k)
+            ]
+            groups.append((params, children))
+        requests = [r for _, children in groups for r in children]
         for request in requests:
             self.scheduler.add_request(request)
         pending = {r.request_id for r in requests}
@@ -151,17 +180,36 @@ class LLM:
         finally:
             for request_id in pending:  # only after an error: leave no half-run request behind
                 self.scheduler.abort(request_id)
-        return [self._output(r) for r in requests]
+        return [self._output(params, children) for params, children in groups]
 
-    def _output(self, request: Request) -> RequestOutput:
-        wants_logprobs = request.sampling_params.logprobs is not None
+    def _output(self, params: SamplingParams, children: list[Request]) -> RequestOutput:
+        """One prompt's result: its children as `CompletionOutput`s (the best ``n`` with ``best_of``)."""
+        samples = []
+        for i, request in enumerate(children):
+            computed = request.sampling_params.logprobs is not None  # asked, or added to rank by
+            total = cumulative_logprob(request.output_token_ids, request.output_logprobs) if computed else None
+            samples.append(
+                CompletionOutput(
+                    index=i,
+                    text=cast(str, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)),
+                    token_ids=request.output_token_ids,
+                    cumulative_logprob=total,
+                    logprobs=list(request.output_logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]
+                    finish_reason=request.finish_reason or "stop",
+                    stop_reason=request.stop_reason,
+                )
+            )
+        outputs = [samples[i] for i in select_best([s.cumulative_logprob for s in samples], params.n)]
+        first, leader = outputs[0], children[0]
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
-            text=cast(str, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)),
-            finish_reason=request.finish_reason or "stop",
-            logprobs=list(request.output_logprobs) if wants_logprobs else None,  # type: ignore[arg-type]
-            stop_reason=request.stop_reason,
+            request_id=leader.group_id or leader.request_id,
+            prompt=leader.prompt,
+            prompt_token_ids=leader.prompt_token_ids,
+            token_ids=first.token_ids,
+            text=first.text,
+            finish_reason=first.finish_reason,
+            logprobs=first.logprobs,
+            stop_reason=first.stop_reason,
+            outputs=outputs,
+            prompt_logprobs=[None, *leader.prompt_logprobs] if params.prompt_logprobs is not None else None,
         )

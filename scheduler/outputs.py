@@ -76,6 +76,7 @@ class OutputRouter:
                 out.finish_reason,
                 queue_time_s=queue_time_s,
                 stop_reason=out.stop_reason,
+                prompt_logprobs=out.prompt_logprobs,
             )
             if out.finished:
                 del self.routes[out.request_id]

@@ -26,7 +26,10 @@ class Request:
     request recomputes prompt plus the tokens it has already generated (less what the prefix
     cache still holds). ``cache_salt`` keeps its prefix-cache entries apart from those of
     requests with another salt (or none); ``block_hashes`` are its full blocks' chained hashes,
-    filled by the `CacheManager`.
+    filled by the `CacheManager`. ``group_id``: shared by the sibling requests of one prompt's
+    ``n`` samples (see `Scheduler`: a sibling waits for another's prompt blocks to be cached).
+    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one entry per prompt token after
+    the first, filled as prefill steps compute them.
     """
 
     request_id: str
@@ -45,6 +48,9 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     scheduled_time: float | None = None  # first scheduled (time.monotonic, as ``arrival_time``)
+    group_id: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they went out (with its first output of this engine)
 
     @property
     def queue_time_s(self) -> float | None:
@@ -82,3 +88,4 @@ class StepOutput:
     num_output_tokens: int  # generated so far, including new_token_ids
     queue_time_s: float | None = None  # `Request.queue_time_s` (the router sends it once per request)
     stop_reason: int | None = None  # on the last output: the stop token id that ended it (vLLM's)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the first output (if asked for)

@@ -22,6 +22,15 @@ aborted request's blocks stay cached until they are needed, so recompute after p
 mostly a cache hit. Counters, in tokens, over admissions: ``prefix_cache_queries`` and
 ``prefix_cache_hits``.
 
+Siblings (the ``n`` samples of one prompt, ``Request.group_id``) share the prompt's KV through
+the prefix cache: a waiting sibling is *held* (passed over, FCFS otherwise kept) while another
+sibling runs whose prompt blocks are not all registered yet; once they are (the step that
+computed them answered) it is admitted and hits them, so the prompt is computed once, whatever
+the chunking. Siblings admitted side by side would each compute it (blocks are registered only
+after their step succeeds, never while being written), and registering blocks at allocation
+would let a sibling read K/V not yet written. A request with ``prompt_logprobs`` takes no cache
+hit until it has them all (a cached token has no logits), as in vLLM.
+
 Faults: `reset_executor` moves every request to a new executor (all running ones preempted and
 recomputed there, so no token is lost or changed). After a step that failed, `isolate` runs the
 step's requests one at a time until each has passed a step alone; the one that fails alone is
@@ -68,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}  # live siblings by ``group_id``
         self.num_preemptions = 0
         self.num_steps = 0
         self.prefix_cache_queries = 0  # tokens of admitted requests (each admission counts)
@@ -137,6 +147,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.group_id is not None:
+            self.groups.setdefault(request.group_id, []).append(request)
 
     def abort(self, request_id: str, reason: str = "abort") -> StepOutput | None:
         """Finish ``request_id`` at once and free its blocks; None if it is unknown.
@@ -160,6 +172,11 @@ class Scheduler:
         request.finish_reason = reason
         self.cache.free(request.request_id)
         del self.requests[request.request_id]
+        siblings = self.groups.get(request.group_id) if request.group_id is not None else None
+        if siblings is not None:
+            siblings.remove(request)
+            if not siblings:
+                del self.groups[request.group_id]  # type: ignore[arg-type]
         if self.executor_blocks.pop(request.request_id, None) is not None:
             self.finished_for_executor.append(request.request_id)
 
@@ -205,16 +222,34 @@ class Scheduler:
             budget -= n
             i += 1
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        w = 0
+        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[w]
+            if self._held(request):
+                w += 1
+                continue
             admitted = self._admit_blocks(request, budget)
             if admitted is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             self._start_running(request)
             scheduled[request.request_id] = admitted
             budget -= admitted
         return scheduled
+
+    def _held(self, request: Request) -> bool:
+        """Whether a waiting sibling should wait for a running sibling's prompt blocks to be
+        cached (see the module doc); never without prefix caching or a full block to share."""
+        if request.group_id is None or not self.config.enable_prefix_caching:
+            return False
+        shared = (len(request.prompt_token_ids) - 1) // self.cache.block_size  # what a hit can cover
+        if shared == 0:
+            return False
+        cached = self.cache.num_cached_blocks
+        return any(
+            s is not request and s.status is RequestStatus.RUNNING and cached.get(s.request_id, 0) < shared
+            for s in self.groups[request.group_id]
+        )
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens a running request can compute now (placeholders included); 0 if its last token
@@ -235,7 +270,7 @@ class Scheduler:
         On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
         assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
         assert request.num_output_placeholders == 0, "a preempted request's token arrives before its next admission"
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and not self._needs_prompt_logprobs(request):
             hit_blocks, hit_tokens = self.cache.get_computed_blocks(request)
         else:
             hit_blocks, hit_tokens = [], 0
@@ -247,6 +282,14 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit_tokens
         return n
+
+    @staticmethod
+    def _needs_prompt_logprobs(request: Request) -> bool:
+        """It asked for prompt logprobs and does not have them all (so it must compute every prompt position)."""
+        return (
+            request.sampling_params.prompt_logprobs is not None
+            and len(request.prompt_logprobs) < len(request.prompt_token_ids) - 1
+        )
 
     def _decide_alone(self, request: Request) -> dict[str, int]:
         """Schedule ``request`` alone; other running requests wait (keeping their blocks)."""
@@ -336,6 +379,9 @@ class Scheduler:
                 continue  # finished (its extra token is dropped) or aborted while the step ran
             if caching and request.status is RequestStatus.RUNNING and start % block_size + n >= block_size:
                 self.cache.cache_full_blocks(request, start + n)  # a block filled up and the step succeeded
+            computed = result.prompt_logprobs[i] if result.prompt_logprobs else None
+            if computed is not None and start == len(request.prompt_logprobs):
+                request.prompt_logprobs.extend(computed)  # not again after a preemption
             if not samples:
                 continue
             request.num_output_placeholders -= 1
@@ -349,6 +395,10 @@ class Scheduler:
             if reason is not None:
                 finished.append(request)
                 request.finish_reason = reason
+            prompt_logprobs = None
+            if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                request.prompt_logprobs_sent = True
+                prompt_logprobs = [None, *request.prompt_logprobs]  # the first prompt token has none
             outputs.append(
                 StepOutput(
                     request.request_id,
@@ -359,6 +409,7 @@ class Scheduler:
                     request.num_output_tokens,
                     request.queue_time_s,
                     stop_reason=request.stop_reason,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         for request in finished:

@@ -389,7 +389,7 @@ class SchedulerService:
                 )
             if len(msg.output_token_ids) >= params.max_tokens:
                 raise ValueError(f"{len(msg.output_token_ids)} tokens already generated of max_tokens {params.max_tokens}")
-            request = Request(msg.request_id, msg.prompt_token_ids, params)
+            request = Request(msg.request_id, msg.prompt_token_ids, params, group_id=msg.group_id or None)
             request.output_token_ids = list(msg.output_token_ids)
             request.output_logprobs = [None] * len(msg.output_token_ids)
             engine.add_request(request)

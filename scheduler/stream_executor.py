@@ -21,6 +21,7 @@ from common.codec import unpack_logprobs
 from common.config import ExecutorInfo
 from common.executor_output import ExecutorOutput
 from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, BindExecutor, SchedulerOutput, StepResult
+from common.step_outputs import unpack_prompt_logprobs
 from common.transport import Outgoing, SyncTransport
 
 logger = logging.getLogger(__name__)
@@ -109,10 +110,13 @@ class StreamExecutor:
         if len(result.token_ids) != num_seqs:
             raise ExecutorLost(f"executor returned {len(result.token_ids)} tokens for {num_seqs} requests")
         self.last_forward_s = result.forward_s
-        if not result.lp_counts:
-            return ExecutorOutput(token_ids=result.token_ids, logprobs=[])
-        logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values)
-        return ExecutorOutput(token_ids=result.token_ids, logprobs=logprobs)
+        logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values) if result.lp_counts else []
+        prompt_logprobs = (
+            unpack_prompt_logprobs(num_seqs, result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values)
+            if result.plp_num
+            else []
+        )
+        return ExecutorOutput(result.token_ids, logprobs, prompt_logprobs)
 
     def _outgoing(self, msg: SchedulerOutput | BindExecutor) -> Outgoing:
         return Outgoing(self._steps_stream, self.transport.encode(msg), STEPS_MAXLEN, ENGINE_STREAMS_TTL_MS)

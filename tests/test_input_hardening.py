@@ -207,7 +207,7 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
     *[("completions", f'{{"prompt": "x", "top_k": {v}}}', "top_k", "top_k") for v in BIG],
     *[("completions", f'{{"prompt": "x", "min_tokens": {v}}}', "min_tokens", "min_tokens") for v in BIG],
     *[("completions", f'{{"prompt": "x", "logprobs": {v}}}', "logprobs", "logprobs") for v in BIG],
-    *[("completions", f'{{"prompt": "x", "n": {v}}}', "n", "n = 1") for v in BIG],
+    *[("completions", f'{{"prompt": "x", "n": {v}}}', "n", "n must be") for v in BIG],
     *[("completions", f'{{"prompt": [1, {v}]}}', "prompt", f"[0, {VOCAB_SIZE})") for v in [VOCAB_SIZE] + BIG],
     *[
         ("completions", f'{{"prompt": "x", "stop_token_ids": [2, {v}]}}', "stop_token_ids", "stop_token_ids")

@@ -174,6 +174,7 @@ def _raw_req(**overrides: object) -> bytes:
         "sampling": {},
         "arrival_time": 0.0,
         "journal_id": "",
+        "group_id": "",
     }
     body.update(overrides)
     return msgpack.packb({k: v for k, v in body.items() if v is not _MISSING}, use_bin_type=True)

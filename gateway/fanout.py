@@ -1,0 +1,266 @@
+"""Responses with several choices: ``n`` > 1, ``best_of``, or a list of prompts (completions).
+
+Each choice is a request of its own in the engine (`Generation`), so every one is tracked,
+migrated and aborted by the `EngineClient` like any request (vLLM fans out the same way:
+`common.parallel_sampling`). The children of one prompt share a ``group_id`` and go to the engine
+the first one went to, where the scheduler makes them share the prompt's KV blocks. Choice
+indices follow vLLM: prompt ``i``, sample ``j`` -> ``i * n + j``; with ``best_of`` the ``n``
+children with the highest cumulative logprob are returned (best first). ``usage`` counts every
+prompt once and the tokens of the returned choices.
+
+Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
+each ending with its ``finish_reason``; a final usage chunk covers them all. Such streams are not
+journaled, so ``GET /v1/streams/{id}`` cannot resume them (a request with one choice can be).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from common.parallel_sampling import child_params, cumulative_logprob, num_children, ranks_by_logprob, select_best
+from common.protocol import EngineStatus
+from gateway.generation import Generation, Piece, RequestLog
+from gateway.json_input import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_schema import GenerationSpec
+from gateway.responses import ResponseFormatter, sse
+from gateway.router import EngineClient
+from gateway.tokenization import LARGE_INPUT_BYTES, InputWorkers, tokenize
+
+
+@dataclass(slots=True)
+class FanoutContext:
+    """What serving a multi-choice request needs from the app."""
+
+    client: EngineClient
+    tokenizer: Any
+    lock: threading.Lock
+    workers: InputWorkers
+    metrics: GatewayMetrics
+    info: EngineStatus
+    model: str  # the served name
+    max_inflight: int
+
+
+@dataclass(slots=True)
+class _Prompt:
+    ids: list[int]
+    echo: str | None
+
+
+def needs_fanout(spec: GenerationSpec) -> bool:
+    """More than one choice, or children ranked by ``best_of``."""
+    return spec.prompts is not None or num_children(spec.sampling) > 1
+
+
+async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prompt], list[int]]:
+    """Each prompt's token ids and echo text, and its ``max_tokens`` (400s as for one prompt)."""
+    items: list[Any] = spec.prompts if spec.prompts is not None else [None]
+    out: list[_Prompt] = []
+    budgets: list[int] = []
+    for item in items:
+        sub = spec
+        if item is not None:
+            text, ids = (item, None) if isinstance(item, str) else (None, item)
+            sub = dataclasses.replace(spec, prompt=text, prompt_token_ids=ids, prompts=None)
+        prompt_ids, text, max_tokens = await ctx.workers.run(
+            sub.input_size() > LARGE_INPUT_BYTES, tokenize, ctx.tokenizer, ctx.lock, sub, ctx.info
+        )
+        echo = (text if text is not None else ctx.tokenizer.decode(prompt_ids)) if spec.echo else None
+        out.append(_Prompt(prompt_ids, echo))
+        budgets.append(max_tokens)
+    return out, budgets
+
+
+async def serve_choices(
+    ctx: FanoutContext, request: Request, spec: GenerationSpec, response_id: str, engine_id: str, arrival: float
+) -> dict[str, Any] | AsyncIterator[str]:
+    """Run every child; a response body, or (streaming) the SSE events."""
+    prompts, budgets = await _prompts(ctx, spec)
+    k = num_children(spec.sampling)
+    if len(ctx.client.requests) + k * len(prompts) > ctx.max_inflight:
+        raise ApiError(
+            429,
+            f"too many requests in flight ({ctx.max_inflight}; this one needs {k * len(prompts)}); retry shortly",
+            "rate_limit_error",
+            code="too_many_requests",
+        )
+    gens: list[list[Generation]] = []
+    for i, (prompt, max_tokens) in enumerate(zip(prompts, budgets)):
+        sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens)
+        try:
+            sampling.validate(ctx.info.vocab_size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+        gens.append(
+            [
+                Generation(
+                    ctx.client,
+                    ctx.tokenizer,
+                    f"{engine_id}-{i}-{j}",
+                    prompt.ids,
+                    child_params(sampling, j),
+                    spec.stop,
+                    spec.include_stop_str_in_output,
+                    spec.skip_special_tokens,
+                    ctx.metrics.request(ctx.model, len(prompt.ids), arrival),
+                    RequestLog(response_id, ctx.model, spec.kind, spec.stream, arrival),
+                )
+                for j in range(k)
+            ]
+        )
+    await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))])
+    num_prompt_tokens = sum(len(p.ids) for p in prompts)
+    envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None)
+    n = spec.sampling.n
+    if spec.stream:
+        formatters = [
+            _formatter(spec, response_id, ctx, prompt, i * n + j, envelope.created)
+            for i, prompt in enumerate(prompts)
+            for j in range(k)
+        ]
+        return _stream([g for group in gens for g in group], formatters, envelope)
+    pieces = await _collect(request, [g for group in gens for g in group])
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for i, (prompt, group) in enumerate(zip(prompts, gens)):
+        mine = pieces[i * k : (i + 1) * k]
+        ranked = list(range(k))
+        if ranks_by_logprob(spec.sampling):
+            totals = [
+                cumulative_logprob([t for p in ps for t in p.token_ids], [e for p in ps for e in p.logprobs]) for ps in mine
+            ]
+            ranked = select_best(totals, n)
+        for rank, child in enumerate(ranked):
+            fmt = _formatter(spec, response_id, ctx, prompt, i * n + rank, envelope.created)
+            choices.append(fmt.choice(_with_prompt_logprobs(mine[child], mine[0])))
+            completion_tokens += group[child].num_completion_tokens
+    return envelope.response(choices, completion_tokens)
+
+
+def _formatter(
+    spec: GenerationSpec, response_id: str, ctx: FanoutContext, prompt: _Prompt, index: int, created: int
+) -> ResponseFormatter:
+    fmt = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, len(prompt.ids), prompt.echo, index, prompt.ids)
+    fmt.created = created
+    fmt.final_usage = False  # one usage chunk for all choices, at the end
+    return fmt
+
+
+def _tokens_and_logprobs(pieces: list[Piece]) -> tuple[list[int], list[dict[int, float] | None]]:
+    return [t for p in pieces for t in p.token_ids], [e for p in pieces for e in p.logprobs]
+
+
+def _with_prompt_logprobs(pieces: list[Piece], first_child: list[Piece]) -> list[Piece]:
+    """Only a prompt's child 0 computes its prompt logprobs; every choice of the prompt shows them."""
+    shared = next((p.prompt_logprobs for p in first_child if p.prompt_logprobs is not None), None)
+    if shared is None or not pieces or any(p.prompt_logprobs is not None for p in pieces):
+        return pieces
+    return [dataclasses.replace(pieces[0], prompt_logprobs=shared), *pieces[1:]]
+
+
+async def _start(gens: list[list[Generation]], group_ids: list[str]) -> None:
+    """Submit every child: a prompt's first, then its siblings to the same engine (together).
+    If any cannot start, those started are aborted and the error is raised."""
+    started: list[Generation] = []
+    try:
+        for group, group_id in zip(gens, group_ids):
+            first = group[0]
+            if len(group) == 1:
+                group_id = ""
+            await first.start(group_id=group_id)
+            started.append(first)
+            engine = first.handle.scheduler_id if first.handle is not None else ""
+            rest = group[1:]
+            results = await asyncio.gather(
+                *(g.start(group_id=group_id, prefer_engine=engine) for g in rest), return_exceptions=True
+            )
+            started.extend(g for g, r in zip(rest, results) if r is None)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+    except BaseException:
+        for g in started:
+            g.client.abort(g.request_id)
+        raise
+
+
+async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]]:
+    """Every child's pieces; a client that hangs up aborts them all (499)."""
+    pieces: list[list[Piece]] = [[] for _ in gens]
+
+    async def run(i: int) -> None:
+        async for piece in gens[i].pieces():
+            pieces[i].append(piece)
+
+    tasks = [asyncio.create_task(run(i)) for i in range(len(gens))]
+    try:
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks):
+                break
+            if not all(t.done() for t in tasks) and await request.is_disconnected():
+                raise ApiError(499, "client disconnected")
+        for t in tasks:
+            if t.done():
+                t.result()  # the first error, as for one choice
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+    return pieces
+
+
+async def _stream(gens: list[Generation], formatters: list[ResponseFormatter], envelope: ResponseFormatter) -> AsyncIterator[str]:
+    """SSE events of all choices, interleaved as their pieces arrive; ``[DONE]`` after the last."""
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def run(i: int) -> None:
+        try:
+            async for piece in gens[i].pieces():
+                await queue.put((i, piece))
+            await queue.put((i, None))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(run(i)) for i in range(len(gens))]
+    number = 0
+    try:
+        for fmt in formatters:
+            for chunk in fmt.stream_start():
+                number += 1
+                yield sse(chunk, number)
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                body = item.body() if isinstance(item, ApiError) else ApiError(500, "internal error", "server_error").body()
+                number += 1
+                yield sse(body, number)
+                break
+            for chunk in formatters[i].stream_piece(item, gens[i].num_completion_tokens):
+                number += 1
+                yield sse(chunk, number)
+        else:
+            if envelope.spec.include_usage:
+                number += 1
+                yield sse(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)), number)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    yield f"id: {number + 1}\ndata: [DONE]\n\n"

@@ -1,0 +1,160 @@
+"""``n``, ``best_of``, lists of prompts and echo with prompt logprobs, through the real stack
+(Redis, gateway, scheduler and executor processes) with the real ``openai`` client."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from common.protocol import EngineStatus
+from infra.stack import Stack
+
+BLOCK = 16  # the executor's default block size
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("parallel")), executor_args=("--num-blocks", "256"))
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def settled(stack: Stack) -> EngineStatus:
+    """The engine's status written after every earlier request ended (its counters are final)."""
+    now = time.time()
+    return stack.wait_stats(lambda s: s.updated_at > now and s.num_running == 0 and s.num_waiting == 0, 10)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(n)]
+
+
+def test_list_of_prompts_with_n_shares_each_prompt(stack: Stack, client: openai.OpenAI) -> None:
+    prompts = [ids(2 * BLOCK + 8, 1), ids(3 * BLOCK + 1, 2)]
+    before = settled(stack)
+    out = client.completions.create(model="", prompt=prompts, n=2, max_tokens=5, temperature=0, extra_body=NO_EOS)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    # Greedy: a prompt's two samples agree; each equals that prompt's n = 1 completion.
+    for i, prompt in enumerate(prompts):
+        single = client.completions.create(model="", prompt=prompt, max_tokens=5, temperature=0, extra_body=NO_EOS)
+        assert out.choices[2 * i].text == out.choices[2 * i + 1].text == single.choices[0].text
+        assert all(c.finish_reason == "length" for c in out.choices[2 * i : 2 * i + 2])
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts)  # each prompt once
+    assert out.usage.completion_tokens == 4 * 5
+    # The second sample of each prompt found all its prompt's full blocks cached (the first computed them).
+    shared = sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    after = settled(stack)
+    # The n = 1 repeats hit the cache as well; without them the pairs alone hit `shared` tokens.
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= shared
+
+
+def test_n_shares_blocks_exactly(stack: Stack, client: openai.OpenAI) -> None:
+    prompt = ids(4 * BLOCK + 5, 3)
+    before = settled(stack)
+    out = client.completions.create(model="", prompt=prompt, n=3, max_tokens=4, temperature=1.0, seed=11, extra_body=NO_EOS)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1  # seeds differ per child
+    after = settled(stack)
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 3 * len(prompt)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 2 * ((len(prompt) - 1) // BLOCK * BLOCK)
+    again = client.completions.create(model="", prompt=prompt, n=3, max_tokens=4, temperature=1.0, seed=11, extra_body=NO_EOS)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # reproducible
+
+
+def test_streaming_n_interleaves_by_index(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "hello there"}],
+        n=2,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            continue
+        [choice] = chunk.choices
+        assert choice.index not in finished, "nothing after a choice's finish_reason"
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert texts[0] == texts[1] and texts[0]
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs(stack: Stack, client: openai.OpenAI) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = ids(21, 4)
+    out = client.completions.create(
+        model="", prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0, extra_body=NO_EOS
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None and lp.tokens is not None
+    assert len(lp.tokens) == len(prompt) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        assert lp.token_logprobs[pos] == pytest.approx(want[pos - 1, prompt[pos]].item(), abs=1e-3)
+        assert len(lp.top_logprobs[pos]) >= 1
+    assert lp.text_offset is not None and lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # With n = 2, every choice shows them.
+    two = client.completions.create(
+        model="", prompt=prompt, echo=True, logprobs=0, n=2, max_tokens=2, temperature=0, extra_body=NO_EOS
+    )
+    for choice in two.choices:
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:3] == lp.token_logprobs[1:3]
+
+
+def test_best_of_returns_n_choices(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="", prompt=ids(10, 5), n=2, best_of=4, max_tokens=4, temperature=1.0, seed=3, extra_body=NO_EOS
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.logprobs is None for c in out.choices)  # computed to rank, not asked for
+    assert out.usage is not None and out.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"best_of": 3, "stream": True}, "best_of"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+    ],
+)
+def test_bad_parallel_requests_are_400(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="", prompt="hi", max_tokens=2, **kwargs)
+    assert info.value.status_code == 400
+    body = info.value.body
+    assert isinstance(body, dict) and body.get("param") == param

@@ -18,6 +18,7 @@ from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
+from executor.grammar import GrammarMask, StructuredDecoding
 from executor.input_batch import Batch, PersistentBatch
 from executor.loader import load_weights
 from executor.model import LlamaModel
@@ -106,6 +107,7 @@ class ModelExecutor:
         )
         self.backend = backend
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
+        self.structured = StructuredDecoding(model_dir, cfg.vocab_size, list(cfg.eos_token_ids), self.device)
         log.info(
             "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens",
             self.info.model_name,
@@ -169,11 +171,16 @@ class ModelExecutor:
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
         """Run one scheduled step; on any error every request's state is dropped (and re-raised):
         the scheduler then resends them all as new."""
+        grammar: GrammarMask | None = None
         try:
             batch = self.input_batch.prepare(output)
-            result = self.execute_batch(batch)
+            # The structured-output masks are filled on a worker thread while the forward pass runs.
+            grammar = self.structured.start(batch, self.input_batch.requests)
+            result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
         except BaseException:
+            if grammar is not None:
+                grammar.future.exception()  # the worker is done with the matchers before they are dropped
             self.reset()
             raise
         return result
@@ -183,8 +190,9 @@ class ModelExecutor:
         self.input_batch.clear()
         self.token_counts.clear()
 
-    def execute_batch(self, batch: Batch) -> ExecutorOutput:
-        """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode."""
+    def execute_batch(self, batch: Batch, grammar: GrammarMask | None = None) -> ExecutorOutput:
+        """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode;
+        ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`)."""
         n = batch.num_seqs
         if n == 0:
             return ExecutorOutput()
@@ -214,17 +222,18 @@ class ModelExecutor:
                 self.token_counts.update(step)
                 rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
                 counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
-            sampled, lps = self.sampler.sample(logits, params, out_lens, banned, counts)
+            sampled, lps = self.sampler.sample(logits, params, out_lens, banned, counts, grammar)
         for j, i in enumerate(idx):
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]
         return ExecutorOutput(tokens, logprobs)
 
     def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
-        """EOS and stop tokens are banned while a request is below its ``min_tokens``."""
+        """EOS and stop tokens are banned while a request is below its ``min_tokens`` (not under a
+        grammar: when it is complete, EOS is all it allows)."""
         banned: list[list[int]] | None = None
         for j, (p, ol) in enumerate(zip(params, out_lens)):
-            if ol < p.min_tokens:
+            if ol < p.min_tokens and p.structured_outputs is None:
                 if banned is None:
                     banned = [[] for _ in params]
                 banned[j] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
@@ -234,5 +243,6 @@ class ModelExecutor:
         """Free the KV cache and weights."""
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
+        self.structured.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

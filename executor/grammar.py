@@ -6,7 +6,8 @@ other per-request state (`executor.input_batch.CachedRequestState.grammar`). Com
 cached by spec (`GrammarCompiler`): a new request deep-copies a compiled matcher.
 
 Per step, `StructuredDecoding.start` (before the forward) collects the sampling rows with a grammar,
-and on a worker thread feeds each matcher the tokens it has not seen yet (the one sampled last
+and on a worker thread compiles the grammars of new requests (the llguidance tokenizer too, on
+first use), feeds each matcher the tokens it has not seen yet (the one sampled last
 step; a whole output when a request is resent after preemption or a reset, so a recomputed request
 resumes its grammar where it was) and fills the batch's token bitmask (llguidance's parallel
 executor; it releases the GIL, so the forward pass runs meanwhile). `GrammarMask.apply` (in the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,10 +41,12 @@ GRAMMAR_CACHE_SIZE = 128
 
 @dataclass(slots=True)
 class GrammarState:
-    """One request's matcher (None: its grammar did not compile) and how many of its output tokens
-    the matcher has consumed."""
+    """One request's grammar: its spec, its matcher (made on the worker thread at the request's first
+    mask; None if the grammar did not compile) and how many of its output tokens it has consumed."""
 
-    matcher: Any
+    spec: StructuredOutputsParams
+    matcher: Any = None
+    compiled: bool = False
     num_consumed: int = 0
 
 
@@ -65,8 +69,8 @@ class GrammarCompiler:
             self._tokenizer = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return self._tokenizer
 
-    def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
-        """A fresh matcher for ``spec`` (matcher None, logged, when it cannot compile)."""
+    def new_matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A fresh matcher for ``spec`` (None, logged, when it cannot compile)."""
         key = spec.key()
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -76,7 +80,7 @@ class GrammarCompiler:
             self._cache[key] = template
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return GrammarState(None if template is None else template.deep_copy())
+        return None if template is None else template.deep_copy()
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         from llguidance import LLMatcher
@@ -93,6 +97,16 @@ class GrammarCompiler:
 
 
 @dataclass(slots=True)
+class GrammarStats:
+    """Totals since start: steps with grammar rows, seconds the worker spent advancing matchers and
+    filling masks, and seconds sampling waited for it (the part the forward pass did not hide)."""
+
+    steps: int = 0
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@dataclass(slots=True)
 class GrammarMask:
     """The grammar rows of one step (indices among the sampled rows) and their bitmask, being
     filled on the worker thread until `apply` joins it."""
@@ -101,9 +115,12 @@ class GrammarMask:
     bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, bit t of row r: token t allowed
     future: Future[None]
     shifts: torch.Tensor  # arange(32) on the logits' device
+    stats: GrammarStats
 
     def wait(self) -> None:
+        start = time.perf_counter()
         self.future.result()
+        self.stats.wait_s += time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [N, vocab] with the tokens the grammar rows may not produce at -inf (a new
@@ -132,6 +149,7 @@ class StructuredDecoding:
         self.shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._pool: ThreadPoolExecutor | None = None
         self._ll_executor: Any = None
+        self.stats = GrammarStats()
 
     def start(self, batch: Any, requests: dict[str, Any]) -> GrammarMask | None:
         """Begin the masks of ``batch``'s sampling rows that have a grammar (None if none does).
@@ -150,7 +168,7 @@ class StructuredDecoding:
                 continue
             state = requests[request_id]
             if state.grammar is None:
-                state.grammar = self.compiler.new_state(spec)
+                state.grammar = GrammarState(spec)
             grammar: GrammarState = state.grammar
             start = state.num_prompt_tokens + grammar.num_consumed
             new = state.token_ids[start:]
@@ -167,14 +185,17 @@ class StructuredDecoding:
         # Pinned on CUDA, so the copy to the device does not stage through pageable memory.
         bitmask = torch.empty((len(work), self.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         future = self._pool.submit(self._fill, work, bitmask)
-        return GrammarMask(rows, bitmask, future, self.shifts)
+        self.stats.steps += 1
+        return GrammarMask(rows, bitmask, future, self.shifts, self.stats)
 
     def _fill(self, work: list[tuple[GrammarState, list[int]]], bitmask: torch.Tensor) -> None:
-        """On the worker thread: advance each matcher by its new tokens, then fill the bitmask."""
-        from llguidance.torch import fill_next_token_bitmask_par
-
+        """On the worker thread: compile new requests' grammars (cached), advance each matcher by its
+        new tokens, then fill the bitmask. The compiler and the matchers are only used here."""
+        start = time.perf_counter()
         live: list[tuple[Any, int]] = []
         for k, (grammar, new) in enumerate(work):
+            if not grammar.compiled:
+                grammar.matcher, grammar.compiled = self.compiler.new_matcher(grammar.spec), True
             matcher = grammar.matcher
             if matcher is not None and new and not matcher.is_error():
                 matcher.consume_tokens(new)  # False (and an error state) on a token the grammar rejects
@@ -183,7 +204,10 @@ class StructuredDecoding:
             else:
                 live.append((matcher, k))
         if live:
-            fill_next_token_bitmask_par(self._ll_executor, live, bitmask)
+            # The executor's raw call, not `llguidance.torch`'s wrapper: importing that module
+            # compiles a kernel with torch.compile (seconds, and a dependency on the compiler).
+            self._ll_executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, len(work))
+        self.stats.fill_s += time.perf_counter() - start
 
     def close(self) -> None:
         if self._pool is not None:

@@ -86,7 +86,10 @@ def test_bad_grammar_and_bad_tools_are_400(stack: Stack, client: openai.OpenAI) 
     cases: list[tuple[dict[str, Any], str]] = [
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),

@@ -15,7 +15,7 @@ import torch
 
 from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
 from common.structured_outputs import StructuredOutputsParams as S
-from executor.grammar import GrammarMask, StructuredDecoding
+from executor.grammar import GrammarMask, GrammarStats, StructuredDecoding
 
 SCHEMA = {
     "type": "object",
@@ -59,7 +59,7 @@ def test_mask_applies_to_its_rows_only() -> None:
     bitmask[0, 0] = 1 << 5  # token 5
     bitmask[0, 2] = 1 << 1  # token 65
     done: Any = SimpleNamespace(result=lambda: None)
-    out = GrammarMask([1], bitmask, done, torch.arange(32, dtype=torch.int32)).apply(logits)
+    out = GrammarMask([1], bitmask, done, torch.arange(32, dtype=torch.int32), GrammarStats()).apply(logits)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
     assert allowed == [5, 65] and torch.equal(out[1, allowed], logits[1, allowed])
@@ -67,7 +67,9 @@ def test_mask_applies_to_its_rows_only() -> None:
 
 def _batch(states: dict[str, Any], spec: S) -> Any:
     ids = list(states)
-    return SimpleNamespace(request_ids=ids, sample=[True] * len(ids), sampling_params=[SamplingParams(structured_outputs=spec)] * len(ids))
+    return SimpleNamespace(
+        request_ids=ids, sample=[True] * len(ids), sampling_params=[SamplingParams(structured_outputs=spec)] * len(ids)
+    )
 
 
 def _allowed(mask: GrammarMask, row: int) -> list[int]:
@@ -105,7 +107,9 @@ def test_matcher_advances_replays_and_forces_eos(tiny_model: Any) -> None:
 
     broken = {"c": state([])}
     mask = decoding.start(_batch(broken, S(grammar="start: undefined_rule")), broken)
-    assert mask is not None and broken["c"].grammar.matcher is None
+    assert mask is not None
+    mask.wait()
+    assert broken["c"].grammar.compiled and broken["c"].grammar.matcher is None
     assert _allowed(mask, 0) == sorted(cfg.eos_token_ids)
     decoding.close()
 

@@ -149,3 +149,14 @@ def test_bad_grammar_is_rejected_before_queueing(llm: Any) -> None:
     with pytest.raises(ValueError, match="does not compile"):
         llm.generate("q", SamplingParams(structured_outputs=S(regex="a(b")))
     assert llm.generate("q", SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine goes on
+
+
+def test_grammar_that_slips_through_ends_only_its_request(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar the engine cannot compile (the gateway's check skipped) makes its request end with
+    EOS at once; the step and its batch mate go on unchanged."""
+    monkeypatch.setattr(S, "compile_error", lambda self: None)
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    bad = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=S(grammar="start: undefined_rule"))
+    broken, ok = llm.generate(["a", "b"], [bad, plain])
+    assert broken.finish_reason == "stop" and broken.text == ""
+    assert ok.token_ids == llm.generate("b", plain)[0].token_ids and ok.finish_reason == "length"

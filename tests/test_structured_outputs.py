@@ -160,3 +160,17 @@ def test_grammar_that_slips_through_ends_only_its_request(llm: Any, monkeypatch:
     broken, ok = llm.generate(["a", "b"], [bad, plain])
     assert broken.finish_reason == "stop" and broken.text == ""
     assert ok.token_ids == llm.generate("b", plain)[0].token_ids and ok.finish_reason == "length"
+
+
+def test_preempted_requests_keep_their_grammar(tiny_model: Any) -> None:
+    """Requests preempted (KV freed, recomputed) mid-output resume their grammar where they were:
+    every output still validates."""
+    from scheduler import LLM
+
+    small = LLM(str(tiny_model()), num_blocks=10, block_size=16, max_model_len=128)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs=S(json=SCHEMA)) for i in range(8)]
+    outs = small.generate([f"prompt number {i}" for i in range(8)], params)
+    assert small.scheduler.num_preemptions > 0
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)

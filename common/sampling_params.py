@@ -7,6 +7,8 @@ import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from common.structured_outputs import StructuredOutputsParams
+
 # Range of the engine's integer columns (token ids, counts) and of a sampling seed.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -50,6 +52,8 @@ class SamplingParams:
     with ``seed + i``; ``best_of`` (>= ``n``) of them are generated and the ``n`` with the highest
     cumulative logprob returned (`common.parallel_sampling`). ``prompt_logprobs`` is how many top
     logprobs to return per prompt token (None: none; the first prompt token has none).
+    ``structured_outputs`` constrains the text to a JSON schema, regex, choice or grammar
+    (`common.structured_outputs`); the request ends with EOS once the constraint is complete.
     """
 
     temperature: float = 1.0
@@ -69,6 +73,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     # The most top logprobs a request may ask for; bounds the executor's top-k work.
     MAX_LOGPROBS = 20
@@ -133,6 +138,10 @@ class SamplingParams:
         if not _is_num(rep) or not (rep > 0 and math.isfinite(rep)):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
         self._validate_logit_bias(vocab_size)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias
@@ -176,17 +185,23 @@ def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
     out = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
     if params.logit_bias is not None:
         out["logit_bias"] = [[token, bias] for token, bias in params.logit_bias.items()]
+    if params.structured_outputs is not None:
+        out["structured_outputs"] = params.structured_outputs.to_dict()
     return out
 
 
 def sampling_from_dict(sampling: dict[str, Any]) -> SamplingParams:
     """The `SamplingParams` of a map from `sampling_to_dict` (not validated: call ``validate``).
 
-    Raises ``TypeError`` for unknown fields and ``ValueError`` for a malformed ``logit_bias``.
+    Raises ``TypeError`` for unknown fields and ``ValueError`` for a malformed ``logit_bias``;
+    ``structured_outputs`` travels as `StructuredOutputsParams.to_dict`'s map.
     """
     bias = sampling.get("logit_bias")
     if isinstance(bias, list):
         if not all(isinstance(pair, list) and len(pair) == 2 for pair in bias):
             raise ValueError("logit_bias must be a list of [token id, bias] pairs")
         sampling = {**sampling, "logit_bias": {token: value for token, value in bias}}
+    structured = sampling.get("structured_outputs")
+    if isinstance(structured, dict):
+        sampling = {**sampling, "structured_outputs": StructuredOutputsParams.from_dict(structured)}
     return SamplingParams(**sampling)

@@ -19,6 +19,7 @@ executor drops everything, and the scheduler resends every request as new.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams, sampling_from_dict
@@ -99,6 +100,7 @@ class CachedRequestState:
     block_ids: list[int]
     count_slot: int = -1  # its row of the token-count pool (penalties only); -1 until it first samples
     num_counted: int = 0  # output tokens already counted in that row
+    grammar: Any = None  # its `executor.grammar.GrammarState` (structured outputs), made on first sampling
 
 
 class PersistentBatch:

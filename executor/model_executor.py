@@ -19,6 +19,7 @@ from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
 from executor.cuda_graphs import CudaGraphRunner
+from executor.grammar import GrammarMask, StructuredDecoding
 from executor.input_batch import Batch, PersistentBatch
 from executor.loader import load_weights
 from executor.model import LlamaModel
@@ -136,6 +137,7 @@ class ModelExecutor:
         )
         self.backend = backend
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
+        self.structured = StructuredDecoding(model_dir, cfg.vocab_size, list(cfg.eos_token_ids), self.device)
         self.graphs: CudaGraphRunner | None = None
         # Graphs need kernels that read every size from device tensors: the Triton backend's.
         if self.device.type == "cuda" and backend == "triton" and not model_config.enforce_eager:
@@ -211,11 +213,16 @@ class ModelExecutor:
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
         """Run one scheduled step; on any error every request's state is dropped (and re-raised):
         the scheduler then resends them all as new."""
+        grammar: GrammarMask | None = None
         try:
             batch = self.input_batch.prepare(output)
-            result = self.execute_batch(batch)
+            # The structured-output masks are filled on a worker thread while the forward pass runs.
+            grammar = self.structured.start(batch, self.input_batch.requests)
+            result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
         except BaseException:
+            if grammar is not None:
+                grammar.future.exception()  # the worker is done with the matchers before they are dropped
             self.reset()
             raise
         return result
@@ -225,8 +232,9 @@ class ModelExecutor:
         self.input_batch.clear()
         self.token_counts.clear()
 
-    def execute_batch(self, batch: Batch) -> ExecutorOutput:
-        """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode."""
+    def execute_batch(self, batch: Batch, grammar: GrammarMask | None = None) -> ExecutorOutput:
+        """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode;
+        ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`)."""
         n = batch.num_seqs
         if n == 0:
             return ExecutorOutput()
@@ -255,7 +263,7 @@ class ModelExecutor:
                     tokens[i] = token
                 return ExecutorOutput(tokens, logprobs)
             try:
-                sampled, lps = self._sample(batch, idx, logits)
+                sampled, lps = self._sample(batch, idx, logits, grammar)
             except BaseException:
                 if self.tp is not None:  # the other ranks wait for these tokens: tell them
                     self.tp.share_tokens(None, len(idx))
@@ -267,8 +275,11 @@ class ModelExecutor:
             logprobs[i] = lps[j]
         return ExecutorOutput(tokens, logprobs, prompt_lps)
 
-    def _sample(self, batch: Batch, idx: list[int], logits: torch.Tensor) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Tokens (and logprobs) of the sampled rows ``idx`` of ``batch``, from their ``logits``."""
+    def _sample(
+        self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Tokens (and logprobs) of the sampled rows ``idx`` of ``batch``, from their ``logits``
+        (``grammar``: the masks of its structured-output rows)."""
         params = [batch.sampling_params[i] for i in idx]
         out_lens = [batch.output_lens[i] for i in idx]
         banned = self._banned(params, out_lens)
@@ -278,13 +289,14 @@ class ModelExecutor:
             self.token_counts.update(step)
             rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
             counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
-        return self.sampler.sample(logits, params, out_lens, banned, counts)
+        return self.sampler.sample(logits, params, out_lens, banned, counts, grammar)
 
     def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
-        """EOS and stop tokens are banned while a request is below its ``min_tokens``."""
+        """EOS and stop tokens are banned while a request is below its ``min_tokens`` (not under a
+        grammar: when it is complete, EOS is all it allows)."""
         banned: list[list[int]] | None = None
         for j, (p, ol) in enumerate(zip(params, out_lens)):
-            if ol < p.min_tokens:
+            if ol < p.min_tokens and p.structured_outputs is None:
                 if banned is None:
                     banned = [[] for _ in params]
                 banned[j] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
@@ -294,5 +306,6 @@ class ModelExecutor:
         """Free the KV cache and weights."""
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
+        self.structured.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

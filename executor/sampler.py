@@ -1,4 +1,4 @@
-"""Token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request
+"""Token sampling: logit bias, penalties, grammar masks, greedy, temperature, top-k, top-p, min-p, per-request
 seeds, logprobs.
 
 The logits are first edited as in vLLM: ``logit_bias`` added, banned tokens masked, then the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from common.sampling_params import SamplingParams
+from executor.grammar import GrammarMask
 from executor.penalties import TokenCounts, apply_logit_bias, penalize
 
 _MASK64 = (1 << 64) - 1
@@ -48,12 +49,14 @@ class Sampler:
         output_lens: list[int],
         banned: list[list[int]] | None = None,
         counts: TokenCounts | None = None,
+        grammar: GrammarMask | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row of ``logits`` ``[N, vocab]``.
 
         ``banned[i]`` lists tokens row ``i`` may not produce this step (e.g. EOS before
         ``min_tokens``). ``counts``: the token counts of the rows with penalties (the executor's
-        `executor.penalties.TokenCountPool` rows); without them no penalty applies. Returns token
+        `executor.penalties.TokenCountPool` rows); without them no penalty applies. ``grammar``:
+        the structured-output rows' token masks (`executor.grammar`), applied last. Returns token
         ids and, per row, ``{token: logprob}`` for the sampled token plus the top
         ``params[i].logprobs`` (None where logprobs were not requested).
         Logprobs come from the raw logits, before biases, penalties, temperature and filters.
@@ -71,6 +74,8 @@ class Sampler:
                     logits[i, toks] = float("-inf")
         if counts is not None:
             logits = penalize(logits, params, counts)
+        if grammar is not None:
+            logits = grammar.apply(logits)
 
         greedy = [p.greedy for p in params]
         if all(greedy):

@@ -3,7 +3,8 @@
 Parsing is by hand rather than with pydantic models so every rejection carries OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
-values we cannot honour (``suffix``, tools, ``best_of`` on chat...) are rejected.
+values we cannot honour (``suffix``, ``best_of`` on chat...) are rejected. Structured outputs
+and tools are parsed in `gateway.structured`.
 
 No input gets past here as a 500 or as work that would slow other requests: the body has been
 through `gateway.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
@@ -30,6 +31,7 @@ from gateway.json_input import (
     preview,
     typename,
 )
+from gateway.structured import StructuredRequest, parse_structured, parse_tools
 
 MAX_STOP_STRINGS = 16
 # Stop strings are matched (and partial matches held back) on every streamed token; the cost of
@@ -64,6 +66,7 @@ class GenerationSpec:
     add_special_tokens: bool = True
     echo: bool = False
     logprobs: int | None = None  # top-N per token; None: no logprobs
+    structured: StructuredRequest | None = None  # structured output / tools (`gateway.structured`)
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -92,6 +95,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     n = get_int(body, "n", 1)
     best_of = get_int(body, "best_of", None)
     logit_bias = _logit_bias(body)
+    structured_outputs, structured_param = parse_structured(body)
     stream = get_bool(body, "stream", False)
     if stream and best_of is not None and best_of > 1:  # the best are known only at the end (OpenAI's rule)
         raise bad("'best_of' cannot be used with 'stream': results cannot be streamed", "best_of")
@@ -139,6 +143,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         logit_bias=logit_bias,
         n=n,
         best_of=best_of,
+        structured_outputs=structured_outputs,
     )
     if sampling.top_k == -1:
         sampling.top_k = 0
@@ -159,6 +164,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
+        structured=StructuredRequest(structured_param) if structured_param else None,
     )
 
 
@@ -255,9 +261,6 @@ def parse_chat(body: Any) -> GenerationSpec:
     """Validate a ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {typename(body)}")
-    for name in ("tools", "functions", "response_format", "tool_choice"):
-        if body.get(name) not in (None, [], "none", {"type": "text"}):
-            raise bad(f"'{name}' is not supported by this server", name)
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None)
     if top is not None:
@@ -267,6 +270,7 @@ def parse_chat(body: Any) -> GenerationSpec:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
     spec.messages = _messages(body)
+    spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None)
     return spec
 
 

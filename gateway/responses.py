@@ -1,4 +1,9 @@
-"""OpenAI response bodies and SSE chunks for completions and chat completions."""
+"""OpenAI response bodies and SSE chunks for completions and chat completions.
+
+A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.structured`) answers
+with ``tool_calls`` and finish reason "tool_calls"; streamed, its text is held back and the calls
+come whole in the final chunk (`gateway.tool_calls`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from typing import Any
 
 from gateway.generation import Piece
 from gateway.openai_schema import GenerationSpec
+from gateway.structured import ToolCallMode
+from gateway.tool_calls import stream_tool_calls, tool_calls
 
 
 class ResponseFormatter:
@@ -38,6 +45,8 @@ class ResponseFormatter:
         self.created = int(time.time())
         self.text_offset = len(echo_text) if echo_text else 0
         self.chat = spec.kind == "chat"
+        self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
+        self.tool_text = ""  # a tool-call request's text so far (streaming)
 
     # -- pieces ------------------------------------------------------------------------------
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -119,9 +128,13 @@ class ResponseFormatter:
         stop_reason = pieces[-1].stop_reason if pieces else None
         logprobs = self.logprobs(pieces)
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls = tool_calls(self.tool_call, text, self.request_id) if self.tool_call and reason == "stop" else None
+            if calls:
+                message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
             return {
                 "index": self.index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": reason,
                 "stop_reason": stop_reason,
@@ -173,14 +186,19 @@ class ResponseFormatter:
         logprobs = self.logprobs([piece])
         if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
             if self.chat:
-                delta = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
+                delta: dict[str, Any] = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
+                reason = piece.finish_reason
+                if self.tool_call is not None:
+                    delta, reason = self._tool_delta(piece)
                 choice = {
                     "index": self.index,
                     "delta": delta,
                     "logprobs": logprobs,
-                    "finish_reason": piece.finish_reason,
+                    "finish_reason": reason,
                     "stop_reason": piece.stop_reason,
                 }
+                if not delta and reason is None and logprobs is None:
+                    choice = {}  # a tool call's text, held back
             else:
                 choice = {
                     "index": self.index,
@@ -189,7 +207,8 @@ class ResponseFormatter:
                     "finish_reason": piece.finish_reason,
                     "stop_reason": piece.stop_reason,
                 }
-            chunks.append(self._chunk(choice))
+            if choice:
+                chunks.append(self._chunk(choice))
         if piece.finish_reason is not None and self.spec.include_usage and self.final_usage:
             chunks.append(self.usage_chunk(completion_tokens))
         return chunks
@@ -197,6 +216,18 @@ class ResponseFormatter:
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk of a stream with ``include_usage``: no choices, the usage."""
         return {**self._chunk({}), "choices": [], "usage": self.usage(completion_tokens)}
+
+    def _tool_delta(self, piece: Piece) -> tuple[dict[str, Any], str | None]:
+        """A tool-call request's delta and finish reason: nothing until the end, then the calls
+        (or, for output cut short, its whole text as content)."""
+        assert self.tool_call is not None
+        self.tool_text += piece.text
+        if piece.finish_reason is None:
+            return {}, None
+        calls = tool_calls(self.tool_call, self.tool_text, self.request_id) if piece.finish_reason == "stop" else None
+        if calls:
+            return {"tool_calls": stream_tool_calls(calls)}, "tool_calls"
+        return {"content": self.tool_text}, piece.finish_reason
 
 
 def sse(payload: dict[str, Any], number: int) -> str:

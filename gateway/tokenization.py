@@ -21,6 +21,7 @@ from fastapi import Request
 from common.protocol import EngineStatus
 from gateway.json_input import ApiError, parse_json
 from gateway.openai_schema import GenerationSpec, TokenizeSpec, check_token_ids, fit_context
+from gateway.structured import check_grammar
 
 T = TypeVar("T")
 # Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
@@ -100,13 +101,16 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     request; a 400 for token ids outside the vocabulary or a prompt past the context.
 
     Runs in a worker thread (`InputWorkers`): a long prompt takes seconds to tokenize. A prompt of
-    token ids has text only for ``echo`` (decoded here, once the ids are known to fit).
+    token ids has text only for ``echo`` (decoded here, once the ids are known to fit). A structured
+    output's grammar is compiled here too (`check_grammar`): a large schema takes a while.
     """
+    check_grammar(spec.sampling, spec.structured)
     param = "messages" if spec.kind == "chat" else "prompt"
     text = spec.prompt
     if spec.kind == "chat":
         assert spec.messages is not None
-        text = chat_text(tokenizer, spec.messages, add_generation_prompt=True)
+        tools = spec.structured.tools if spec.structured is not None else None
+        text = chat_text(tokenizer, spec.messages, add_generation_prompt=True, tools=tools or None)
     ids: list[int] | None
     if text is None:
         assert spec.prompt_token_ids is not None
@@ -121,15 +125,20 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     return ids, text, max_tokens
 
 
-def chat_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def chat_text(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+) -> str:
     """The prompt text of chat ``messages``: the tokenizer's chat template (a 400 when the
     template rejects them), or, for a checkpoint without one, a plain, documented fallback. The
-    chat endpoint and ``/tokenize`` both render messages here, so they count the same tokens."""
+    chat endpoint and ``/tokenize`` both render messages here, so they count the same tokens.
+    ``tools`` go to the template as transformers passes them (a template may ignore them)."""
     if getattr(tokenizer, "chat_template", None):
         from jinja2 import TemplateError
 
         try:
-            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+            return str(
+                tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+            )
         except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)

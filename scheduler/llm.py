@@ -155,6 +155,8 @@ class LLM:
         vocab = self.executor.info.vocab_size
         for prompt, params in zip(batch, params_list):
             params.validate(vocab)
+            if params.structured_outputs is not None and (error := params.structured_outputs.compile_error()):
+                raise ValueError(f"structured_outputs does not compile: {error}")
             text, ids = self._prompt_ids(prompt)
             if len(ids) > self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")

@@ -423,7 +423,8 @@ class Scheduler:
         params = request.sampling_params
         n = request.num_output_tokens
         if n >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
+            # A grammar forces EOS once it is complete: that ends the request even with ignore_eos.
+            if (not params.ignore_eos or params.structured_outputs is not None) and token in self.eos_token_ids:
                 return "stop"
             if token in params.stop_token_ids:
                 request.stop_reason = token

@@ -1,0 +1,128 @@
+"""Structured outputs: the constraint a request puts on its text (vLLM's `StructuredOutputsParams`).
+
+One of: ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice`` (one
+of a list of strings) or ``grammar`` (Lark, or llama.cpp's GBNF). The engine is llguidance:
+`llguidance_grammar` turns the spec into its grammar text, the one translation the gateway (to
+reject a grammar that cannot compile with a 400, `compile_error`) and the executor (to build
+the token matchers, `executor.grammar`) share.
+
+JSON is compact: no whitespace between tokens (llguidance's ``whitespace_flexible: false``), so a
+weak model cannot spend its token budget on runs of spaces and newlines inside a JSON value.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+from dataclasses import dataclass
+from typing import Any, cast
+
+# Bounds on what one request may carry (the spec crosses Redis with every new request, and the
+# gateway validates it on a worker thread).
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+
+# llguidance's JSON compiler options: compact separators, no free whitespace.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Exactly one constraint on the generated text (vLLM's field names).
+
+    ``json``: a JSON schema (an object, or its JSON text); ``regex``: a regular expression the
+    whole output matches; ``choice``: the output is one of these strings; ``grammar``: a Lark (or
+    GBNF) grammar; ``json_object``: any JSON object. The output ends (EOS is forced) once the
+    constraint allows nothing more.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind(self) -> str:
+        """The one constraint set (after `validate`): json, regex, choice, grammar or json_object."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` (message starting ``structured_outputs``) unless exactly one
+        constraint is set, of the right type and size. Whether it compiles: `compile_error`."""
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}, got {', '.join(given) or 'none'}")
+        kind = given[0]
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                if len(schema) > MAX_GRAMMAR_CHARS:
+                    raise ValueError(f"structured_outputs.json may be at most {MAX_GRAMMAR_CHARS} characters")
+                try:
+                    schema = jsonlib.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
+        elif kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, list) or not 1 <= len(choice) <= MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("structured_outputs.choice must hold non-empty strings")
+            if sum(map(len, choice)) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"structured_outputs.choice may hold at most {MAX_GRAMMAR_CHARS} characters in all")
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise ValueError("structured_outputs.json_object must be true or absent")
+        else:
+            text = getattr(self, kind)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"structured_outputs.{kind} may be at most {MAX_GRAMMAR_CHARS} characters")
+
+    def key(self) -> str:
+        """A canonical text of the spec: equal specs compile to the same grammar (a cache key)."""
+        return jsonlib.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: only the set field; a schema as JSON text (any JSON nests safely)."""
+        kind = self.kind()
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            value = jsonlib.dumps(value, separators=(",", ":"))
+        return {kind: value}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
+        """Undo `to_dict` (``TypeError`` for unknown fields; not validated)."""
+        return cls(**data)
+
+    def llguidance_grammar(self) -> str:
+        """The llguidance grammar text of this (validated) spec; ``ValueError`` if malformed."""
+        from llguidance import LLMatcher, grammar_from  # imported on first use: only structured requests need it
+
+        kind = self.kind()
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=cast("Any", JSON_OPTIONS))
+        if kind == "json":
+            schema = self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)
+            return LLMatcher.grammar_from_json_schema(schema, defaults=cast("Any", JSON_OPTIONS))
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(str(self.regex))
+        if kind == "choice":
+            return grammar_from("choice", jsonlib.dumps(self.choice))
+        return grammar_from("grammar", str(self.grammar))
+
+    def compile_error(self) -> str | None:
+        """Why this spec's grammar cannot compile, or None when it can (no tokenizer needed)."""
+        from llguidance import LLMatcher
+
+        try:
+            self.validate()
+            error = LLMatcher.validate_grammar(self.llguidance_grammar())
+        except (ValueError, TypeError) as exc:
+            return str(exc)
+        return error or None

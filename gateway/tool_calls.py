@@ -1,0 +1,50 @@
+"""OpenAI ``tool_calls`` from the text a tool-constrained chat request generated.
+
+Under ``tool_choice`` "required" the text is a JSON array ``[{"name", "parameters"}, ...]``, under
+a named function it is that function's arguments (`gateway.structured`). Streaming sends the calls
+whole in the final chunk (``delta.tool_calls``, finish reason "tool_calls"): the arguments are only
+known to be complete JSON at the end, and incremental argument deltas would need a JSON parser
+running over every token. Call ids derive from the response id, so a resumed stream replays the
+same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from gateway.structured import ToolCallMode
+
+
+def tool_calls(mode: ToolCallMode, text: str, response_id: str) -> list[dict[str, Any]] | None:
+    """The calls ``text`` makes, in OpenAI's message form; None when it is not complete (a request
+    cut short by ``max_tokens``): its text is then returned as content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    calls: list[tuple[str, str]] = []
+    if mode.kind == "named":
+        assert mode.name is not None
+        calls.append((mode.name, text))
+    else:
+        if not isinstance(value, list) or not value:
+            return None
+        for call in value:
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                return None
+            calls.append((call["name"], json.dumps(call.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))))
+    return [
+        {
+            "id": "chatcmpl-tool-" + hashlib.sha256(f"{response_id}:{i}".encode()).hexdigest()[:24],
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        for i, (name, arguments) in enumerate(calls)
+    ]
+
+
+def stream_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``calls`` as the entries of a streamed ``delta.tool_calls`` (each with its ``index``)."""
+    return [{"index": i, **call} for i, call in enumerate(calls)]

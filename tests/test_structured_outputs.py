@@ -1,0 +1,176 @@
+"""Structured outputs offline: the spec and its wire form, the executor's grammar plumbing (mask
+application, matcher advance and replay, forced EOS) and constrained generation with `LLM` on the
+tiny random checkpoint (random weights: the output is arbitrary, but must obey the constraint)."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
+from common.structured_outputs import StructuredOutputsParams as S
+from executor.grammar import GrammarMask, GrammarStats, StructuredDecoding
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Any) -> Any:
+    from scheduler import LLM
+
+    return LLM(str(tiny_model()), num_blocks=256)
+
+
+def test_spec_validation_and_wire_round_trip() -> None:
+    for bad in (S(), S(regex="a", choice=["x"]), S(choice=[]), S(choice=["", "x"]), S(json="{not json"), S(json=[1])):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="^structured_outputs"):
+            SamplingParams(structured_outputs=bad).validate()
+    params = SamplingParams(max_tokens=5, structured_outputs=S(json=SCHEMA))
+    wire = sampling_to_dict(params)
+    assert wire["structured_outputs"] == {"json": json.dumps(SCHEMA, separators=(",", ":"))}
+    back = sampling_from_dict(wire)
+    assert back.structured_outputs is not None and back.structured_outputs.key() == params.structured_outputs.key()  # type: ignore[union-attr]
+    assert sampling_from_dict(sampling_to_dict(SamplingParams())).structured_outputs is None
+    assert S(regex="a(b").compile_error() is not None
+    assert S(grammar="start: foo").compile_error() is not None
+    assert S(json={"type": "nonsense"}).compile_error() is not None
+    assert S(choice=["x", "y"]).compile_error() is None
+
+
+def test_mask_applies_to_its_rows_only() -> None:
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(3, vocab)
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5  # token 5
+    bitmask[0, 2] = 1 << 1  # token 65
+    done: Any = SimpleNamespace(result=lambda: None)
+    out = GrammarMask([1], bitmask, done, torch.arange(32, dtype=torch.int32), GrammarStats()).apply(logits)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    assert allowed == [5, 65] and torch.equal(out[1, allowed], logits[1, allowed])
+
+
+def _batch(states: dict[str, Any], spec: S) -> Any:
+    ids = list(states)
+    return SimpleNamespace(
+        request_ids=ids, sample=[True] * len(ids), sampling_params=[SamplingParams(structured_outputs=spec)] * len(ids)
+    )
+
+
+def _allowed(mask: GrammarMask, row: int) -> list[int]:
+    mask.wait()
+    bits = (mask.bitmask[row][:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten().nonzero().flatten().tolist()
+
+
+def test_matcher_advances_replays_and_forces_eos(tiny_model: Any) -> None:
+    """Step by step and all at once (a resent request) reach the same mask; a complete grammar
+    allows only EOS, and so does one that could not compile."""
+    from executor.model_config import load_config
+
+    path = tiny_model()
+    cfg = load_config(path)
+    decoding = StructuredDecoding(path, cfg.vocab_size, list(cfg.eos_token_ids), torch.device("cpu"))
+    tokenizer = decoding.compiler.tokenizer()
+    answer = tokenizer.tokenize_str("yes")
+    prompt = [1, 2, 3]
+
+    def state(outputs: list[int]) -> Any:
+        return SimpleNamespace(num_prompt_tokens=len(prompt), token_ids=prompt + outputs, grammar=None)
+
+    spec = S(choice=["yes", "no"])
+    stepped = {"a": state([])}
+    for token in answer:
+        decoding.start(_batch(stepped, spec), stepped).wait()  # type: ignore[union-attr]
+        stepped["a"].token_ids.append(token)
+    replayed = {"b": state(list(answer))}
+    last = decoding.start(_batch(stepped, spec), stepped)
+    fresh = decoding.start(_batch(replayed, spec), replayed)
+    assert last is not None and fresh is not None
+    assert _allowed(last, 0) == _allowed(fresh, 0) == sorted(cfg.eos_token_ids)
+    assert stepped["a"].grammar.matcher.is_accepting()
+
+    broken = {"c": state([])}
+    mask = decoding.start(_batch(broken, S(grammar="start: undefined_rule")), broken)
+    assert mask is not None
+    mask.wait()
+    assert broken["c"].grammar.compiled and broken["c"].grammar.matcher is None
+    assert _allowed(mask, 0) == sorted(cfg.eos_token_ids)
+    decoding.close()
+
+
+def test_generation_obeys_each_constraint(llm: Any) -> None:
+    specs = [
+        S(json=SCHEMA),
+        S(regex=r"[a-z]{3}-[0-9]{2}"),
+        S(choice=["red", "green", "blue"]),
+        S(json_object=True),
+        S(grammar='start: "x=" NUM ";"\nNUM: /[0-9]{1,4}/'),
+    ]
+    prompts = ["hello", "def f(", "one two", "import os", "x"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs=s) for i, s in enumerate(specs)]
+    plain = SamplingParams(temperature=0.0, max_tokens=8)
+    outs = llm.generate([*prompts, "plain"], [*params, plain])
+    # Every constrained request finished by its grammar (forced EOS), not by max_tokens.
+    assert [o.finish_reason for o in outs[:5]] == ["stop"] * 5
+    jsonschema.validate(json.loads(outs[0].text), SCHEMA)
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", outs[1].text)
+    assert outs[2].text in ("red", "green", "blue")
+    assert isinstance(json.loads(outs[3].text), dict)
+    assert re.fullmatch(r"x=[0-9]{1,4};", outs[4].text)
+    # Compact JSON: no whitespace outside strings.
+    assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", outs[0].text))
+    # A constrained neighbour leaves the batch's plain request as it is alone.
+    assert outs[5].token_ids == llm.generate("plain", plain)[0].token_ids
+
+
+def test_grammar_ends_the_request_even_with_ignore_eos(llm: Any) -> None:
+    spec = S(choice=["alpha", "beta"])
+    out = llm.generate("q", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, structured_outputs=spec))[0]
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+
+
+def test_bad_grammar_is_rejected_before_queueing(llm: Any) -> None:
+    with pytest.raises(ValueError, match="does not compile"):
+        llm.generate("q", SamplingParams(structured_outputs=S(regex="a(b")))
+    assert llm.generate("q", SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine goes on
+
+
+def test_grammar_that_slips_through_ends_only_its_request(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar the engine cannot compile (the gateway's check skipped) makes its request end with
+    EOS at once; the step and its batch mate go on unchanged."""
+    monkeypatch.setattr(S, "compile_error", lambda self: None)
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    bad = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=S(grammar="start: undefined_rule"))
+    broken, ok = llm.generate(["a", "b"], [bad, plain])
+    assert broken.finish_reason == "stop" and broken.text == ""
+    assert ok.token_ids == llm.generate("b", plain)[0].token_ids and ok.finish_reason == "length"
+
+
+def test_preempted_requests_keep_their_grammar(tiny_model: Any) -> None:
+    """Requests preempted (KV freed, recomputed) mid-output resume their grammar where they were:
+    every output still validates."""
+    from scheduler import LLM
+
+    small = LLM(str(tiny_model()), num_blocks=10, block_size=16, max_model_len=128)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs=S(json=SCHEMA)) for i in range(8)]
+    outs = small.generate([f"prompt number {i}" for i in range(8)], params)
+    assert small.scheduler.num_preemptions > 0
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMA)

@@ -1,0 +1,90 @@
+"""The gateway's structured-output fields (`gateway.structured`) and tool-call responses
+(`gateway.tool_calls`), without a model: what each body becomes, and the 400s."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.json_input import ApiError
+from gateway.openai_schema import parse_chat, parse_completion
+from gateway.structured import check_grammar
+from gateway.tool_calls import tool_calls
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+}
+
+
+def _chat(**body: Any) -> Any:
+    return parse_chat({"messages": MESSAGES, **body})
+
+
+def _error(fn: Any, body: dict[str, Any]) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        spec = fn(body)
+        check_grammar(spec.sampling, spec.structured)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_each_field_becomes_one_constraint() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    cases: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+            {"json": json.dumps(schema, separators=(",", ":"))},
+            "response_format",
+        ),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}, "structured_outputs"),
+        ({"structured_outputs": {"choice": ["a", "b"], "disable_fallback": True}}, {"choice": ["a", "b"]}, "structured_outputs"),
+        ({"guided_grammar": 'start: "x"'}, {"grammar": 'start: "x"'}, "guided_grammar"),
+    ]
+    for extra, wire, param in cases:
+        for spec in (_chat(**extra), parse_completion({"prompt": "p", **extra})):
+            assert spec.sampling.structured_outputs is not None and spec.sampling.structured_outputs.to_dict() == wire
+            assert spec.structured is not None and spec.structured.param == param
+            check_grammar(spec.sampling, spec.structured)
+    plain = _chat(response_format={"type": "text"}, tools=[ADD], tool_choice="auto")
+    assert plain.sampling.structured_outputs is None and plain.structured is not None and plain.structured.tool_call is None
+
+
+def test_malformed_or_conflicting_fields_are_400() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{"}}, "structured_outputs"),
+        ({"structured_outputs": {"whatever": 1}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"tools": {"add": ADD}}, "tools"),
+        ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"functions": [ADD["function"]]}, "functions"),
+    ]
+    for extra, param in cases:
+        assert _error(parse_chat, {"messages": MESSAGES, **extra}).param == param, extra
+    assert _error(parse_completion, {"prompt": "p", "guided_regex": "("}).code == "invalid_grammar"
+
+
+def test_tool_choice_constraints_and_calls() -> None:
+    required = _chat(tools=[ADD], tool_choice="required")
+    schema = json.loads(required.sampling.structured_outputs.to_dict()["json"])
+    assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["add"]}
+    assert required.structured.tool_call.kind == "required"
+    calls = tool_calls(required.structured.tool_call, '[{"name":"add","parameters":{"a":1}}]', "chatcmpl-1")
+    assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a":1}'}
+    assert calls == tool_calls(required.structured.tool_call, '[{"name":"add","parameters":{"a":1}}]', "chatcmpl-1")  # stable ids
+    named = _chat(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}})
+    assert json.loads(named.sampling.structured_outputs.to_dict()["json"]) == ADD["function"]["parameters"]
+    calls = tool_calls(named.structured.tool_call, '{"a":2}', "chatcmpl-2")
+    assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
+    assert tool_calls(named.structured.tool_call, '{"a":', "chatcmpl-2") is None  # cut short

@@ -6,7 +6,8 @@ migrated and aborted by the `EngineClient` like any request (vLLM fans out the s
 the first one went to, where the scheduler makes them share the prompt's KV blocks. Choice
 indices follow vLLM: prompt ``i``, sample ``j`` -> ``i * n + j``; with ``best_of`` the ``n``
 children with the highest cumulative logprob are returned (best first). ``usage`` counts every
-prompt once and the tokens of the returned choices.
+prompt once and every generated token, the discarded candidates' too (as OpenAI bills
+``best_of``), so it agrees with ``vllm:generation_tokens``.
 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
 each ending with its ``finish_reason``; a final usage chunk covers them all. Such streams are not
@@ -142,7 +143,7 @@ async def serve_choices(
         for rank, child in enumerate(ranked):
             fmt = _formatter(spec, response_id, ctx, prompt, i * n + rank, envelope.created)
             choices.append(fmt.choice(_with_prompt_logprobs(mine[child], mine[0])))
-            completion_tokens += group[child].num_completion_tokens
+        completion_tokens += sum(g.num_completion_tokens for g in group)
     return envelope.response(choices, completion_tokens)
 
 

@@ -9,9 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.protocol import EngineStatus
 from infra.stack import Stack
@@ -134,13 +136,22 @@ def test_echo_with_logprobs_returns_prompt_logprobs(stack: Stack, client: openai
         assert choice.logprobs.token_logprobs[1:3] == lp.token_logprobs[1:3]
 
 
+def _generation_tokens(client: openai.OpenAI) -> float:
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total"))
+
+
 def test_best_of_returns_n_choices(client: openai.OpenAI) -> None:
+    before = _generation_tokens(client)
     out = client.completions.create(
         model="", prompt=ids(10, 5), n=2, best_of=4, max_tokens=4, temperature=1.0, seed=3, extra_body=NO_EOS
     )
     assert [c.index for c in out.choices] == [0, 1]
     assert all(c.logprobs is None for c in out.choices)  # computed to rank, not asked for
-    assert out.usage is not None and out.usage.completion_tokens == 8
+    # Usage counts all 4 candidates' tokens (as OpenAI bills best_of), as the metrics do.
+    assert out.usage is not None and out.usage.completion_tokens == 16
+    assert _generation_tokens(client) - before == 16
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,12 @@ def load_weights(model_dir: str | Path, cfg: HFModelConfig, dtype: torch.dtype, 
 
     A tied output head stays the *same* tensor as the embedding (no second copy).
     """
-    fused = fuse_weights(cfg, read_state_dict(model_dir))
+    return to_device(fuse_weights(cfg, read_state_dict(model_dir)), dtype, device)
+
+
+def to_device(fused: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """``fused`` as contiguous ``dtype`` tensors on ``device``; names sharing a tensor (a tied head)
+    still share one."""
     converted: dict[int, torch.Tensor] = {}
     result: dict[str, torch.Tensor] = {}
     for name, t in fused.items():

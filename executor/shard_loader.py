@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from executor.loader import check_checkpoint, checkpoint_files, fuse_weights
+from executor.loader import check_checkpoint, checkpoint_files, fuse_weights, to_device
 from executor.model_config import HFModelConfig
 from executor.parallel import ShardLayout
 
@@ -89,11 +89,4 @@ def load_shard(
     pad = layout.vocab_per_rank - head.shape[0]
     if pad:
         fused["lm_head"] = torch.cat([head, head.new_zeros(pad, head.shape[1])])
-    converted: dict[int, torch.Tensor] = {}
-    result: dict[str, torch.Tensor] = {}
-    for name, t in fused.items():
-        key = id(t)
-        if key not in converted:
-            converted[key] = t.to(device=device, dtype=dtype).contiguous()
-        result[name] = converted[key]
-    return result
+    return to_device(fused, dtype, device)

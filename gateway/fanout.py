@@ -11,8 +11,9 @@ prompt once and every generated token, the discarded candidates' too (as OpenAI 
 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
 each ending with its ``finish_reason``; a final usage chunk covers them all. With ``echo`` and
-logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed. Such streams are not
-journaled, so ``GET /v1/streams/{id}`` cannot resume them (a request with one choice can be).
+logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed
+(`SharedPromptLogprobs`). Such streams are not journaled, so ``GET /v1/streams/{id}`` cannot
+resume them (a request with one choice can be).
 """
 
 from __future__ import annotations

@@ -371,7 +371,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             RequestLog(response_id, header.served_model, header.kind, True, None),
         )
         gen.handle = handle
-        fmt = ResponseFormatter(spec, response_id, header.served_model, tokenizer, len(header.prompt_token_ids), header.echo_text)
+        n_prompt = len(header.prompt_token_ids)
+        fmt = ResponseFormatter(
+            spec, response_id, header.served_model, tokenizer, n_prompt, header.echo_text, 0, header.prompt_token_ids
+        )
         fmt.created = header.created
         return event_stream(stream_events(gen, fmt, int(last)), response_id)
 

@@ -10,8 +10,10 @@ prompt once and every generated token, the discarded candidates' too (as OpenAI 
 ``best_of``), so it agrees with ``vllm:generation_tokens``.
 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
-each ending with its ``finish_reason``; a final usage chunk covers them all. Such streams are not
-journaled, so ``GET /v1/streams/{id}`` cannot resume them (a request with one choice can be).
+each ending with its ``finish_reason``; a final usage chunk covers them all. With ``echo`` and
+logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed
+(`SharedPromptLogprobs`). Such streams are not journaled, so ``GET /v1/streams/{id}`` cannot
+resume them (a request with one choice can be).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ async def serve_choices(
             for i, prompt in enumerate(prompts)
             for j in range(k)
         ]
-        return _stream([g for group in gens for g in group], formatters, envelope)
+        return _stream([g for group in gens for g in group], formatters, envelope, k)
     pieces = await _collect(request, [g for group in gens for g in group])
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
@@ -223,8 +225,12 @@ async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]
     return pieces
 
 
-async def _stream(gens: list[Generation], formatters: list[ResponseFormatter], envelope: ResponseFormatter) -> AsyncIterator[str]:
-    """SSE events of all choices, interleaved as their pieces arrive; ``[DONE]`` after the last."""
+async def _stream(
+    gens: list[Generation], formatters: list[ResponseFormatter], envelope: ResponseFormatter, k: int
+) -> AsyncIterator[str]:
+    """SSE events of all choices, interleaved as their pieces arrive; ``[DONE]`` after the last.
+    ``k``: children per prompt (their choices' echo chunks share child 0's prompt logprobs)."""
+    echoes = SharedPromptLogprobs(formatters, k)
     queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
 
     async def run(i: int) -> None:
@@ -253,9 +259,10 @@ async def _stream(gens: list[Generation], formatters: list[ResponseFormatter], e
                 number += 1
                 yield sse(body, number)
                 break
-            for chunk in formatters[i].stream_piece(item, gens[i].num_completion_tokens):
-                number += 1
-                yield sse(chunk, number)
+            for j, piece in echoes.ready(i, item):
+                for chunk in formatters[j].stream_piece(piece, gens[j].num_completion_tokens):
+                    number += 1
+                    yield sse(chunk, number)
         else:
             if envelope.spec.include_usage:
                 number += 1
@@ -265,3 +272,35 @@ async def _stream(gens: list[Generation], formatters: list[ResponseFormatter], e
             if not t.done():
                 t.cancel()
     yield f"id: {number + 1}\ndata: [DONE]\n\n"
+
+
+class SharedPromptLogprobs:
+    """Streams the choices of a prompt with one echo's logprobs: only child 0 computes them, so a
+    sibling whose echo chunk is still to come holds its pieces until child 0's first piece."""
+
+    def __init__(self, formatters: list[ResponseFormatter], k: int) -> None:
+        self.formatters = formatters
+        self.k = k
+        self.known: dict[int, list[dict[int, float] | None] | None] = {}  # prompt -> its logprobs
+        self.held: dict[int, list[tuple[int, Piece]]] = {}  # prompt -> siblings' pieces, in order
+        self.shared: set[int] = set()  # choices given them
+
+    def ready(self, i: int, piece: Piece) -> list[tuple[int, Piece]]:
+        """The (choice, piece) pairs to format now, in order, given choice ``i``'s ``piece``."""
+        prompt, child = divmod(i, self.k)
+        if child == 0:
+            if prompt in self.known:
+                return [(i, piece)]
+            self.known[prompt] = piece.prompt_logprobs
+            return [(i, piece), *(self._share(j, p) for j, p in self.held.pop(prompt, []))]
+        if prompt not in self.known and self.formatters[i].echo_pending:
+            self.held.setdefault(prompt, []).append((i, piece))
+            return []
+        return [self._share(i, piece)]
+
+    def _share(self, i: int, piece: Piece) -> tuple[int, Piece]:
+        """Choice ``i``'s piece; its first, for the echo chunk, with the prompt's logprobs."""
+        if i in self.shared or not self.formatters[i].echo_pending or piece.prompt_logprobs is not None:
+            return i, piece
+        self.shared.add(i)
+        return i, dataclasses.replace(piece, prompt_logprobs=self.known[i // self.k])

@@ -216,8 +216,8 @@ def parse_completion(body: Any) -> GenerationSpec:
     max_tokens = _max_tokens(body, "max_tokens")
     spec = _common(body, "completion", 16 if max_tokens is None else max_tokens, logprobs)
     spec.echo = get_bool(body, "echo", False)
-    if spec.echo and logprobs is not None and not spec.stream:
-        spec.sampling.prompt_logprobs = logprobs  # the prompt's logprobs come with its echo
+    if spec.echo and logprobs is not None:
+        spec.sampling.prompt_logprobs = logprobs  # the prompt's logprobs come with its echo (streamed too)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

@@ -20,7 +20,9 @@ from gateway.tool_calls import stream_tool_calls, tool_calls
 class ResponseFormatter:
     """Formats one choice's pieces (choice ``index``); keeps the running text offset for completion
     logprobs. With ``echo`` and logprobs, a completion's logprobs start with the prompt's (from the
-    piece that carries them; the first token's is null): ``prompt_token_ids`` names its tokens."""
+    piece that carries them; the first token's is null): ``prompt_token_ids`` names its tokens.
+    Streamed, the echo chunk then waits for the first piece, which brings the prompt's logprobs,
+    and carries them (vLLM streams them with the echo too); without logprobs it is sent at once."""
 
     def __init__(
         self,
@@ -47,6 +49,8 @@ class ResponseFormatter:
         self.chat = spec.kind == "chat"
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
         self.tool_text = ""  # a tool-call request's text so far (streaming)
+        # streaming: the echo chunk waits for the prompt's logprobs (on the first piece)
+        self.echo_pending = bool(echo_text) and not self.chat and spec.logprobs is not None
 
     # -- pieces ------------------------------------------------------------------------------
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -63,8 +67,9 @@ class ResponseFormatter:
         n = self.spec.logprobs or 0
         return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
-    def logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
-        """Logprobs of the tokens in ``pieces``, in completions or chat format."""
+    def logprobs(self, pieces: list[Piece], with_prompt: bool = True) -> dict[str, Any] | None:
+        """Logprobs of the tokens in ``pieces``, in completions or chat format; an echoed
+        completion's start with the prompt's (unless not ``with_prompt``)."""
         if self.spec.logprobs is None:
             return None
         pairs = [(t, lp) for p in pieces for t, lp in zip(p.token_ids, p.logprobs)]
@@ -84,19 +89,8 @@ class ResponseFormatter:
                     }
                 )
             return {"content": content}
-        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         prompt_lps = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
-        if prompt_lps is not None and self.echo_text is not None and self.prompt_token_ids is not None:
-            offset = 0
-            for token_id, prompt_entry in zip(self.prompt_token_ids, prompt_lps):
-                text = self._token_text(token_id)
-                out["tokens"].append(text)
-                out["token_logprobs"].append(None if prompt_entry is None else prompt_entry.get(token_id))
-                out["top_logprobs"].append(
-                    None if prompt_entry is None else {self._token_text(t): v for t, v in self._top(prompt_entry)}
-                )
-                out["text_offset"].append(offset)
-                offset += len(text)
+        out = self._prompt_logprobs(prompt_lps if with_prompt else None)
         for token_id, entry in pairs:
             text = self._token_text(token_id)
             out["tokens"].append(text)
@@ -104,6 +98,23 @@ class ResponseFormatter:
             out["top_logprobs"].append({self._token_text(t): v for t, v in self._top(entry or {})})
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(text)
+        return out
+
+    def _prompt_logprobs(self, prompt_lps: list[dict[int, float] | None] | None) -> dict[str, list[Any]]:
+        """Completions-format logprobs of the echoed prompt (empty lists without them)."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt_lps is None or self.echo_text is None or self.prompt_token_ids is None:
+            return out
+        offset = 0
+        for token_id, prompt_entry in zip(self.prompt_token_ids, prompt_lps):
+            text = self._token_text(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if prompt_entry is None else prompt_entry.get(token_id))
+            out["top_logprobs"].append(
+                None if prompt_entry is None else {self._token_text(t): v for t, v in self._top(prompt_entry)}
+            )
+            out["text_offset"].append(offset)
+            offset += len(text)
         return out
 
     # -- non-streaming -----------------------------------------------------------------------
@@ -173,17 +184,22 @@ class ResponseFormatter:
                     }
                 )
             ]
-        if self.echo_text:
-            return [
-                self._chunk(
-                    {"index": self.index, "text": self.echo_text, "logprobs": None, "finish_reason": None, "stop_reason": None}
-                )
-            ]
+        if self.echo_text and not self.echo_pending:
+            return [self._echo_chunk(None)]
         return []
 
+    def _echo_chunk(self, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return self._chunk(
+            {"index": self.index, "text": self.echo_text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
+        )
+
     def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
+        """The chunks of one piece: after the echo chunk, if it waited for this (the first) piece."""
         chunks: list[dict[str, Any]] = []
-        logprobs = self.logprobs([piece])
+        if self.echo_pending:
+            self.echo_pending = False
+            chunks.append(self._echo_chunk(self._prompt_logprobs(piece.prompt_logprobs)))
+        logprobs = self.logprobs([piece], with_prompt=False)
         if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
             if self.chat:
                 delta: dict[str, Any] = {"content": piece.text} if piece.text or piece.finish_reason is None else {}

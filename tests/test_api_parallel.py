@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -134,6 +135,80 @@ def test_echo_with_logprobs_returns_prompt_logprobs(stack: Stack, client: openai
         assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
         assert choice.logprobs.token_logprobs[0] is None
         assert choice.logprobs.token_logprobs[1:3] == lp.token_logprobs[1:3]
+
+
+def _echo_request(**kwargs: Any) -> dict[str, Any]:
+    return {"model": "", "prompt": ids(21, 5), "echo": True, "max_tokens": 3, "temperature": 0, "extra_body": NO_EOS, **kwargs}
+
+
+def _prompt_part(lp: Any, n: int) -> dict[str, list[Any]]:
+    """The first ``n`` entries of completions logprobs (an object or its JSON)."""
+    get = lp.get if isinstance(lp, dict) else lambda key: getattr(lp, key)
+    return {key: list(get(key))[:n] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def _assert_same_prompt_logprobs(got: dict[str, list[Any]], want: dict[str, list[Any]]) -> None:
+    assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-5)
+    for top, top_want in zip(got["top_logprobs"][1:], want["top_logprobs"][1:]):
+        assert top.keys() == top_want.keys() and list(top.values()) == pytest.approx(list(top_want.values()), abs=1e-5)
+
+
+def test_streamed_echo_with_logprobs_carries_the_prompt_logprobs(client: openai.OpenAI) -> None:
+    """vLLM's streamed echo: its chunk carries the prompt's logprobs, as the non-streaming echo does."""
+    request = _echo_request(logprobs=2)
+    n_prompt = len(request["prompt"])
+    whole = client.completions.create(**request)
+    want = _prompt_part(whole.choices[0].logprobs, n_prompt)
+    assert want["token_logprobs"][0] is None and len(want["tokens"]) == n_prompt
+    chunks = list(client.completions.create(**request, stream=True))
+    echo = chunks[0].choices[0]
+    plain = client.completions.create(**{**request, "echo": False})
+    assert whole.choices[0].text.endswith(plain.choices[0].text)
+    echo_text = whole.choices[0].text.removesuffix(plain.choices[0].text)
+    assert echo.text == echo_text and echo.text and echo.finish_reason is None
+    assert echo.logprobs is not None and len(echo.logprobs.tokens or []) == n_prompt
+    _assert_same_prompt_logprobs(_prompt_part(echo.logprobs, n_prompt), want)
+    # The rest are the generated tokens', as in the non-streaming response after the prompt's.
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    generated = [t for c in chunks[1:] if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
+    assert whole.choices[0].logprobs is not None and generated == (whole.choices[0].logprobs.tokens or [])[n_prompt:]
+    # With n = 2, each choice's echo chunk (its first) carries them: child 0 computed them for both.
+    firsts: dict[int, Any] = {}
+    for chunk in client.completions.create(**request, n=2, stream=True):
+        [choice] = chunk.choices
+        firsts.setdefault(choice.index, choice)
+    assert sorted(firsts) == [0, 1]
+    for choice in firsts.values():
+        assert choice.text == echo_text and choice.logprobs is not None
+        _assert_same_prompt_logprobs(_prompt_part(choice.logprobs, n_prompt), want)
+        assert len(choice.logprobs.tokens or []) == n_prompt
+
+
+def test_streamed_echo_without_logprobs_is_unchanged(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(**_echo_request(), stream=True))
+    whole = client.completions.create(**_echo_request())
+    echo = chunks[0].choices[0]
+    assert echo.text and whole.choices[0].text.startswith(echo.text) and echo.logprobs is None
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_resumed_streamed_echo_replays_the_prompt_logprobs(stack: Stack) -> None:
+    """The prompt's logprobs are journaled with the first output: a resumed stream's echo chunk is
+    the first gateway's, byte for byte."""
+    request = _echo_request(logprobs=1, stream=True)
+    del request["extra_body"]
+    with httpx.Client(base_url=stack.urls[0], timeout=60) as http:
+        first = http.post("/v1/completions", json={**request, **NO_EOS})
+        assert first.status_code == 200, first.text
+        rid = first.headers["x-request-id"]
+        events = [e for e in first.text.split("\n\n") if e]
+        echo = json.loads(events[0].split("data: ", 1)[1])["choices"][0]
+        assert echo["logprobs"]["token_logprobs"][0] is None and len(echo["logprobs"]["tokens"]) == len(request["prompt"])
+        assert http.get(f"/v1/streams/{rid}").text == first.text
+        later = http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": "1"})
+        assert [e for e in later.text.split("\n\n") if e] == events[1:]
 
 
 def _generation_tokens(client: openai.OpenAI) -> float:

@@ -249,8 +249,12 @@ class Transport(TransportCore[aioredis.Redis]):
                     self._append_script = False
             if self._append_script:  # reloaded by redis-py if the server lost it (restart, failover)
                 keys, args = script_arguments(sends)
-                await self.call(self._append_script, keys=keys, args=args, deadline_s=deadline_s)
-                return
+                try:
+                    await self.call(self._append_script, keys=keys, args=args, deadline_s=deadline_s)
+                    return
+                except redis.ResponseError as exc:  # e.g. a stand-in without Lua's cmsgpack: it fails before any append
+                    logger.warning("%s: the append script failed (%s); appends go pipelined", self.owner, exc)
+                    self._append_script = False
         if sends:  # a new pipeline per try: a failed execute() leaves its own empty
             await self.call(lambda: self._pipeline(sends, None, None).execute(), deadline_s=deadline_s)
 

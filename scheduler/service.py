@@ -344,7 +344,7 @@ class SchedulerService:
                     logger.warning("rejected request %s: %s", msg.request_id, error)
                     sends.append(self.router.reject(msg.request_id, msg.gateway_id, error))
             elif isinstance(msg, AbortRequests):
-                aborted.extend(msg.request_ids)
+                aborted.extend(r for r in msg.request_ids if self.router.may_abort(r, msg.gateway_id))
             else:
                 sends.append(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)

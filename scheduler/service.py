@@ -336,6 +336,7 @@ class SchedulerService:
             return
         sends: list[Outgoing] = []
         aborted: list[str] = []
+        aborts: list[tuple[str, str]] = []  # (request, from gateway): checked once every sync is applied
         while self.inbox:
             msg = self.inbox.popleft()
             if isinstance(msg, GenerateRequest):
@@ -344,11 +345,12 @@ class SchedulerService:
                     logger.warning("rejected request %s: %s", msg.request_id, error)
                     sends.append(self.router.reject(msg.request_id, msg.gateway_id, error))
             elif isinstance(msg, AbortRequests):
-                aborted.extend(r for r in msg.request_ids if self.router.may_abort(r, msg.gateway_id))
+                aborts.extend((r, msg.gateway_id) for r in msg.request_ids)
             else:
                 sends.append(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
                 )
+        aborted.extend(r for r, gateway_id in aborts if self.router.may_abort(r, gateway_id))
         now = time.monotonic()
         while self.dead_gateways:
             gateway_id = self.dead_gateways.popleft()

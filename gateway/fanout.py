@@ -135,29 +135,7 @@ async def serve_choices(
         )
     num_prompt_tokens = sum(len(p.ids) for p in prompts)
     envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None)
-    journal: list[Outgoing] = []
-    if spec.stream:  # one header per prompt, written with (or, a client's id, claimed before) the first child
-        journal = [
-            Outgoing(
-                ctx.client.names.journal(response_id),
-                encode(
-                    JournalHeader(
-                        response_id,
-                        spec.kind,
-                        journal_body(body, spec.kind) if i == 0 else "",
-                        ctx.model,
-                        envelope.created,
-                        max_tokens,
-                        prompt.ids,
-                        prompt.echo,
-                        [g.request_id for g in group],
-                    )
-                ),
-                None,
-                ctx.client.journal_ttl_ms,
-            )
-            for i, (prompt, max_tokens, group) in enumerate(zip(prompts, budgets, gens))
-        ]
+    journal = _journal_headers(ctx, spec, body, response_id, envelope.created, prompts, budgets, gens) if spec.stream else []
     await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))], response_id if spec.stream else "", journal, client_chose)
     n = spec.sampling.n
     if spec.stream:
@@ -183,6 +161,40 @@ async def serve_choices(
             choices.append(fmt.choice(_with_prompt_logprobs(mine[child], mine[0])))
         completion_tokens += sum(g.num_completion_tokens for g in group)
     return envelope.response(choices, completion_tokens)
+
+
+def _journal_headers(
+    ctx: FanoutContext,
+    spec: GenerationSpec,
+    body: dict[str, Any],
+    response_id: str,
+    created: int,
+    prompts: list[_Prompt],
+    budgets: list[int],
+    gens: list[list[Generation]],
+) -> list[Outgoing]:
+    """A stream's journal headers, one per prompt naming its choices (`gateway.journal`)."""
+    return [
+        Outgoing(
+            ctx.client.names.journal(response_id),
+            encode(
+                JournalHeader(
+                    response_id,
+                    spec.kind,
+                    journal_body(body, spec.kind) if i == 0 else "",  # the parameters, once
+                    ctx.model,
+                    created,
+                    max_tokens,
+                    prompt.ids,
+                    prompt.echo,
+                    [g.request_id for g in group],
+                )
+            ),
+            None,
+            ctx.client.journal_ttl_ms,
+        )
+        for i, (prompt, max_tokens, group) in enumerate(zip(prompts, budgets, gens))
+    ]
 
 
 def _formatter(

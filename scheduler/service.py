@@ -240,7 +240,7 @@ class SchedulerService:
             try:
                 got = self.transport.read(cursors, block_ms=1000, expected=(GenerateRequest, AbortRequests, SyncRequest))
                 if got:
-                    self.inbox.extend(msg for _, _, msg in got)
+                    self.inbox.extend([msg for _, _, msg in got])  # a list: one batch lands at once
                     self.wakeup.set()
                 if cursors[stream] != cursor:
                     cursor = cursors[stream]  # type: ignore[assignment]

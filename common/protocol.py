@@ -121,10 +121,15 @@ class GenerateRequest:
 
 @dataclass(slots=True)
 class AbortRequests:
-    """gateway -> one scheduler (its requests stream): stop these requests and free their blocks."""
+    """gateway -> one scheduler (its requests stream): stop these requests and free their blocks.
+
+    From ``gateway_id`` (when set) only those no other gateway has adopted since (`SyncRequest`):
+    a gateway whose client hung up aborts a stream that the client may be resuming elsewhere.
+    """
 
     request_ids: list[str]
     reason: str = "abort"
+    gateway_id: str = ""
 
 
 @dataclass(slots=True)
@@ -349,7 +354,12 @@ class EngineStatus:
 
 @dataclass(slots=True)
 class JournalHeader:
-    """First entry of ``journal:<response>``: what a gateway needs to re-create the response."""
+    """First entry of ``journal:<response>``: what a gateway needs to re-create the response.
+
+    A response with several choices journals them all in one journal, with one header per prompt
+    (the first carries the body): ``choice_ids`` are the request ids of that prompt's choices, in
+    index order (empty for a response with one choice).
+    """
 
     response_id: str
     kind: str  # "completion" | "chat"
@@ -359,6 +369,7 @@ class JournalHeader:
     max_tokens: int
     prompt_token_ids: list[int] = packed("i")
     echo_text: str | None = None
+    choice_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ Resumable streams: every SSE event carries an ``id:`` (1, 2, ...). A streaming r
 journaled in Redis (``journal:<response id>``: a `JournalHeader`, the `Route` of each attempt,
 then every engine output, written before the client sees what it produces), so the events are a
 pure function of the journal. Another gateway replays it, skips what the client has
-(``Last-Event-ID``), adopts the request in its engine (`SyncRequest`) and continues live.
+(``Last-Event-ID``), adopts the request in its engine (`SyncRequest`) and continues live. A
+response with several choices shares one journal among them (`gateway.journal`, `gateway.fanout`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from common.protocol import EngineStatus, JournalHeader, Names, encode
 from common.sampling_params import sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
-from gateway.fanout import FanoutContext, needs_fanout, serve_choices
+from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
+from gateway.journal import journal_body, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
@@ -277,7 +279,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if needs_fanout(spec):
             response_id, engine_id = response_ids(request, spec, client_id)
             ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, config.max_inflight)
-            out = await serve_choices(ctx, request, spec, response_id, engine_id, arrival)
+            out = await serve_choices(ctx, request, spec, (response_id, engine_id, client_id is not None), body, arrival)
             return (
                 JSONResponse(out, headers={"X-Request-Id": response_id})
                 if isinstance(out, dict)
@@ -340,18 +342,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
         check_key(request)
         last = request.headers.get("last-event-id", "0").strip()
-        if not (last.isascii() and last.isdigit()) or len(last) > 9:
-            raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
         header, route, outputs = await client.read_journal(response_id)
         if header is None or route is None:
-            raise ApiError(
-                404,
-                f"no resumable stream {response_id!r} (unknown, or older than the resume window)",
-                "not_found_error",
-                code="stream_not_found",
-            )
+            raise stream_not_found(response_id)
         info = ready_info()
         tokenizer = await tokenizers.get(info)
+        if header.choice_ids:  # several choices, one journal (`gateway.fanout`)
+            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
+            return event_stream(await resume_choices(ctx, response_id, last), response_id)
+        if not (last.isascii() and last.isdigit()) or len(last) > 9:
+            raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
         spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
         spec.sampling.max_tokens = header.max_tokens
         try:
@@ -436,10 +436,3 @@ def package_version() -> str:
         return importlib.metadata.version("conveyor")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
-
-
-def journal_body(body: dict[str, Any], kind: str) -> str:
-    """The request's JSON for a journal, without its prompt: the prompt travels as token ids (and
-    echo text) beside it, and the parsers only need a valid stand-in to rebuild the parameters."""
-    stand_in = {"prompt": [0]} if kind == "completion" else {"messages": [{"role": "user", "content": ""}]}
-    return json.dumps({**body, **stand_in})

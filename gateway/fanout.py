@@ -12,8 +12,9 @@ prompt once and every generated token, the discarded candidates' too (as OpenAI 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
 each ending with its ``finish_reason``; a final usage chunk covers them all. With ``echo`` and
 logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed
-(`SharedPromptLogprobs`). Such streams are not journaled, so ``GET /v1/streams/{id}`` cannot
-resume them (a request with one choice can be).
+(`gateway.choice_stream.SharedPromptLogprobs`). Such a stream is journaled (all its choices in
+one journal: `gateway.journal`) and ``GET /v1/streams/{id}`` resumes it (`resume_choices`) with
+event ids that count each choice's events (`gateway.choice_stream`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,13 +31,17 @@ from typing import Any
 from fastapi import Request
 
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, ranks_by_logprob, select_best
-from common.protocol import EngineStatus
+from common.protocol import EngineStatus, JournalHeader, encode
+from common.sampling_params import sampling_to_dict
+from common.transport import Outgoing
+from gateway.choice_stream import ChoiceCursor, stream_choices
 from gateway.generation import Generation, Piece, RequestLog
+from gateway.journal import journal_body, read_choice_journal, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import GenerationSpec
-from gateway.responses import ResponseFormatter, sse
-from gateway.router import EngineClient
+from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
+from gateway.responses import ResponseFormatter
+from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import LARGE_INPUT_BYTES, InputWorkers, tokenize
 
 
@@ -84,9 +90,16 @@ async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prom
 
 
 async def serve_choices(
-    ctx: FanoutContext, request: Request, spec: GenerationSpec, response_id: str, engine_id: str, arrival: float
+    ctx: FanoutContext,
+    request: Request,
+    spec: GenerationSpec,
+    ids: tuple[str, str, bool],
+    body: dict[str, Any],
+    arrival: float,
 ) -> dict[str, Any] | AsyncIterator[str]:
-    """Run every child; a response body, or (streaming) the SSE events."""
+    """Run every child; a response body, or (streaming) the SSE events. ``ids``: the response id,
+    the engine id, and whether the client chose the response id (a stream's journal claims it)."""
+    response_id, engine_id, client_chose = ids
     prompts, budgets = await _prompts(ctx, spec)
     k = num_children(spec.sampling)
     if len(ctx.client.requests) + k * len(prompts) > ctx.max_inflight:
@@ -120,9 +133,10 @@ async def serve_choices(
                 for j in range(k)
             ]
         )
-    await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))])
     num_prompt_tokens = sum(len(p.ids) for p in prompts)
     envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None)
+    journal = _journal_headers(ctx, spec, body, response_id, envelope.created, prompts, budgets, gens) if spec.stream else []
+    await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))], response_id if spec.stream else "", journal, client_chose)
     n = spec.sampling.n
     if spec.stream:
         formatters = [
@@ -130,7 +144,7 @@ async def serve_choices(
             for i, prompt in enumerate(prompts)
             for j in range(k)
         ]
-        return _stream([g for group in gens for g in group], formatters, envelope, k)
+        return stream_choices([g for group in gens for g in group], formatters, envelope, k)
     pieces = await _collect(request, [g for group in gens for g in group])
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
@@ -147,6 +161,40 @@ async def serve_choices(
             choices.append(fmt.choice(_with_prompt_logprobs(mine[child], mine[0])))
         completion_tokens += sum(g.num_completion_tokens for g in group)
     return envelope.response(choices, completion_tokens)
+
+
+def _journal_headers(
+    ctx: FanoutContext,
+    spec: GenerationSpec,
+    body: dict[str, Any],
+    response_id: str,
+    created: int,
+    prompts: list[_Prompt],
+    budgets: list[int],
+    gens: list[list[Generation]],
+) -> list[Outgoing]:
+    """A stream's journal headers, one per prompt naming its choices (`gateway.journal`)."""
+    return [
+        Outgoing(
+            ctx.client.names.journal(response_id),
+            encode(
+                JournalHeader(
+                    response_id,
+                    spec.kind,
+                    journal_body(body, spec.kind) if i == 0 else "",  # the parameters, once
+                    ctx.model,
+                    created,
+                    max_tokens,
+                    prompt.ids,
+                    prompt.echo,
+                    [g.request_id for g in group],
+                )
+            ),
+            None,
+            ctx.client.journal_ttl_ms,
+        )
+        for i, (prompt, max_tokens, group) in enumerate(zip(prompts, budgets, gens))
+    ]
 
 
 def _formatter(
@@ -170,21 +218,28 @@ def _with_prompt_logprobs(pieces: list[Piece], first_child: list[Piece]) -> list
     return [dataclasses.replace(pieces[0], prompt_logprobs=shared), *pieces[1:]]
 
 
-async def _start(gens: list[list[Generation]], group_ids: list[str]) -> None:
+async def _start(
+    gens: list[list[Generation]], group_ids: list[str], journal_id: str, journal: list[Outgoing], claim: bool
+) -> None:
     """Submit every child: a prompt's first, then its siblings to the same engine (together).
-    If any cannot start, those started are aborted and the error is raised."""
+    A stream's children share the journal ``journal_id``, whose headers (``journal``) go with the
+    first child, the first of them as a claim when ``claim`` (`EngineClient.submit`). If any child
+    cannot start, those started are aborted, the journal is deleted and the error is raised."""
     started: list[Generation] = []
     try:
-        for group, group_id in zip(gens, group_ids):
+        for n, (group, group_id) in enumerate(zip(gens, group_ids)):
             first = group[0]
             if len(group) == 1:
                 group_id = ""
-            await first.start(group_id=group_id)
+            if n == 0 and journal_id:
+                await first.start(journal_id, journal[1:] if claim else journal, journal[0] if claim else None, group_id)
+            else:
+                await first.start(journal_id, group_id=group_id)
             started.append(first)
             engine = first.handle.scheduler_id if first.handle is not None else ""
             rest = group[1:]
             results = await asyncio.gather(
-                *(g.start(group_id=group_id, prefer_engine=engine) for g in rest), return_exceptions=True
+                *(g.start(journal_id, group_id=group_id, prefer_engine=engine) for g in rest), return_exceptions=True
             )
             started.extend(g for g, r in zip(rest, results) if r is None)
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -193,6 +248,10 @@ async def _start(gens: list[list[Generation]], group_ids: list[str]) -> None:
     except BaseException:
         for g in started:
             g.client.abort(g.request_id)
+        if started and journal_id:  # the stream never started: its id is free again
+            t = started[0].client.transport
+            with contextlib.suppress(Exception):
+                await t.call(t.redis.delete, journal[0].stream, deadline_s=2)
         raise
 
 
@@ -225,82 +284,52 @@ async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]
     return pieces
 
 
-async def _stream(
-    gens: list[Generation], formatters: list[ResponseFormatter], envelope: ResponseFormatter, k: int
-) -> AsyncIterator[str]:
-    """SSE events of all choices, interleaved as their pieces arrive; ``[DONE]`` after the last.
-    ``k``: children per prompt (their choices' echo chunks share child 0's prompt logprobs)."""
-    echoes = SharedPromptLogprobs(formatters, k)
-    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
-
-    async def run(i: int) -> None:
-        try:
-            async for piece in gens[i].pieces():
-                await queue.put((i, piece))
-            await queue.put((i, None))
-        except Exception as exc:
-            await queue.put((i, exc))
-
-    tasks = [asyncio.create_task(run(i)) for i in range(len(gens))]
-    number = 0
+async def resume_choices(ctx: FanoutContext, response_id: str, last_event_id: str) -> AsyncIterator[str]:
+    """Resume a multi-choice stream (`gateway.journal`): every choice is adopted as a stream of
+    one choice is, and the events the client has (``Last-Event-ID``, `ChoiceCursor`) are skipped."""
+    journal = await read_choice_journal(ctx.client, response_id)
+    ids = [rid for header in journal.headers for rid in header.choice_ids]
+    if not ids or any(rid not in journal.routes for rid in ids):
+        raise stream_not_found(response_id)
+    seen = ChoiceCursor.parse(last_event_id, len(ids))
+    first = journal.headers[0]
+    spec = parse_chat(json.loads(first.body)) if first.kind == "chat" else parse_completion(json.loads(first.body))
+    k = len(first.choice_ids)
+    gens: list[Generation] = []
+    formatters: list[ResponseFormatter] = []
     try:
-        for fmt in formatters:
-            for chunk in fmt.stream_start():
-                number += 1
-                yield sse(chunk, number)
-        remaining = len(gens)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-                continue
-            if isinstance(item, BaseException):
-                body = item.body() if isinstance(item, ApiError) else ApiError(500, "internal error", "server_error").body()
-                number += 1
-                yield sse(body, number)
-                break
-            for j, piece in echoes.ready(i, item):
-                for chunk in formatters[j].stream_piece(piece, gens[j].num_completion_tokens):
-                    number += 1
-                    yield sse(chunk, number)
-        else:
-            if envelope.spec.include_usage:
-                number += 1
-                yield sse(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)), number)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-    yield f"id: {number + 1}\ndata: [DONE]\n\n"
-
-
-class SharedPromptLogprobs:
-    """Streams the choices of a prompt with one echo's logprobs: only child 0 computes them, so a
-    sibling whose echo chunk is still to come holds its pieces until child 0's first piece."""
-
-    def __init__(self, formatters: list[ResponseFormatter], k: int) -> None:
-        self.formatters = formatters
-        self.k = k
-        self.known: dict[int, list[dict[int, float] | None] | None] = {}  # prompt -> its logprobs
-        self.held: dict[int, list[tuple[int, Piece]]] = {}  # prompt -> siblings' pieces, in order
-        self.shared: set[int] = set()  # choices given them
-
-    def ready(self, i: int, piece: Piece) -> list[tuple[int, Piece]]:
-        """The (choice, piece) pairs to format now, in order, given choice ``i``'s ``piece``."""
-        prompt, child = divmod(i, self.k)
-        if child == 0:
-            if prompt in self.known:
-                return [(i, piece)]
-            self.known[prompt] = piece.prompt_logprobs
-            return [(i, piece), *(self._share(j, p) for j, p in self.held.pop(prompt, []))]
-        if prompt not in self.known and self.formatters[i].echo_pending:
-            self.held.setdefault(prompt, []).append((i, piece))
-            return []
-        return [self._share(i, piece)]
-
-    def _share(self, i: int, piece: Piece) -> tuple[int, Piece]:
-        """Choice ``i``'s piece; its first, for the echo chunk, with the prompt's logprobs."""
-        if i in self.shared or not self.formatters[i].echo_pending or piece.prompt_logprobs is not None:
-            return i, piece
-        self.shared.add(i)
-        return i, dataclasses.replace(piece, prompt_logprobs=self.known[i // self.k])
+        if any(rid in ctx.client.requests for rid in ids):
+            raise RequestIdInUse(f"stream {response_id!r} is already being served by this gateway")
+        for i, header in enumerate(journal.headers):
+            prompt = _Prompt(header.prompt_token_ids, header.echo_text)
+            sampling = dataclasses.replace(spec.sampling, max_tokens=header.max_tokens)
+            for j, rid in enumerate(header.choice_ids):
+                child = child_params(sampling, j)
+                handle = await ctx.client.adopt(
+                    response_id, prompt.ids, sampling_to_dict(child), journal.routes[rid], journal.outputs
+                )
+                gen = Generation(
+                    ctx.client,
+                    ctx.tokenizer,
+                    handle.request_id,
+                    prompt.ids,
+                    child,
+                    spec.stop,
+                    spec.include_stop_str_in_output,
+                    spec.skip_special_tokens,
+                    ctx.metrics.request(ctx.model, len(prompt.ids), None),
+                    RequestLog(response_id, ctx.model, spec.kind, True, None),
+                )
+                gen.handle = handle
+                gens.append(gen)
+                formatters.append(_formatter(spec, response_id, ctx, prompt, i * k + j, first.created))
+    except BaseException as exc:
+        for g in gens:
+            ctx.client.abort(g.request_id)
+        if isinstance(exc, RequestIdInUse):
+            raise ApiError(409, str(exc), code="stream_in_use") from None
+        raise
+    num_prompt_tokens = sum(len(h.prompt_token_ids) for h in journal.headers)
+    envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None)
+    envelope.created = first.created
+    return stream_choices(gens, formatters, envelope, k, seen)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from common.codec import unpack_logprobs
 from common.protocol import StepOutputs
-from gateway.request_handle import EngineEvent, RequestHandle
+from gateway.request_handle import EngineEvent, RequestHandle, base_request_id
 
 
 @dataclass(slots=True)
@@ -111,12 +111,15 @@ def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> Ste
 def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEvent]:
     """The journaled events of a stream, in order and without duplicates, as first delivered
     (one per journal entry); stops at a gap (outputs lost with the old gateway: the engine resends
-    from there) and at the end. Extends ``handle.output_token_ids``."""
+    from there) and at the end. Extends ``handle.output_token_ids``. Outputs of other requests
+    (the other choices of a response, which share its journal) are skipped."""
     events: list[EngineEvent] = []
     for msg in outputs:
         stop_reasons = msg.stop_reasons()
         prompt_lps = msg.prompt_logprobs() if msg.plp_num else [None] * len(msg.request_ids)
-        for i, _, tokens, lps in _rows(msg):
+        for i, engine_request_id, tokens, lps in _rows(msg):
+            if base_request_id(engine_request_id) != handle.request_id:
+                continue
             index = msg.token_index[i]
             if index > handle.next_index:
                 return events

@@ -55,6 +55,12 @@ class RequestHandle:
         return len(self.prompt_token_ids)
 
 
+def base_request_id(engine_request_id: str) -> str:
+    """The request id of an attempt's engine request id (attempt n > 1 runs as ``<id>~<n-1>``)."""
+    base, tilde, number = engine_request_id.rpartition("~")
+    return base if tilde and number.isdigit() else engine_request_id
+
+
 class EngineUnavailable(RuntimeError):
     """No live engine to serve requests (answered as 503)."""
 

@@ -246,6 +246,6 @@ class ResponseFormatter:
         return {"content": self.tool_text}, piece.finish_reason
 
 
-def sse(payload: dict[str, Any], number: int) -> str:
+def sse(payload: dict[str, Any], number: int | str) -> str:
     """One server-sent event numbered ``number`` (its ``id:``, for ``Last-Event-ID``)."""
     return f"id: {number}\ndata: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"

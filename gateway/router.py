@@ -53,7 +53,7 @@ from common.protocol import (
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine
 from gateway.outputs import journal_entry, replay, route_outputs
-from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
+from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, base_request_id
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
@@ -285,9 +285,7 @@ class EngineClient:
     ) -> RequestHandle:
         """A handle for a journaled stream: its journaled events first, then (unless it finished)
         the live ones, once its engine routes the request here (`SyncRequest`)."""
-        base, tilde, number = route.request_id.rpartition("~")  # attempt n > 1 runs as "<id>~<n-1>"
-        retried = bool(tilde) and number.isdigit()
-        request_id = base if retried else route.request_id
+        request_id = base_request_id(route.request_id)
         if request_id in self.requests:  # two handles of one stream: each would take the other's outputs
             raise RequestIdInUse(f"stream {response_id!r} is already being served by this gateway")
         handle = RequestHandle(
@@ -297,7 +295,7 @@ class EngineClient:
             journal_id=response_id,
             engine_request_id=route.request_id,
             scheduler_id=route.scheduler_id,
-            attempts=int(number) + 1 if retried else 1,
+            attempts=int(route.request_id.rpartition("~")[2]) + 1 if request_id != route.request_id else 1,
         )
         for event in replay(handle, outputs):  # as `_dispatch` delivered them
             self._deliver(handle, event)
@@ -318,7 +316,7 @@ class EngineClient:
 
     async def _flush_aborts(self, reason: str, deadline_s: float | None = None) -> None:
         aborts, self._aborts = self._aborts, {}
-        sends = [self._to_engine(sid, AbortRequests(ids, reason)) for sid, ids in aborts.items() if sid]
+        sends = [self._to_engine(sid, AbortRequests(ids, reason, self.gateway_id)) for sid, ids in aborts.items() if sid]
         try:
             await self.transport.send_many(sends, deadline_s=deadline_s)
         except Exception:

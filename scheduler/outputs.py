@@ -49,6 +49,12 @@ class OutputRouter:
         routes = list(self.routes.values())  # a copy: the watcher thread calls this
         return {r.gateway_id for r in routes if r.gateway_id}, {r.orphaned_from for r in routes if not r.gateway_id}
 
+    def may_abort(self, request_id: str, gateway_id: str) -> bool:
+        """Whether ``gateway_id`` ("": anyone) may abort ``request_id``: not once another gateway
+        adopted it (the client hung up on the first gateway, then resumed on that one)."""
+        route = self.routes.get(request_id)
+        return not gateway_id or route is None or route.gateway_id in ("", gateway_id)
+
     def orphans_of(self, gateway_id: str) -> list[str]:
         return [r for r, route in self.routes.items() if not route.gateway_id and route.orphaned_from == gateway_id]
 

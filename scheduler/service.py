@@ -240,7 +240,7 @@ class SchedulerService:
             try:
                 got = self.transport.read(cursors, block_ms=1000, expected=(GenerateRequest, AbortRequests, SyncRequest))
                 if got:
-                    self.inbox.extend(msg for _, _, msg in got)
+                    self.inbox.extend([msg for _, _, msg in got])  # a list: one batch lands at once
                     self.wakeup.set()
                 if cursors[stream] != cursor:
                     cursor = cursors[stream]  # type: ignore[assignment]
@@ -336,6 +336,7 @@ class SchedulerService:
             return
         sends: list[Outgoing] = []
         aborted: list[str] = []
+        aborts: list[tuple[str, str]] = []  # (request, from gateway): checked once every sync is applied
         while self.inbox:
             msg = self.inbox.popleft()
             if isinstance(msg, GenerateRequest):
@@ -344,11 +345,12 @@ class SchedulerService:
                     logger.warning("rejected request %s: %s", msg.request_id, error)
                     sends.append(self.router.reject(msg.request_id, msg.gateway_id, error))
             elif isinstance(msg, AbortRequests):
-                aborted.extend(msg.request_ids)
+                aborts.extend((r, msg.gateway_id) for r in msg.request_ids)
             else:
                 sends.append(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
                 )
+        aborted.extend(r for r, gateway_id in aborts if self.router.may_abort(r, gateway_id))
         now = time.monotonic()
         while self.dead_gateways:
             gateway_id = self.dead_gateways.popleft()

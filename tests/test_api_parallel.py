@@ -1,12 +1,15 @@
-"""``n``, ``best_of``, lists of prompts and echo with prompt logprobs, through the real stack
-(Redis, gateway, scheduler and executor processes) with the real ``openai`` client."""
+"""``n``, ``best_of``, lists of prompts and echo with prompt logprobs, and the resumption of their
+streams on another gateway, through the real stack (Redis, two gateways, scheduler and executor
+processes) with the real ``openai`` client and raw SSE readers."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("parallel")), executor_args=("--num-blocks", "256"))
+    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("parallel")), gateways=2, executor_args=("--num-blocks", "256"))
     s.start()
     yield s
     s.stop()
@@ -244,3 +247,82 @@ def test_bad_parallel_requests_are_400(client: openai.OpenAI, kwargs: dict[str, 
     assert info.value.status_code == 400
     body = info.value.body
     assert isinstance(body, dict) and body.get("param") == param
+
+
+def sse_events(lines: Iterable[str], limit: int | None = None) -> list[tuple[str, str]]:
+    """(id, data) of a stream's events; the first ``limit`` of them (a client that then hangs up)."""
+    events: list[tuple[str, str]] = []
+    event_id = ""
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            events.append((event_id, line[6:]))
+            if limit is not None and len(events) >= limit:
+                break
+    return events
+
+
+def per_choice(events: list[tuple[str, str]]) -> tuple[dict[int, str], dict[int, str], list[int], int]:
+    """Each choice's text and finish reason, the usage chunks' completion tokens, and the [DONE]s."""
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage: list[int] = []
+    for _, data in events:
+        if data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        assert "error" not in chunk, chunk
+        if chunk.get("usage"):
+            usage.append(chunk["usage"]["completion_tokens"])
+        for choice in chunk["choices"]:
+            assert choice["index"] not in finished, "nothing after a choice's finish_reason"
+            text = choice["text"] if "text" in choice else choice["delta"].get("content") or ""
+            texts[choice["index"]] = texts.get(choice["index"], "") + text
+            if choice["finish_reason"] is not None:
+                finished[choice["index"]] = choice["finish_reason"]
+    return texts, finished, usage, sum(data == "[DONE]" for _, data in events)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"prompt": ids(20, 7), "n": 2, "temperature": 0.9, "seed": 11},
+        {"prompt": [ids(20, 8), ids(9, 9)], "temperature": 0},
+        {"messages": [{"role": "user", "content": "two answers"}], "n": 2, "temperature": 0.8, "seed": 3},
+    ],
+    ids=["n=2 seeded", "2 prompts greedy", "chat n=2 seeded"],
+)
+def test_multi_choice_stream_resumes_on_another_gateway(stack: Stack, shape: dict[str, Any]) -> None:
+    """Read part of a stream with several choices from gateway A, hang up, resume on gateway B with
+    the last event id: together, exactly the uninterrupted stream (per choice), usage and [DONE] once."""
+    max_tokens, num_choices = 40, 2
+    body = {"model": "", "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, **shape, **NO_EOS}
+    a, b = stack.urls
+    path = "/v1/chat/completions" if "messages" in shape else "/v1/completions"
+    rid = f"multi-{uuid.uuid4().hex}"
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", a + path, json=body) as r:
+            whole = sse_events(r.iter_lines())
+        with http.stream("POST", a + path, json=body, headers={"X-Request-Id": rid}) as r:
+            assert r.headers["x-request-id"] == rid
+            part = sse_events(r.iter_lines(), limit=5)
+        assert re.fullmatch(r"c0\.\d+-c1\.\d+", part[-1][0]), part[-1][0]
+        # A hung up: it aborted every choice. B replays each from the journal, then continues them.
+        with http.stream("GET", f"{b}/v1/streams/{rid}", headers={"Last-Event-ID": part[-1][0]}) as r:
+            assert r.status_code == 200 and r.headers["x-request-id"] == rid
+            rest = sse_events(r.iter_lines())
+        # The id names one stream, on either gateway; a resume from the end is [DONE] alone.
+        for url in (a, b):
+            assert http.post(url + path, json=body, headers={"X-Request-Id": rid}).status_code == 409
+        again = http.get(f"{a}/v1/streams/{rid}", headers={"Last-Event-ID": rest[-2][0]})
+        assert [e for e in again.text.split("\n\n") if e] == [f"id: {rest[-1][0]}\ndata: [DONE]"]
+        replayed = sse_events(http.get(f"{b}/v1/streams/{rid}").text.splitlines())
+        bad = http.get(f"{b}/v1/streams/{rid}", headers={"Last-Event-ID": "7"})
+        assert bad.status_code == 400 and "c0." in bad.json()["error"]["message"]
+    texts, finished, usage, done = per_choice(whole)
+    assert sorted(texts) == list(range(num_choices)) and finished == dict.fromkeys(range(num_choices), "length")
+    assert usage == [num_choices * max_tokens] and done == 1
+    assert len({e for e, _ in part + rest}) == len(part + rest)  # no event twice
+    assert per_choice(part + rest) == (texts, finished, usage, 1)
+    assert per_choice(replayed) == (texts, finished, usage, 1)

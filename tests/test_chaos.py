@@ -10,6 +10,7 @@ with ``Last-Event-ID``), which no OpenAI client does by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -231,6 +232,66 @@ def test_gateway_killed_streams_resume_elsewhere(stack: Stack, reference: list[s
     stack.spawn_gateway(0)
     assert resumed, "no stream was on the killed gateway"
     _check(stack, results, reference, "gateway kill -9 (1 of 2), streams resumed")
+
+
+@dataclass
+class ChoicesRead:
+    """What a raw SSE reader has of a stream with several choices."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    finished: dict[int, str] = field(default_factory=dict)
+    usage: list[int] = field(default_factory=list)
+    last_id: str = ""
+    events: int = 0
+
+    def read(self, r: httpx.Response, on_event: Callable[[int], None] = lambda _: None) -> None:
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                self.last_id = line[4:]
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                self.usage.extend([chunk["usage"]["completion_tokens"]] if chunk.get("usage") else [])
+                for choice in chunk["choices"]:
+                    self.texts[choice["index"]] = self.texts.get(choice["index"], "") + choice["text"]
+                    if choice["finish_reason"]:
+                        self.finished[choice["index"]] = choice["finish_reason"]
+                self.events += 1
+                on_event(self.events)
+
+
+def test_gateway_killed_mid_multi_choice_stream_resumes_elsewhere(stack: Stack) -> None:
+    """SIGKILL the gateway serving an ``n`` = 2 stream: its engine journals both choices (orphans)
+    and the other gateway resumes them from the last event id; each ends with its full length,
+    token for token the same as the uninterrupted (non-streamed) request."""
+    max_tokens = 200
+    body = {"prompt": "def pair(x):", "n": 2, "max_tokens": max_tokens, "temperature": 0.9, "seed": 21, "ignore_eos": True}
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    got = ChoicesRead()
+
+    def kill_at_10(events: int) -> None:  # mid-stream: 2 x 200 tokens take far more than 10 events
+        if events == 10:
+            _kill(stack, "gateway0")
+
+    with httpx.Client(timeout=httpx.Timeout(120, connect=5)) as http:
+        want = [c["text"] for c in http.post(f"{stack.urls[1]}/v1/completions", json=body).json()["choices"]]
+        with pytest.raises((httpx.TransportError, httpx.StreamError)):
+            with http.stream("POST", f"{stack.urls[0]}/v1/completions", json=stream_body) as r:
+                rid = r.headers["x-request-id"]
+                got.read(r, kill_at_10)
+        assert got.events >= 10 and not got.finished
+        with http.stream("GET", f"{stack.urls[1]}/v1/streams/{rid}", headers={"Last-Event-ID": got.last_id}) as r:
+            assert r.status_code == 200
+            got.read(r)
+    stack.spawn_gateway(0)
+    assert got.finished == {0: "length", 1: "length"} and got.usage == [2 * max_tokens]
+    assert [got.texts[0], got.texts[1]] == want
+    deadline = time.monotonic() + 60  # gateway0 back for the next test
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{stack.urls[0]}/health", timeout=2).status_code == 200:
+                break
+        time.sleep(0.2)
 
 
 def test_redis_restarted(stack: Stack, reference: list[str]) -> None:

@@ -398,7 +398,7 @@ async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     assert (await journal(client, "resp"))[-1] == Route("resp~1", "s2")
     # The old attempt is stopped on the old engine.
     await client._flush_aborts("client")
-    assert [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)] == [AbortRequests(["resp"], "client")]
+    assert [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)] == [AbortRequests(["resp"], "client", "g1")]
     assert await sent(client, "s1") == []
     # Late outputs of the old attempt are ignored; the new attempt continues at index 2.
     await dispatch_steps(client, outputs(("resp", 2, [99])))

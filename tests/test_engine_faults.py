@@ -4,6 +4,7 @@ Real Redis and a real `ModelExecutor`; the test plays the gateway on the streams
 - A request that makes the executor's step fail (a poisoned request: as a bad kernel input or a
   sampler bug would) is failed alone; the others in the step finish with the offline tokens.
 - Without an executor for ``--recovery-timeout``, requests fail with a clear error, not a hang.
+- A stream adopted by another gateway is not stopped by its first gateway's late abort.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import redis
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig
-from common.protocol import EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
+from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names, StepOutputs, SyncRequest, decode, encode
 from common.sampling_params import SamplingParams
 from executor.service import ExecutorService, ExecutorServiceConfig
 from infra.stack import find_redis
@@ -147,3 +148,35 @@ def test_no_executor_past_the_recovery_timeout_fails_requests_clearly(engine: En
     reason, error = engine.ends["late"]
     assert reason == "error" and "no executor for" in (error or "") and "recovery timeout" in (error or "")
     assert time.monotonic() - t0 < 15
+
+
+def test_an_abort_from_the_gateway_a_stream_left_is_ignored(engine: Engine) -> None:
+    """The client hung up on gateway 'gw' and resumed on 'gw2' at once: the scheduler reads gw's
+    abort and gw2's sync together; the stream goes on, to gw2, to its end."""
+    sampling = {**GREEDY, "max_tokens": 300}
+    request = GenerateRequest("s", "gw", "0", engine.incarnation, [5, 6, 7], [], sampling, 0.0, "resp")
+    engine.r.set(engine.names.heartbeat("gateway", "gw2"), "1", px=120_000)
+    engine.r.xadd(engine.names.requests("0"), {b"m": encode(request)})
+    engine.tokens["s"] = []
+    while not engine.r.xlen(engine.names.outputs("gw")):
+        time.sleep(0.01)
+    pipe = engine.r.pipeline(transaction=True)  # one batch for the scheduler's reader
+    pipe.xadd(engine.names.requests("0"), {b"m": encode(AbortRequests(["s"], "client", "gw"))})
+    pipe.xadd(engine.names.requests("0"), {b"m": encode(SyncRequest("s", "gw2", 0))})
+    pipe.execute()
+    engine.cursor, gw2 = "0-0", engine.names.outputs("gw2")
+    deadline = time.monotonic() + 60
+    while "s" not in engine.ends:
+        assert time.monotonic() < deadline, "the adopted stream never finished"
+        for _, entries in engine.r.xread({gw2: engine.cursor}, block=500) or []:
+            for entry_id, entry in entries:
+                engine.cursor = entry_id
+                out = decode(entry[b"m"], (StepOutputs,))
+                pos = 0
+                for i in range(len(out.request_ids)):
+                    have, n = engine.tokens["s"], out.num_tokens[i]
+                    have.extend(out.token_ids[pos : pos + n][len(have) - out.token_index[i] :])
+                    pos += n
+                    if out.finished[i]:
+                        engine.ends["s"] = (out.finish_reasons[i], out.errors[i])
+    assert engine.ends["s"] == ("length", None) and len(engine.tokens["s"]) == 300

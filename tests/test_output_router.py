@@ -155,6 +155,17 @@ def test_adopt_of_a_live_owners_request_moves_it() -> None:
     assert [s.stream for s in router.route([out("a", [3], 3)])] == [NAMES.outputs("g2")]
 
 
+def test_an_abort_from_the_gateway_a_stream_left_does_not_stop_it() -> None:
+    """The client hung up on g1 and resumed on g2 (adopted), and then g1's abort arrived: too late."""
+    router = make_router()
+    router.add("a", "g1", "resp-a")
+    assert router.may_abort("a", "g1") and router.may_abort("a", "") and not router.may_abort("a", "g2")
+    router.adopt(held_request("a", [1, 2]), "a", "g2", 0)
+    assert not router.may_abort("a", "g1") and router.may_abort("a", "g2") and router.may_abort("a", "")
+    router.gateway_died("g2", now=0.0)  # an orphan: whoever sends the abort
+    assert router.may_abort("a", "g1") and router.may_abort("b", "g1")  # "b": not routed here
+
+
 @pytest.mark.parametrize("held", [False, True])
 def test_adopt_unknown(held: bool) -> None:
     """Not held by the engine, or held but not routed (e.g. already forgotten): answered "unknown"."""

@@ -195,7 +195,10 @@ def test_raw_request_helper_is_valid() -> None:
         (msgpack.packb({"v": V, "t": "abort", "reason": "x"}), "missing field 'request_ids'"),
         (msgpack.packb({"v": V, "t": "abort", "request_ids": "abc", "reason": "x"}), "AbortRequests.request_ids: expected"),
         (msgpack.packb({"v": V, "t": "abort", "request_ids": [1], "reason": "x"}), "expected"),
-        (msgpack.packb({"v": V, "t": "abort", "request_ids": [], "reason": "x", "evil": 1}), "unknown fields ['evil']"),
+        (
+            msgpack.packb({"v": V, "t": "abort", "request_ids": [], "reason": "x", "gateway_id": "", "evil": 1}),
+            "unknown fields ['evil']",
+        ),
         (_raw_req(prompt_token_ids=b"abc"), "GenerateRequest.prompt_token_ids: packed array of 3 bytes is not a multiple of 4"),
         (_raw_req(prompt_token_ids=[1, 2]), "GenerateRequest.prompt_token_ids: expected packed bytes"),
         (_raw_req(output_token_ids=[3]), "GenerateRequest.output_token_ids: expected packed bytes"),

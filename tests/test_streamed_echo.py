@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.fanout import SharedPromptLogprobs
+from gateway.choice_stream import SharedPromptLogprobs
 from gateway.generation import Piece
 from gateway.openai_schema import parse_completion
 from gateway.responses import ResponseFormatter

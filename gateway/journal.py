@@ -1,0 +1,63 @@
+"""What a streaming response's journal holds, for the gateway that resumes it (``journal:<id>``).
+
+A response with one choice: a `JournalHeader`, the `Route` of each attempt, then every output
+(`gateway.router`). A response with several choices (`gateway.fanout`) has one journal for all of
+them: one header per prompt, naming its choices' request ids (``choice_ids``), then every choice's
+routes and outputs, each tagged with its request id. One journal, not one per choice, so that a
+response id is claimed once (a client's ``X-Request-Id`` names at most one stream), its TTL is
+refreshed by whichever choice writes, and a scheduler journals every orphaned choice in it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.protocol import ENTRY_FIELD, JournalHeader, Route, StepOutputs, decode
+from gateway.json_input import ApiError
+from gateway.request_handle import base_request_id
+from gateway.router import EngineClient
+
+
+def stream_not_found(response_id: str) -> ApiError:
+    """The answer to resuming a stream that has no journal (a 404)."""
+    return ApiError(
+        404,
+        f"no resumable stream {response_id!r} (unknown, or older than the resume window)",
+        "not_found_error",
+        code="stream_not_found",
+    )
+
+
+def journal_body(body: dict[str, Any], kind: str) -> str:
+    """The request's JSON for a journal, without its prompt: the prompt travels as token ids (and
+    echo text) beside it, and the parsers only need a valid stand-in to rebuild the parameters."""
+    stand_in = {"prompt": [0]} if kind == "completion" else {"messages": [{"role": "user", "content": ""}]}
+    return json.dumps({**body, **stand_in})
+
+
+@dataclass(slots=True)
+class ChoiceJournal:
+    """A multi-choice response's journal, read back: its headers (one per prompt, in order), the
+    current route of each choice (by request id) and every output, in order."""
+
+    headers: list[JournalHeader] = field(default_factory=list)
+    routes: dict[str, Route] = field(default_factory=dict)
+    outputs: list[StepOutputs] = field(default_factory=list)
+
+
+async def read_choice_journal(client: EngineClient, response_id: str) -> ChoiceJournal:
+    """The journal of ``response_id`` (empty when it does not exist)."""
+    t = client.transport
+    entries = await t.call(t.redis.xrange, client.names.journal(response_id), deadline_s=5)
+    out = ChoiceJournal()
+    for _, entry in entries:
+        msg = decode(entry[ENTRY_FIELD], (JournalHeader, Route, StepOutputs))
+        if isinstance(msg, JournalHeader):
+            out.headers.append(msg)
+        elif isinstance(msg, Route):
+            out.routes[base_request_id(msg.request_id)] = msg
+        else:
+            out.outputs.append(msg)
+    return out

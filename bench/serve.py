@@ -19,11 +19,9 @@ spreads the lengths), ``shared-prefix`` (the same, after one common prefix of
 in order when ``--num-prompts`` asks for more). Completions get token-id prompts, so no tokenizer
 is needed; chat gets text (random words, or decoded random ids with ``--tokenizer``).
 
-With the scheduler's stats key (``--redis-url``/``--namespace``, automatic with ``--start``) it
-also reports the mean engine step and the share spent outside the executor's ``execute_model``;
-with ``--start`` the CPU seconds of every process. ``--offline`` runs the same requests in-process
-through `LLM`, splits its step into scheduling, forward pass and sampling, and reports the HTTP /
-offline ratio of output throughput.
+With the scheduler's stats key (``--redis-url``/``--namespace``; automatic with ``--start``, which
+also reports every process's CPU seconds) it reports the mean engine step and the time outside the
+executor; ``--offline`` runs the same requests through the in-process `LLM` for the HTTP / offline ratio.
 """
 
 from __future__ import annotations
@@ -97,9 +95,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 result.error = f"HTTP {response.status}: {detail}"
                 return result
             async for raw in response.content:
-                # Read to the end of the body, even past [DONE] or an error: a response left
-                # unread closes its connection, and the timed run would then open new ones
-                # instead of reusing the warm-up's as a keep-alive client does.
+                # Read to the end, past [DONE] or an error: a response left unread closes its
+                # connection, and the timed run would open new ones instead of reusing the warm-up's.
                 if done_at or result.error or not raw.startswith(b"data:"):
                     continue  # also blank separators, ``id:`` lines and comments
                 data = raw[5:].strip()
@@ -161,9 +158,8 @@ async def run_load(
     width = max_concurrency or len(requests)
     sem = asyncio.Semaphore(width)
     delays = arrival_delays(len(requests), request_rate, seed)
-    # aiohttp, as vLLM's benchmark: httpx's pool hands 64 reused connections to a burst so slowly
-    # (measured here: TTFT p50 0.97 s against 0.11 s for the same burst on raw sockets) that it
-    # would measure the client. Lines up to 10 MiB: a chunk with many top logprobs is long.
+    # aiohttp, as vLLM's benchmark: httpx's pool hands reused connections to a burst so slowly that it
+    # measured itself (docs/performance.md). Lines up to 10 MiB: chunks with many top logprobs are long.
     connector = aiohttp.TCPConnector(limit=width + 8, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, read_bufsize=10 << 20) as client:

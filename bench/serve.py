@@ -45,7 +45,7 @@ import aiohttp
 
 from bench.serve_data import DATASETS, BenchRequest, TokenSource, arrival_delays, jsonl_requests, random_requests
 from bench.serve_engine import cpu_seconds, offline_breakdown, read_stats, step_breakdown
-from bench.serve_metrics import RequestResult, compute_metrics, format_report, output_tokens
+from bench.serve_metrics import RequestResult, compute_metrics, format_report, is_output_chunk, output_tokens
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WARMUP_PROMPT_LEN = 8  # short random prompts of their own: nothing the timed ones could find in a prefix cache
@@ -57,17 +57,6 @@ WARMUP_OUTPUT_LEN = 2
 class BenchError(RuntimeError):
     """The benchmark cannot run as asked: no model served, or every warm-up request failed (a
     wrong URL, model or key rather than a load to measure)."""
-
-
-def _output_chunk(chunk: dict[str, Any]) -> bool:
-    """Whether an SSE chunk carries output. Our chat stream opens with a role-only chunk before any
-    token exists (vLLM's arrives with the first token): it must not count as the first token."""
-    choices = chunk.get("choices") or []
-    if not choices:
-        return False
-    choice = choices[0]
-    content = choice.get("text") if "delta" not in choice else (choice.get("delta") or {}).get("content")
-    return bool(content) or choice.get("finish_reason") is not None or bool(choice.get("logprobs"))
 
 
 def request_body(endpoint: str, model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
@@ -109,7 +98,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                     result.error = str(error.get("message", error) if isinstance(error, dict) else error)
                     continue
                 now = time.perf_counter()
-                if _output_chunk(chunk):
+                if is_output_chunk(chunk):
                     if result.chunks == 0:
                         result.ttft = now - start
                     else:

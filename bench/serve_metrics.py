@@ -110,3 +110,14 @@ def format_report(metrics: dict[str, Any]) -> str:
         ]
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def is_output_chunk(chunk: dict[str, Any]) -> bool:
+    """Whether an SSE chunk carries output. Our chat stream opens with a role-only chunk before any
+    token exists (vLLM's arrives with the first token): it must not count as the first token."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    choice = choices[0]
+    content = choice.get("text") if "delta" not in choice else (choice.get("delta") or {}).get("content")
+    return bool(content) or choice.get("finish_reason") is not None or bool(choice.get("logprobs"))

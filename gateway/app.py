@@ -65,6 +65,7 @@ from gateway.tokenization import (
 )
 
 logger = logging.getLogger("conveyor.gateway")
+SHUTDOWN_TIMEOUT_S = 5.0  # the most the lifespan's clean-up may take (aborts, key deletes, close)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -104,7 +105,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         logger.info("gateway %s serving on %s:%d (namespace %r)", gateway_id, config.host, config.port, config.namespace)
         yield
         warm_task.cancel()
-        await client.stop()
+        try:  # bounded: a stop that hangs on Redis or a thread must not keep the process alive
+            await asyncio.wait_for(client.stop(), SHUTDOWN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.warning("the engine client did not stop within %.0f s; exiting anyway", SHUTDOWN_TIMEOUT_S)
         workers.close()
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)

@@ -40,7 +40,7 @@ from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import journal_body, stream_not_found
+from gateway.journal import journal_body, read_journal, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
@@ -346,20 +346,23 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
         check_key(request)
         last = request.headers.get("last-event-id", "0").strip()
-        header, route, outputs = await client.read_journal(response_id)
+        journal = await read_journal(client, response_id)
+        header, route = journal.single()
         if header is None or route is None:
             raise stream_not_found(response_id)
         info = ready_info()
         tokenizer = await tokenizers.get(info)
         if header.choice_ids:  # several choices, one journal (`gateway.fanout`)
             ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
-            return event_stream(await resume_choices(ctx, response_id, last), response_id)
+            return event_stream(await resume_choices(ctx, response_id, journal, last), response_id)
         if not (last.isascii() and last.isdigit()) or len(last) > 9:
             raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
         spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
         spec.sampling.max_tokens = header.max_tokens
         try:
-            handle = await client.adopt(response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, outputs)
+            handle = await client.adopt(
+                response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, journal.outputs
+            )
         except RequestIdInUse as exc:
             raise ApiError(409, str(exc), code="stream_in_use") from None
         gen = Generation(

@@ -36,7 +36,7 @@ from common.sampling_params import sampling_to_dict
 from common.transport import Outgoing
 from gateway.choice_stream import ChoiceCursor, stream_choices
 from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import journal_body, read_choice_journal, stream_not_found
+from gateway.journal import Journal, journal_body, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
@@ -284,10 +284,10 @@ async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]
     return pieces
 
 
-async def resume_choices(ctx: FanoutContext, response_id: str, last_event_id: str) -> AsyncIterator[str]:
-    """Resume a multi-choice stream (`gateway.journal`): every choice is adopted as a stream of
-    one choice is, and the events the client has (``Last-Event-ID``, `ChoiceCursor`) are skipped."""
-    journal = await read_choice_journal(ctx.client, response_id)
+async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal, last_event_id: str) -> AsyncIterator[str]:
+    """Resume a multi-choice stream from its ``journal`` (`gateway.journal.read_journal`): every
+    choice is adopted as a stream of one choice is, and the events the client has
+    (``Last-Event-ID``, `ChoiceCursor`) are skipped."""
     ids = [rid for header in journal.headers for rid in header.choice_ids]
     if not ids or any(rid not in journal.routes for rid in ids):
         raise stream_not_found(response_id)

@@ -38,20 +38,24 @@ def journal_body(body: dict[str, Any], kind: str) -> str:
 
 
 @dataclass(slots=True)
-class ChoiceJournal:
-    """A multi-choice response's journal, read back: its headers (one per prompt, in order), the
-    current route of each choice (by request id) and every output, in order."""
+class Journal:
+    """A response's journal, read back: its headers (one per prompt, in order), the current route
+    of each choice (by request id, the latest attempt's) and every output, in order."""
 
     headers: list[JournalHeader] = field(default_factory=list)
     routes: dict[str, Route] = field(default_factory=dict)
     outputs: list[StepOutputs] = field(default_factory=list)
 
+    def single(self) -> tuple[JournalHeader | None, Route | None]:
+        """A one-choice response's header and current route (None where missing)."""
+        return (self.headers[0] if self.headers else None), next(iter(self.routes.values()), None)
 
-async def read_choice_journal(client: EngineClient, response_id: str) -> ChoiceJournal:
-    """The journal of ``response_id`` (empty when it does not exist)."""
+
+async def read_journal(client: EngineClient, response_id: str) -> Journal:
+    """The journal of ``response_id``, of one choice or several (empty when it does not exist)."""
     t = client.transport
     entries = await t.call(t.redis.xrange, client.names.journal(response_id), deadline_s=5)
-    out = ChoiceJournal()
+    out = Journal()
     for _, entry in entries:
         msg = decode(entry[ENTRY_FIELD], (JournalHeader, Route, StepOutputs))
         if isinstance(msg, JournalHeader):

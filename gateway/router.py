@@ -37,17 +37,14 @@ from typing import Any
 from common.config import ServiceDefaults
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
-    ENTRY_FIELD,
     OUTPUTS_MAXLEN,
     AbortRequests,
     EngineStatus,
     GenerateRequest,
-    JournalHeader,
     Names,
     Route,
     StepOutputs,
     SyncRequest,
-    decode,
     encode,
 )
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
@@ -265,21 +262,6 @@ class EngineClient:
                 self._fail(handle, f"no live engine for {self.recovery_timeout_s:.0f}s ({why})")
 
     # -- resuming a stream another gateway served ------------------------------------------------
-    async def read_journal(self, response_id: str) -> tuple[JournalHeader | None, Route | None, list[StepOutputs]]:
-        """A resumable stream's journal: its header, its current route, and its outputs in order."""
-        t = self.transport
-        entries = await t.call(t.redis.xrange, self.names.journal(response_id), deadline_s=5)
-        header, route, outputs = None, None, []
-        for _, entry in entries:
-            msg = decode(entry[ENTRY_FIELD], (JournalHeader, Route, StepOutputs))
-            if isinstance(msg, JournalHeader):
-                header = msg
-            elif isinstance(msg, Route):
-                route = msg
-            else:
-                outputs.append(msg)
-        return header, route, outputs
-
     async def adopt(
         self, response_id: str, prompt_token_ids: list[int], sampling: dict[str, Any], route: Route, outputs: list[StepOutputs]
     ) -> RequestHandle:

@@ -27,6 +27,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import Outgoing
+from gateway.journal import read_journal
 from gateway.outputs import replay
 from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 
@@ -358,10 +359,11 @@ async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
     assert [m.request_id for m in await sent(g1, "s0") if isinstance(m, GenerateRequest)] == ["mine-0a1b2c3d"]
     assert await journal(g1, "mine") == [header, Route("mine-0a1b2c3d", "s0")]  # untouched
     # Two resumes of the stream on one gateway would split its outputs: the second is refused.
-    _, route, journaled = await g2.read_journal("mine")
-    await g2.adopt("mine", [1], SAMPLING, route, journaled)
+    _, route = (mine := await read_journal(g2, "mine")).single()
+    assert route is not None
+    await g2.adopt("mine", [1], SAMPLING, route, mine.outputs)
     with pytest.raises(RequestIdInUse):
-        await g2.adopt("mine", [1], SAMPLING, route, journaled)
+        await g2.adopt("mine", [1], SAMPLING, route, mine.outputs)
     # The request cannot start (no engine left to take it): the id is free again.
     g1.engines.clear()
     free = Outgoing(NAMES.journal("free"), encode(header), None, g1.journal_ttl_ms)
@@ -490,13 +492,14 @@ async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     await dispatch_steps(g1, outputs(("resp", 2, [7])))
     assert tokens_of(drain(h1)) == [5, 6, 7]
     # g1 dies; the client reconnects to g2, which reads the journal and takes the stream over.
-    got_header, route, journaled = await g2.read_journal("resp")
-    assert got_header == header and route == Route("resp", "s0")
-    h2 = await g2.adopt("resp", got_header.prompt_token_ids, SAMPLING, route, journaled)
+    read = await read_journal(g2, "resp")
+    got_header, route = read.single()
+    assert got_header == header and route == Route("resp", "s0") and read.headers == [header]
+    h2 = await g2.adopt("resp", got_header.prompt_token_ids, SAMPLING, route, read.outputs)
     assert tokens_of(drain(h2)) == [5, 6, 7]
     assert [m for m in await sent(g2, "s0") if isinstance(m, SyncRequest)] == [SyncRequest("resp", "g2", 3)]
     # g2 journals what it delivers from now on, so a third gateway could resume it too.
     await dispatch_steps(g2, outputs(("resp", 3, [8], True, "length")))
     assert tokens_of(drain(h2)) == [8] and h2.done
-    _, _, journaled = await g2.read_journal("resp")
+    journaled = (await read_journal(g2, "resp")).outputs
     assert [t for m in journaled for t in m.token_ids] == [5, 6, 7, 8] and journaled[-1].finished == [True]

@@ -93,6 +93,8 @@ def test_engines_pair_without_ids_and_reclaim(tiny_model: Any, tmp_path: Path) -
         for i in range(6):
             r = client.completions.create(model=model, prompt=f"hello {i}", max_tokens=4, temperature=0)
             assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens == 4
+        # Engines publish their status every 0.5 s: the steps just run show up within a beat or two.
+        _wait(lambda: any(status.num_steps > 0 for status in stack.engines().values()), 10)
         served = {sid for sid, status in stack.engines().items() if status.num_steps > 0}
         assert served, "no engine ran a step"
         # `conveyor health` (every compose healthcheck) finds the engine processes by the ids

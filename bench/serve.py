@@ -27,156 +27,24 @@ executor; ``--offline`` runs the same requests through the in-process `LLM` for 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
 import random
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from bench.serve_data import DATASETS, BenchRequest, TokenSource, arrival_delays, jsonl_requests, random_requests
+from bench.serve_client import ENDPOINTS, BenchError, run_event_loop, run_load
+from bench.serve_data import DATASETS, BenchRequest, TokenSource, jsonl_requests, random_requests
 from bench.serve_engine import cpu_seconds, offline_breakdown, read_stats, step_breakdown
-from bench.serve_metrics import RequestResult, compute_metrics, format_report, is_output_chunk, output_tokens
+from bench.serve_metrics import compute_metrics, format_report, output_tokens
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WARMUP_PROMPT_LEN = 8  # short random prompts of their own: nothing the timed ones could find in a prefix cache
 WARMUP_OUTPUT_LEN = 2
-# Prompt text for chat without a tokenizer: common words, roughly one token each for most tokenizers.
-
-
-# -- the client --------------------------------------------------------------------------------
-class BenchError(RuntimeError):
-    """The benchmark cannot run as asked: no model served, or every warm-up request failed (a
-    wrong URL, model or key rather than a load to measure)."""
-
-
-def request_body(endpoint: str, model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
-    """A streaming, greedy request body with usage in the stream."""
-    body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    if endpoint == "chat":
-        content = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-        body.update(messages=[{"role": "user", "content": content}], max_completion_tokens=max_tokens)
-    else:
-        body.update(prompt=prompt, max_tokens=max_tokens)
-    if ignore_eos:  # not an OpenAI parameter: sent only when asked for
-        body["ignore_eos"] = True
-    return body
-
-
-async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> RequestResult:
-    """Stream one request and time its chunks; any failure comes back as ``success=False``."""
-    result = RequestResult()
-    start = last = time.perf_counter()
-    done_at = 0.0
-    try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                detail = (await response.read()).decode(errors="replace")[:300]
-                result.error = f"HTTP {response.status}: {detail}"
-                return result
-            async for raw in response.content:
-                # Read to the end, past [DONE] or an error: a response left unread closes its
-                # connection, and the timed run would open new ones instead of reusing the warm-up's.
-                if done_at or result.error or not raw.startswith(b"data:"):
-                    continue  # also blank separators, ``id:`` lines and comments
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    done_at = time.perf_counter()
-                    continue
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    error = chunk["error"]
-                    result.error = str(error.get("message", error) if isinstance(error, dict) else error)
-                    continue
-                now = time.perf_counter()
-                if is_output_chunk(chunk):
-                    if result.chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.chunks += 1
-                    choice = chunk["choices"][0]
-                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                    result.text += piece or ""
-                if usage := chunk.get("usage"):
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                    result.output_tokens = usage.get("completion_tokens")
-        if result.error:
-            return result
-        result.latency = (done_at or time.perf_counter()) - start
-        if result.chunks == 0:
-            result.ttft = result.latency
-        result.success = True
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError, OSError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    return result
-
-
-async def run_load(
-    base_url: str,
-    endpoint: str,
-    model: str,
-    requests: Sequence[BenchRequest],
-    *,
-    ignore_eos: bool,
-    request_rate: float = math.inf,
-    max_concurrency: int | None = None,
-    seed: int = 0,
-    warmup: Sequence[BenchRequest] = (),
-    headers: dict[str, str] | None = None,
-    progress: bool = True,
-    timeout_s: float = 600.0,
-) -> tuple[list[RequestResult], float]:
-    """Warm up with one burst of ``warmup`` at once, then send ``requests`` (Poisson arrivals at
-    ``request_rate``, at most ``max_concurrency`` in flight). Returns the results in request
-    order and the timed duration (first send to last completion); `BenchError` if no warm-up
-    request succeeded."""
-    from tqdm import tqdm
-
-    url = base_url + ENDPOINTS[endpoint]
-    width = max_concurrency or len(requests)
-    sem = asyncio.Semaphore(width)
-    delays = arrival_delays(len(requests), request_rate, seed)
-    # aiohttp, as vLLM's benchmark: httpx's pool hands reused connections to a burst so slowly that it
-    # measured itself (docs/performance.md). Lines up to 10 MiB: chunks with many top logprobs are long.
-    connector = aiohttp.TCPConnector(limit=width + 8, keepalive_timeout=60)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, read_bufsize=10 << 20) as client:
-        # One burst of short requests at the full concurrency opens the connections and wakes the
-        # server's worker threads, so the timed run does not pay for them.
-        warm = await asyncio.gather(
-            *(send_request(client, url, request_body(endpoint, model, r.prompt, r.output_len, ignore_eos)) for r in warmup)
-        )
-        if warm and not any(r.success for r in warm):
-            raise BenchError(f"every warm-up request failed, e.g. {warm[0].error}")
-        bar = tqdm(total=len(requests), disable=not progress, desc="requests")
-
-        async def one(r: BenchRequest) -> RequestResult:
-            async with sem:
-                out = await send_request(client, url, request_body(endpoint, model, r.prompt, r.output_len, ignore_eos))
-            bar.update(1)
-            return out
-
-        tasks = []
-        start = time.perf_counter()
-        for r, delay in zip(requests, delays):
-            if delay:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(r)))
-        results = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
-        bar.close()
-    return results, duration
 
 
 def _names(model: str, card: dict[str, Any]) -> bool:
@@ -361,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         before = read_stats(args.redis_url, args.namespace) if args.redis_url and args.namespace else None
         pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
         cpu0 = cpu_seconds(pids)
-        results, duration = asyncio.run(
+        results, duration = run_event_loop(
             run_load(
                 base_url,
                 args.endpoint,

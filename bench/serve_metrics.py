@@ -52,11 +52,12 @@ def compute_metrics(
 ) -> dict[str, Any]:
     """vLLM's ``benchmark_serving`` metrics over the successful requests (failures only counted)."""
     ttfts, tpots, itls, e2els = [], [], [], []
-    total_in = total_out = completed = 0
+    total_in = total_out = completed = chunks = 0
     for request, r in zip(requests, results):
         if not r.success:
             continue
         completed += 1
+        chunks += r.chunks
         n_out = output_tokens(r, tokenizer)
         total_out += n_out
         total_in += r.prompt_tokens if r.prompt_tokens is not None else (request.prompt_len or 0)
@@ -72,6 +73,8 @@ def compute_metrics(
         "duration": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        # Not one of vLLM's fields: fewer chunks than tokens means the server merged steps.
+        "total_output_chunks": chunks,
         "request_throughput": completed / dur,
         "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
@@ -90,6 +93,7 @@ def format_report(metrics: dict[str, Any]) -> str:
         ("Benchmark duration (s):", f"{metrics['duration']:.2f}"),
         ("Total input tokens:", metrics["total_input_tokens"]),
         ("Total generated tokens:", metrics["total_output_tokens"]),
+        ("Total output chunks:", metrics["total_output_chunks"]),
         ("Request throughput (req/s):", f"{metrics['request_throughput']:.2f}"),
         ("Output token throughput (tok/s):", f"{metrics['output_throughput']:.2f}"),
         ("Total Token throughput (tok/s):", f"{metrics['total_token_throughput']:.2f}"),

@@ -120,7 +120,8 @@ class Codec:
         body: dict[str, Any] = {"v": self.version, "t": tag}
         for name, _, code, _ in self.schema[cls]:
             value = getattr(msg, name)
-            body[name] = pack_array(code, value) if code is not None else value
+            # Most columns of a small message are empty (no logprobs, no queue times): b"" as is.
+            body[name] = value if code is None else pack_array(code, value) if value else b""
         data = msgpack.packb(body, use_bin_type=True)
         if len(data) > limit:
             raise ProtocolError(f"{cls.__name__} message is {len(data)} bytes, over the {limit}-byte limit")

@@ -24,7 +24,15 @@ from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
-from common.service_cli import add_engine_id, record_process_id, run_service, service_parser, setup_logging, stop_on_sigterm
+from common.service_cli import (
+    add_engine_id,
+    freeze_startup_heap,
+    record_process_id,
+    run_service,
+    service_parser,
+    setup_logging,
+    stop_on_sigterm,
+)
 from common.step_outputs import pack_prompt_logprobs
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, SyncTransport
 
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("loading %s", args.model)
     # A dead tensor-parallel rank ends this process: the scheduler sees one executor die.
     model_executor = build_executor(model_config, parallel_config, cache_config, fatal_peer_death=True)
+    freeze_startup_heap()
     config = ExecutorServiceConfig(
         args.redis_url,
         args.model,

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from common.protocol import EngineStatus
+from common.service_cli import freeze_startup_heap
 from gateway.json_input import ApiError, parse_json
 from gateway.openai_schema import GenerationSpec, TokenizeSpec, check_token_ids, fit_context
 from gateway.structured import check_grammar
@@ -93,6 +94,7 @@ class Tokenizers:
                         self.error = f"could not load the tokenizer from {path}: {exc}"
                         raise
                     self.error = None
+                    freeze_startup_heap()  # transformers and the tokenizer: the bulk of the heap
         return self.tokenizer
 
 

@@ -10,6 +10,7 @@ from common.config import SchedulerConfig, ServiceDefaults
 from common.service_cli import (
     add_engine_id,
     add_recovery_flags,
+    freeze_startup_heap,
     run_service,
     service_parser,
     setup_logging,
@@ -91,4 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     logger.info("scheduler %s (namespace %r, host %s)", config.scheduler_id, config.namespace, socket.gethostname())
-    return run_service(SchedulerService(config).run, logger)
+    service = SchedulerService(config)
+    freeze_startup_heap()
+    return run_service(service.run, logger)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.serve import request_body, send_request
+from bench.serve_client import SseEvents, request_body, send_request
 from bench.serve_data import SAFE_IDS, BenchRequest, TokenSource, arrival_delays, jsonl_requests, random_requests
 from bench.serve_metrics import RequestResult, compute_metrics, format_report
 from infra.stack import Stack
@@ -167,6 +168,24 @@ def test_client_reads_chunks_and_usage() -> None:
     rejected = _send(400, json.dumps({"error": {"message": "too long"}}).encode(), "application/json", body)
     assert not rejected.success and rejected.error.startswith("HTTP 400") and "too long" in rejected.error
     assert "ignore_eos" not in request_body("completions", "m", [1, 2], 4, ignore_eos=False)
+
+
+def test_events_split_anywhere_across_reads_parse_the_same() -> None:
+    """The client parses whatever each read brings: an event cut at any byte, several events in
+    one read, CRLF line ends (allowed by the SSE spec) all give the same text, counts and usage."""
+    chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("x", "ü", "z")]
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+    stream = _sse(*chunks, usage, "[DONE]")
+    rng = random.Random(0)
+    for body in (stream, stream.replace(b"\n", b"\r\n")):
+        for _ in range(20):
+            result = RequestResult()
+            events = SseEvents(result, 0.0)
+            cuts = sorted(rng.sample(range(1, len(body)), 6))
+            for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(body)]), start=1):
+                events.feed(body[a:b], float(k))
+            assert (result.text, result.chunks, result.output_tokens) == ("xüz", 3, 3)
+            assert events.done_at > 0 and len(result.itl) == 2 and result.ttft > 0
 
 
 def test_python_m_bench_serve_is_the_command() -> None:

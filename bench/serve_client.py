@@ -53,8 +53,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 result.error = f"HTTP {response.status}: {detail}"
                 return result
             # Whatever arrived, not line by line: the events of one read share their arrival time,
-            # and the client (on the server's CPUs here) pays one await per read instead of three
-            # per event (its CPU per run fell by about a third).
+            # and the client pays one await per read instead of three per event.
             async for data in response.content.iter_any():
                 events.feed(data, time.perf_counter())
         if result.error:
@@ -119,7 +118,8 @@ class SseEvents:
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop where it is installed: the load client shares the server's CPUs
-    here, and every cycle it spends is one the server under test does not get."""
+    here, and every cycle it spends is one the server under test does not get (with `SseEvents`,
+    the client's CPU for one 256-request load fell from 2.73 / 2.24 s to 2.02 / 1.75 s)."""
     try:
         import uvloop
     except ImportError:

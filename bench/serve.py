@@ -22,6 +22,8 @@ is needed; chat gets text (random words, or decoded random ids with ``--tokenize
 With the scheduler's stats key (``--redis-url``/``--namespace``; automatic with ``--start``, which
 also reports every process's CPU seconds) it reports the mean engine step and the time outside the
 executor; ``--offline`` runs the same requests through the in-process `LLM` for the HTTP / offline ratio.
+``--repeat N`` runs N whole rounds in turn (a fresh stack each with ``--start``) and reports each
+round's ratio, their median, and the best HTTP run over the best in-process one.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,7 @@ from typing import Any
 from bench.serve_client import ENDPOINTS, BenchError, run_event_loop, run_load
 from bench.serve_data import DATASETS, BenchRequest, TokenSource, jsonl_requests, random_requests
 from bench.serve_engine import cpu_seconds, offline_breakdown, read_stats, step_breakdown
-from bench.serve_metrics import compute_metrics, format_report, output_tokens
+from bench.serve_metrics import RequestResult, compute_metrics, format_report, output_tokens
 
 WARMUP_PROMPT_LEN = 8  # short random prompts of their own: nothing the timed ones could find in a prefix cache
 WARMUP_OUTPUT_LEN = 2
@@ -162,9 +166,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling",
     )
     g.add_argument("--offline", action="store_true", help="also run the same requests in-process (LLM of --model DIR)")
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the whole run (a fresh stack each with --start, then --offline's in-process run), "
+        "alternating, for the median and best of each side on a machine whose speed drifts",
+    )
     args = p.parse_args(argv)
     if (args.start or args.offline) and not (args.model and Path(args.model).is_dir()):
         p.error("--start and --offline need --model DIR (a local checkpoint)")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         p.error("--num-prompts must be at least 1")
     if args.request_rate <= 0:
@@ -172,6 +185,105 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.dataset not in DATASETS and not Path(args.dataset).is_file():
         p.error(f"--dataset: {args.dataset!r} is neither {' nor '.join(DATASETS)} nor a file")
     return args
+
+
+@dataclass(slots=True)
+class Round:
+    """One round of the benchmark: the load's metrics and this engine's extras."""
+
+    base_url: str
+    model: str
+    results: list[RequestResult]
+    metrics: dict[str, Any]
+    extras: dict[str, Any]
+
+
+def run_round(
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    warmup: list[BenchRequest],
+    headers: dict[str, str],
+    tokenizer: Any,
+) -> Round:
+    """The load against the server (a private stack of its own with ``--start``), then the same
+    requests in-process with ``--offline``; `BenchError` if it cannot run as asked."""
+    width = args.max_concurrency or len(requests)
+    stack = None
+    redis_url, namespace = args.redis_url, args.namespace
+    base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1")
+    if args.start:
+        import tempfile
+
+        from infra.stack import Stack
+
+        extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
+        stack = Stack(
+            args.model,
+            Path(tempfile.mkdtemp(prefix="bench-serve-")),
+            executor_args=extra,
+            scheduler_args=tuple(args.scheduler_arg),
+        ).start()
+        base_url, redis_url, namespace = stack.urls[0], stack.redis_url, stack.namespace
+    extras: dict[str, Any] = {}
+    try:
+        model, max_model_len = served_model(base_url, args.model, headers)
+        longest = max((r.prompt_len or 0) + r.output_len for r in requests)
+        if max_model_len and args.dataset in DATASETS and longest > max_model_len:
+            raise BenchError(
+                f"requests need up to {longest} tokens, more than the server's max_model_len "
+                f"({max_model_len}): lower --random-input-len/--random-output-len",
+                exit_code=2,
+            )
+        before = read_stats(redis_url, namespace) if redis_url and namespace else None
+        pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
+        cpu0 = cpu_seconds(pids)
+        results, duration = run_event_loop(
+            run_load(
+                base_url,
+                args.endpoint,
+                model,
+                requests,
+                ignore_eos=args.ignore_eos,
+                request_rate=args.request_rate,
+                max_concurrency=args.max_concurrency,
+                seed=args.seed,
+                warmup=warmup,
+                headers=headers,
+                progress=not args.disable_tqdm,
+                timeout_s=args.request_timeout,
+            )
+        )
+        cpu1 = cpu_seconds(pids)
+        # Where the machine's CPU went during the load (the warm-up burst included).
+        extras["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
+        if before is not None:
+            after = read_stats(redis_url, namespace, settle_s=0.2)
+            extras["service_steps"] = step_breakdown(before, after)
+    finally:
+        if stack is not None:
+            stack.stop()
+    metrics = compute_metrics(requests, results, duration, tokenizer)
+    if args.offline:
+        kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
+        extras["offline"] = offline_breakdown(args.model, requests, args.ignore_eos, kw, width, args.endpoint == "chat")
+        extras["http_vs_offline"] = metrics["output_throughput"] / extras["offline"]["tokens_per_s"]
+    return Round(base_url, model, results, metrics, extras)
+
+
+def summarize(rounds: list[Round]) -> dict[str, Any]:
+    """Each round's throughputs and, with in-process runs, the median of the per-round ratios and
+    the ratio of the best of each side (a shared machine's interference only ever slows a run)."""
+    http = [r.metrics["output_throughput"] for r in rounds]
+    out: dict[str, Any] = {"output_throughput": http}
+    if all("offline" in r.extras for r in rounds):
+        offline = [r.extras["offline"]["tokens_per_s"] for r in rounds]
+        out.update(
+            offline_tokens_per_s=offline,
+            http_vs_offline=[r.extras["http_vs_offline"] for r in rounds],
+            http_vs_offline_median=statistics.median(r.extras["http_vs_offline"] for r in rounds),
+            http_vs_offline_best=max(http) / max(offline),
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,69 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(width)
     ]
 
-    stack = None
-    if args.start:
-        import tempfile
-
-        from infra.stack import Stack
-
-        extra = ("--num-blocks", str(args.num_blocks)) if args.num_blocks else ()
-        stack = Stack(
-            args.model,
-            Path(tempfile.mkdtemp(prefix="bench-serve-")),
-            executor_args=extra,
-            scheduler_args=tuple(args.scheduler_arg),
-        ).start()
-        args.base_url, args.redis_url, args.namespace = stack.urls[0], stack.redis_url, stack.namespace
-    base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1")
-    extras: dict[str, Any] = {}
     try:
-        model, max_model_len = served_model(base_url, args.model, headers)
-        longest = max((r.prompt_len or 0) + r.output_len for r in requests)
-        if max_model_len and args.dataset in DATASETS and longest > max_model_len:
-            print(
-                f"bench serve: requests need up to {longest} tokens, more than the server's max_model_len "
-                f"({max_model_len}): lower --random-input-len/--random-output-len",
-                file=sys.stderr,
-            )
-            return 2
-        before = read_stats(args.redis_url, args.namespace) if args.redis_url and args.namespace else None
-        pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
-        cpu0 = cpu_seconds(pids)
-        results, duration = run_event_loop(
-            run_load(
-                base_url,
-                args.endpoint,
-                model,
-                requests,
-                ignore_eos=args.ignore_eos,
-                request_rate=args.request_rate,
-                max_concurrency=args.max_concurrency,
-                seed=args.seed,
-                warmup=warmup,
-                headers=headers,
-                progress=not args.disable_tqdm,
-                timeout_s=args.request_timeout,
-            )
-        )
-        cpu1 = cpu_seconds(pids)
-        # Where the machine's CPU went during the load (the warm-up burst included).
-        extras["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
-        if before is not None:
-            after = read_stats(args.redis_url, args.namespace, settle_s=0.2)
-            extras["service_steps"] = step_breakdown(before, after)
+        rounds = [run_round(args, requests, warmup, headers, tokenizer) for _ in range(args.repeat)]
     except BenchError as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if stack is not None:
-            stack.stop()
-    metrics = compute_metrics(requests, results, duration, tokenizer)
-    if args.offline:
-        kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
-        extras["offline"] = offline_breakdown(args.model, requests, args.ignore_eos, kw, width, args.endpoint == "chat")
-        extras["http_vs_offline"] = metrics["output_throughput"] / extras["offline"]["tokens_per_s"]
-
+        return exc.exit_code
+    last = rounds[-1]
+    base_url, model, results, metrics, extras = last.base_url, last.model, last.results, last.metrics, last.extras
+    if len(rounds) > 1:
+        extras["rounds"] = summarize(rounds)
     print(format_report(metrics))
     if "service_steps" in extras:
         print(f"engine steps (EngineStatus): {json.dumps(extras['service_steps'])}")
@@ -270,6 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline:
         print(f"offline (in-process LLM): {json.dumps(extras['offline'])}")
         print(f"HTTP / offline output throughput: {extras['http_vs_offline']:.3f}x")
+    if "rounds" in extras:  # the table above is the last round's
+        summary = extras["rounds"]
+        print(f"rounds, HTTP tok/s: {', '.join(f'{x:.1f}' for x in summary['output_throughput'])}")
+        if "http_vs_offline" in summary:
+            ratios = ", ".join(f"{x:.3f}x" for x in summary["http_vs_offline"])
+            print(
+                f"rounds, HTTP / offline: {ratios}; median {summary['http_vs_offline_median']:.3f}x; "
+                f"best HTTP / best offline {summary['http_vs_offline_best']:.3f}x"
+            )
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"first error of {len(errors)}: {errors[0]}")

@@ -25,7 +25,11 @@ ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 class BenchError(RuntimeError):
     """The benchmark cannot run as asked: no model served, or every warm-up request failed (a
-    wrong URL, model or key rather than a load to measure)."""
+    wrong URL, model or key rather than a load to measure); ``exit_code`` is the command's."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def request_body(endpoint: str, model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> dict[str, Any]:

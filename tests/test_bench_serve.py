@@ -317,7 +317,8 @@ def test_wrong_model_fails_fast(stack: Stack, tmp_path: Path) -> None:
 
 
 def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> None:
-    """``--start`` brings its own stack: CPU seconds per process, engine steps, and --offline's ratio."""
+    """``--start`` brings its own stack: CPU seconds per process, engine steps, and --offline's
+    ratio; ``--repeat 2``: two whole rounds (a fresh stack each), their ratios, median and best."""
     from infra.cli import main
 
     out = tmp_path / "result.json"
@@ -332,6 +333,8 @@ def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> 
                 "--num-blocks",
                 "256",
                 "--offline",
+                "--repeat",
+                "2",
                 "--num-prompts",
                 "4",
                 "--random-input-len",
@@ -353,3 +356,8 @@ def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> 
     assert {"executor0", "scheduler0", "gateway0", "client"} <= set(result["cpu_s"])
     assert result["service_steps"]["steps"] > 0
     assert result["offline"]["output_tokens"] == 16 and result["http_vs_offline"] > 0
+    rounds = result["rounds"]
+    assert len(rounds["output_throughput"]) == len(rounds["offline_tokens_per_s"]) == len(rounds["http_vs_offline"]) == 2
+    assert rounds["http_vs_offline"][-1] == result["http_vs_offline"]  # the report is the last round's
+    assert min(rounds["http_vs_offline"]) <= rounds["http_vs_offline_median"] <= max(rounds["http_vs_offline"])
+    assert rounds["http_vs_offline_best"] == max(rounds["output_throughput"]) / max(rounds["offline_tokens_per_s"])

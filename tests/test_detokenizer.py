@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -87,3 +88,57 @@ def test_stop_matcher_matches_offline_truncation() -> None:
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
         expected = text[: min(hits)] if hits else text
         assert "".join(pieces) == expected, (text, stops)
+
+
+def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes() -> None:
+    """Llama-2 / Mistral tokenizers: Metaspace pieces whose leading space is stripped at the start
+    of a string, and byte-fallback tokens (<0xE6>...) for characters outside the vocabulary. Spaces
+    are kept and no character is split: deltas equal the full decode. A stray byte that turns a
+    byte run into invalid UTF-8 changes text already streamed; the stream goes on after it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["hello world this is a test", "def f(x):\n    return x + 1", "the quick brown fox"] * 20
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = metaspace
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    # SentencePiece's layout: the specials, then the 256 byte tokens as ordinary pieces, then the rest.
+    learned = json.loads(trained.to_str())["model"]
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    pieces += [p for p, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]) if p not in pieces]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    backend = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = metaspace
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, clean_up_tokenization_spaces=False, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    ids = encode("hello world 日本")
+    deltas = _stream(tokenizer, ids)
+    assert deltas[:2] == ["hello", " world"] and all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == "hello world 日本"
+    rng = random.Random(2)
+    words = len(pieces) - 259  # the pieces after the specials and the bytes
+    for _ in range(100):  # any sequence of pieces, specials among them
+        ids = [rng.choice([0, 1, 2, *range(259, 259 + words)]) for _ in range(rng.randrange(1, 60))]
+        for chunk in (1, 4):
+            assert "".join(_stream(tokenizer, ids, chunk)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+    stray = [3 + 0x19, 3 + 0x97, 3 + 0xE6]  # "\x19", then bytes that make the run invalid
+    ids = encode("the quick") + stray + encode(" brown fox is a test")
+    for chunk in (1, 3):
+        detok = IncrementalDetokenizer(tokenizer)
+        streamed = "".join(detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk))
+        full = tokenizer.decode(ids)
+        assert detok.diverged and full == "the quick" + 3 * REPLACEMENT + " brown fox is a test"
+        # "\x19" went out before the bytes after it made it U+FFFD; all the rest streams as it
+        # comes (it used to be held back for good, and dropped at the end)
+        assert streamed == "the quick\x19" + 2 * REPLACEMENT + " brown fox is a test" and detok.finish() == ""

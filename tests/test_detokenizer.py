@@ -90,11 +90,13 @@ def test_stop_matcher_matches_offline_truncation() -> None:
         assert "".join(pieces) == expected, (text, stops)
 
 
-def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes() -> None:
+@pytest.mark.parametrize("clean_up", [False, True], ids=["decode-stream", "window"])
+def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes(clean_up: bool) -> None:
     """Llama-2 / Mistral tokenizers: Metaspace pieces whose leading space is stripped at the start
     of a string, and byte-fallback tokens (<0xE6>...) for characters outside the vocabulary. Spaces
     are kept and no character is split: deltas equal the full decode. A stray byte that turns a
-    byte run into invalid UTF-8 changes text already streamed; the stream goes on after it."""
+    byte run into invalid UTF-8 changes text already streamed; the stream goes on after it. Both
+    paths: the Rust `DecodeStream`, and (a tokenizer that cleans up spaces) the decoded window."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -115,8 +117,10 @@ def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes() -> None:
     )
     backend.add_special_tokens(["<unk>", "<s>", "</s>"])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, clean_up_tokenization_spaces=False, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=backend, clean_up_tokenization_spaces=clean_up, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+
+    assert (IncrementalDetokenizer(tokenizer)._stream is None) == clean_up
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -25,11 +25,15 @@ import torch.nn.functional as F
 from executor.attention_metadata import AttentionMetadata
 from executor.ops import Ops
 
-# Sequences share one padded SDPA call while padded work <= this x the real work. Decode
-# attention is memory-bound on CPU, so padding costs nearly its full share: for 139 decodes of
-# 40-700 tokens, 1.05 ran a layer's attention in 24 ms against 31 ms at 1.5 (more, smaller calls
-# are cheaper than reading padding).
+# Sequences share one padded SDPA call while its padding costs less than either share of the
+# call's real work or one more call. Decode attention is memory-bound on CPU, so padding costs
+# nearly its full share: for 139 decodes of 40-700 tokens, 1.05 ran a layer's attention in 24 ms
+# against 31 ms at 1.5 (more, smaller calls are cheaper than reading padding).
 _PAD_WASTE = 1.05
+# ...but a call has a fixed cost (gathers, mask, dispatch: about 58 us on the 2-core dev VM, where
+# attending one more cached K element costs about 1.4 ns), which dominates for a narrow model: 64
+# decodes of 33-160 tokens on 2 KV heads of 16 ran in 12 calls at 0.96 ms a layer, in 1 at 0.48.
+_CALL_COST_ELEMENTS = 40_000
 
 
 @dataclass(slots=True)
@@ -98,11 +102,14 @@ def _make_group(seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_
     return _Group(num, max_q, kv_len, starts[0], q_index, out_valid, out_rows, block_index, mask, causal)
 
 
-def _pack(seqs: list[int], meta: AttentionMetadata) -> list[list[int]]:
-    """Split ``seqs`` into groups whose padded work stays within ``_PAD_WASTE`` x the real work.
+def _pack(seqs: list[int], meta: AttentionMetadata, row_elements: int) -> list[list[int]]:
+    """Split ``seqs`` into groups whose padded work (query x key pairs) exceeds the real work by
+    at most ``_PAD_WASTE`` x, or by the cost of one more call (``row_elements``: a cached key's
+    elements, KV heads x head size).
 
     Sequences are taken longest first, so each group spans similar lengths.
     """
+    call_cost = _CALL_COST_ELEMENTS / row_elements
     ql, sl = meta.query_lens_list, meta.seq_lens_list
     order = sorted(seqs, key=lambda i: (-ql[i], -sl[i]))
     groups: list[list[int]] = []
@@ -111,7 +118,8 @@ def _pack(seqs: list[int], meta: AttentionMetadata) -> list[list[int]]:
     for i in order:
         work = ql[i] * sl[i]
         new_q, new_kv = max(max_q, ql[i]), max(max_kv, sl[i])
-        if current and (len(current) + 1) * new_q * new_kv > _PAD_WASTE * (real + work):
+        padding = (len(current) + 1) * new_q * new_kv - (real + work)
+        if current and padding > max((_PAD_WASTE - 1) * (real + work), call_cost):
             groups.append(current)
             current, real, new_q, new_kv = [], 0, ql[i], sl[i]
         current.append(i)
@@ -121,7 +129,7 @@ def _pack(seqs: list[int], meta: AttentionMetadata) -> list[list[int]]:
     return groups
 
 
-def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _build_plan(meta: AttentionMetadata, block_size: int, row_elements: int, device: torch.device) -> _Plan:
     qsl = [0]
     for ql in meta.query_lens_list:
         qsl.append(qsl[-1] + ql)
@@ -132,7 +140,7 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
         _make_group(sorted(members), meta, qsl, block_size, device)
         for part in (decodes, prefills)
         if part
-        for members in _pack(part, meta)
+        for members in _pack(part, meta, row_elements)
     ]
     identity = len(groups) == 1 and groups[0].max_q == 1 and groups[0].q_index is None
     return _Plan(groups, identity)
@@ -267,7 +275,7 @@ class TorchOpsState:
     ) -> torch.Tensor:
         """`paged_attention`, with the step's plan built once and gathers into reused buffers."""
         if self._plan_key is not meta or self._plan is None:
-            self._plan = _build_plan(meta, k_cache.shape[1], q.device)
+            self._plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
             self._plan_key = meta
         return _attend(q, k_cache, v_cache, self._plan, scale, self._workspace)
 
@@ -302,7 +310,8 @@ def paged_attention(
 
     Stateless: plans the batch on every call (`TorchOpsState.paged_attention` memoises it).
     """
-    return _attend(q, k_cache, v_cache, _build_plan(meta, k_cache.shape[1], q.device), scale, None)
+    plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
+    return _attend(q, k_cache, v_cache, plan, scale, None)
 
 
 def write_kv(

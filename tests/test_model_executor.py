@@ -221,11 +221,19 @@ def naive_attention(q, k_cache, v_cache, q_lens, s_lens, tables, scale):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["call-cost", "no-call-cost"])
 @pytest.mark.parametrize("seed", range(20))
-def test_paged_attention_random_mixed_batches(seed: int) -> None:
-    """Random mixes of decodes, whole prompts and chunks with cached prefixes (grouping/padding)."""
+def test_paged_attention_random_mixed_batches(seed: int, split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random mixes of decodes, whole prompts and chunks with cached prefixes (grouping/padding).
+
+    With a call's fixed cost counted, these narrow heads mostly share one padded call per kind;
+    without it (``split``), sequences split into many groups, as a wide model's would."""
+    from executor import ops_torch
     from executor.attention_metadata import AttentionMetadata
     from executor.ops_torch import paged_attention
+
+    if split:
+        monkeypatch.setattr(ops_torch, "_CALL_COST_ELEMENTS", 0)
 
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, nblocks = 6, 2, 8, 4, 200

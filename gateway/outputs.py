@@ -111,9 +111,17 @@ def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> Ste
 def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEvent]:
     """The journaled events of a stream, in order and without duplicates, as first delivered
     (one per journal entry); stops at a gap (outputs lost with the old gateway: the engine resends
-    from there) and at the end. Extends ``handle.output_token_ids``. Outputs of other requests
-    (the other choices of a response, which share its journal) are skipped."""
+    from there); ends with the end. Extends ``handle.output_token_ids``. Outputs of other requests
+    (the other choices of a response, which share its journal) are skipped.
+
+    One writer's entries never overlap. Two writers' do when a gateway whose client left (or the
+    scheduler, while the stream was orphaned) journals a little more after another gateway read
+    the journal to adopt the stream: the adopter then journals what it streams from where its
+    replay ended, the start of an event. An entry that starts at an event's start but before the
+    end is that later writer's, so its events replace the earlier writer's from there: a stream
+    resumed from the adopter's event ids numbers its events as the adopter did."""
     events: list[EngineEvent] = []
+    starts: list[int] = []  # the output index of each event's first token
     for msg in outputs:
         stop_reasons = msg.stop_reasons()
         prompt_lps = msg.prompt_logprobs() if msg.plp_num else [None] * len(msg.request_ids)
@@ -121,10 +129,16 @@ def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEven
             if base_request_id(engine_request_id) != handle.request_id:
                 continue
             index = msg.token_index[i]
+            if index < handle.next_index and index in starts:  # a later writer (see above)
+                k = starts.index(index)
+                del events[k:], starts[k:], handle.output_token_ids[index:]
+            elif events and events[-1].finished:
+                continue  # nothing follows the end but a later writer's entries
             if index > handle.next_index:
                 return events
             skip = handle.next_index - index
             tokens, lps = tokens[skip:], lps[skip:]
+            starts.append(handle.next_index)
             handle.output_token_ids.extend(tokens)
             event = EngineEvent(
                 tokens,
@@ -137,6 +151,4 @@ def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEven
                 prompt_logprobs=prompt_lps[i],
             )
             events.append(event)
-            if event.finished:
-                return events
     return events

@@ -480,6 +480,26 @@ async def test_adopt_a_finished_journal_without_registering() -> None:
     assert await sent(client, "s0") == []
 
 
+def test_a_late_writers_entries_give_way_to_the_adopters() -> None:
+    """Gateway A lost its client; B read the journal (up to token 3), adopted the stream and
+    streamed from there while A still journaled two more steps. The journal replays as B streamed,
+    so a client that followed B resumes from B's event ids: nothing twice, nothing missing."""
+    read_by_b = [outputs(("resp", 0, [5, 6])), outputs(("resp", 2, [7]))]
+    late_a = [outputs(("resp", 3, [8])), outputs(("resp", 4, [9]))]
+    by_b = [outputs(("resp", 3, [8, 9, 10])), outputs(("resp", 6, [11], True, "length"))]
+    handle = RequestHandle("resp", [1], SAMPLING)
+    events = replay(handle, read_by_b + late_a + by_b)
+    assert [e.token_ids for e in events] == [[5, 6], [7], [8, 9, 10], [11]]
+    assert events[-1].finished and handle.output_token_ids == [5, 6, 7, 8, 9, 10, 11]
+    # A's late entries may reach the end first: B's entries still replace them.
+    late_to_the_end = [outputs(("resp", 3, [8])), outputs(("resp", 4, [9, 10, 11], True, "length"))]
+    events = replay(RequestHandle("resp", [1], SAMPLING), read_by_b + late_to_the_end + by_b)
+    assert [e.token_ids for e in events] == [[5, 6], [7], [8, 9, 10], [11]] and events[-1].finish_reason == "length"
+    # One writer alone: nothing is replaced, and nothing follows the end.
+    alone = read_by_b + late_to_the_end + [outputs(("resp", 7, [12]))]
+    assert [e.token_ids for e in replay(RequestHandle("resp", [1], SAMPLING), alone)] == [[5, 6], [7], [8], [9, 10, 11]]
+
+
 @async_test
 async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     server = fakeredis.FakeServer()

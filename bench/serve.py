@@ -46,6 +46,7 @@ from bench.serve_client import ENDPOINTS, BenchError, run_event_loop, run_load
 from bench.serve_data import DATASETS, BenchRequest, TokenSource, jsonl_requests, random_requests
 from bench.serve_engine import cpu_seconds, offline_breakdown, read_stats, step_breakdown
 from bench.serve_metrics import RequestResult, compute_metrics, format_report, output_tokens
+from infra.cpu_placement import format_cpus, pinned
 
 WARMUP_PROMPT_LEN = 8  # short random prompts of their own: nothing the timed ones could find in a prefix cache
 WARMUP_OUTPUT_LEN = 2
@@ -165,6 +166,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="extra scheduler flag for --start (repeatable), e.g. --scheduler-arg=--no-async-scheduling",
     )
+    g.add_argument(
+        "--cpu-placement",
+        choices=("auto", "off"),
+        default="off",
+        help="with --start, as `conveyor up --cpu-placement`: auto runs the executor on CPUs of its own and the rest of the "
+        "stack and this load client on the others where the host has enough, and --offline's in-process engine on the "
+        "executor's CPUs; off (default): the OS places every process",
+    )
     g.add_argument("--offline", action="store_true", help="also run the same requests in-process (LLM of --model DIR)")
     g.add_argument(
         "--repeat",
@@ -222,6 +231,7 @@ def run_round(
             Path(tempfile.mkdtemp(prefix="bench-serve-")),
             executor_args=extra,
             scheduler_args=tuple(args.scheduler_arg),
+            cpu_placement=args.cpu_placement == "auto",
         ).start()
         base_url, redis_url, namespace = stack.urls[0], stack.redis_url, stack.namespace
     extras: dict[str, Any] = {}
@@ -237,22 +247,24 @@ def run_round(
         before = read_stats(redis_url, namespace) if redis_url and namespace else None
         pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
         cpu0 = cpu_seconds(pids)
-        results, duration = run_event_loop(
-            run_load(
-                base_url,
-                args.endpoint,
-                model,
-                requests,
-                ignore_eos=args.ignore_eos,
-                request_rate=args.request_rate,
-                max_concurrency=args.max_concurrency,
-                seed=args.seed,
-                warmup=warmup,
-                headers=headers,
-                progress=not args.disable_tqdm,
-                timeout_s=args.request_timeout,
+        # The load client stays off the executor's CPUs, as if it ran on another machine.
+        with pinned(stack.placement.control if stack is not None and stack.placement is not None else None):
+            results, duration = run_event_loop(
+                run_load(
+                    base_url,
+                    args.endpoint,
+                    model,
+                    requests,
+                    ignore_eos=args.ignore_eos,
+                    request_rate=args.request_rate,
+                    max_concurrency=args.max_concurrency,
+                    seed=args.seed,
+                    warmup=warmup,
+                    headers=headers,
+                    progress=not args.disable_tqdm,
+                    timeout_s=args.request_timeout,
+                )
             )
-        )
         cpu1 = cpu_seconds(pids)
         # Where the machine's CPU went during the load (the warm-up burst included).
         extras["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in cpu1 if name in cpu0}
@@ -263,9 +275,14 @@ def run_round(
         if stack is not None:
             stack.stop()
     metrics = compute_metrics(requests, results, duration, tokenizer)
+    placement = stack.placement if stack is not None else None
+    if placement is not None:
+        extras["cpus"] = {"executor": format_cpus(placement.executors[0]), "control": format_cpus(placement.control)}
     if args.offline:
         kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
-        extras["offline"] = offline_breakdown(args.model, requests, args.ignore_eos, kw, width, args.endpoint == "chat")
+        # On the executor's CPUs, where there is a placement: the same engine on the same CPUs.
+        with pinned(placement.executors[0] if placement is not None else None):
+            extras["offline"] = offline_breakdown(args.model, requests, args.ignore_eos, kw, width, args.endpoint == "chat")
         extras["http_vs_offline"] = metrics["output_throughput"] / extras["offline"]["tokens_per_s"]
     return Round(base_url, model, results, metrics, extras)
 
@@ -325,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if "service_steps" in extras:
         print(f"engine steps (EngineStatus): {json.dumps(extras['service_steps'])}")
     print(f"CPU seconds: {json.dumps(extras['cpu_s'])}")
+    if "cpus" in extras:
+        print(f"CPU placement: {json.dumps(extras['cpus'])}")
     if args.offline:
         print(f"offline (in-process LLM): {json.dumps(extras['offline'])}")
         print(f"HTTP / offline output throughput: {extras['http_vs_offline']:.3f}x")

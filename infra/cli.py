@@ -28,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:<12} {help_text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    from infra.cpu_placement import apply_cpus_from_env
+
+    try:  # before the service imports torch: its thread count follows the CPUs it may use
+        apply_cpus_from_env()
+    except ValueError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr)
+        return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return int(module.main(argv[1:]) or 0)
 

@@ -26,6 +26,7 @@ from typing import cast
 from common.redact import redact_url
 from common.redis_url import PASSWORD_ENV, PASSWORD_FILE_ENV, URL_HELP
 from common.service_cli import redis_url_arg
+from infra.cpu_placement import ENV_CPUS, allowed_cpus, plan_placement, tensor_parallel_size
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -130,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         help="engine replicas (scheduler + executor pairs) serving the model",
     )
     p.add_argument("--executor-arg", action="append", default=[], help="extra flag for the executor (repeatable)")
+    p.add_argument(
+        "--cpu-placement",
+        choices=("auto", "off"),
+        default=os.environ.get("CONVEYOR_CPU_PLACEMENT", "off"),
+        help="auto: each executor on CPUs of its own, the gateway, schedulers and Redis on the rest, where the host "
+        "has enough CPUs (infra.cpu_placement); off (default): the OS places every process",
+    )
     args = p.parse_args(argv)
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -155,11 +163,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args.redis_url:  # the private Redis has no password: one from the environment is not for it
             env = {k: v for k, v in env.items() if k not in (PASSWORD_ENV, PASSWORD_FILE_ENV)}
         cli = [sys.executable, "-m", "infra.cli"]
+        placement = None
+        if args.cpu_placement == "auto":
+            placement = plan_placement(allowed_cpus(), args.engines, tensor_parallel_size(args.executor_arg, env))
+        if placement is not None:
+            for proc in redis_procs:  # the private Redis belongs to the control plane
+                os.sched_setaffinity(proc.pid, placement.control)
+            control, executors = placement.env(None)[ENV_CPUS], placement.describe()
+            print(f"conveyor: CPUs {control} for the control plane, {executors} for executors", file=sys.stderr)
+        control_env = {**env, **placement.env(None)} if placement is not None else env
         for engine in range(args.engines):
             pair = ["--scheduler-id", str(engine)]
-            procs.append(subprocess.Popen([*cli, "executor", *pair, *args.executor_arg], env=env))
-            procs.append(subprocess.Popen([*cli, "scheduler", *pair], env=env))
-        procs.append(subprocess.Popen([*cli, "gateway", "--host", args.host, "--port", str(args.port)], env=env))
+            executor_env = {**env, **placement.env(engine)} if placement is not None else env
+            procs.append(subprocess.Popen([*cli, "executor", *pair, *args.executor_arg], env=executor_env))
+            procs.append(subprocess.Popen([*cli, "scheduler", *pair], env=control_env))
+        procs.append(subprocess.Popen([*cli, "gateway", "--host", args.host, "--port", str(args.port)], env=control_env))
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         wait_healthy(f"http://{health_host}:{args.port}/health", 600, procs)
         print(

@@ -20,6 +20,7 @@ import redis
 from common.pairing import AUTO
 from common.protocol import EngineStatus, Names, decode
 from common.redis_url import sync_client
+from infra.cpu_placement import Placement, allowed_cpus, plan_placement, tensor_parallel_size
 from infra.launcher import free_port, proc_argv, start_redis, stop_all, wait_for_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +57,7 @@ class Stack:
         private_redis: bool = False,
         redis_url: str | None = None,
         auto_pairing: bool = False,
+        cpu_placement: bool = False,
     ) -> None:
         self.model = str(model)
         self.workdir = workdir
@@ -76,6 +78,11 @@ class Stack:
         self.auto_pairing = auto_pairing
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: list[int] = []
+        # Executors on CPUs of their own, the rest of the stack on the others (`infra.cpu_placement`);
+        # off by default: tests run many stacks beside pytest itself.
+        self.placement: Placement | None = (
+            plan_placement(allowed_cpus(), engines, tensor_parallel_size(executor_args)) if cpu_placement else None
+        )
 
     def _env(self) -> dict[str, str]:
         return {
@@ -92,8 +99,11 @@ class Stack:
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start (or restart) process ``name`` as ``conveyor <args>``, logging to ``<name>.log``."""
         log = open(self.workdir / f"{name}.log", "ab")
+        env = self._env()
+        if self.placement is not None:
+            env.update(self.placement.env(int(name.removeprefix("executor")) if name.startswith("executor") else None))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", *args], env=self._env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         )
         self.procs[name] = proc
         return proc

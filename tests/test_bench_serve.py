@@ -318,8 +318,12 @@ def test_wrong_model_fails_fast(stack: Stack, tmp_path: Path) -> None:
 
 def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> None:
     """``--start`` brings its own stack: CPU seconds per process, engine steps, and --offline's
-    ratio; ``--repeat 2``: two whole rounds (a fresh stack each), their ratios, median and best."""
+    ratio; ``--repeat 2``: two whole rounds (a fresh stack each), their ratios, median and best.
+    With ``--cpu-placement auto`` the executor runs on CPUs of its own, where there are enough."""
     from infra.cli import main
+    from infra.cpu_placement import allowed_cpus, format_cpus, plan_placement
+
+    cpus_before = allowed_cpus()
 
     out = tmp_path / "result.json"
     assert (
@@ -333,6 +337,8 @@ def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> 
                 "--num-blocks",
                 "256",
                 "--offline",
+                "--cpu-placement",
+                "auto",
                 "--repeat",
                 "2",
                 "--num-prompts",
@@ -356,6 +362,10 @@ def test_conveyor_bench_serve_start_offline(tiny_model: Any, tmp_path: Path) -> 
     assert {"executor0", "scheduler0", "gateway0", "client"} <= set(result["cpu_s"])
     assert result["service_steps"]["steps"] > 0
     assert result["offline"]["output_tokens"] == 16 and result["http_vs_offline"] > 0
+    plan = plan_placement(allowed_cpus(), 1)
+    if plan is not None:
+        assert result["cpus"] == {"executor": format_cpus(plan.executors[0]), "control": format_cpus(plan.control)}
+    assert allowed_cpus() == cpus_before  # the load and the in-process run gave this process its CPUs back
     rounds = result["rounds"]
     assert len(rounds["output_throughput"]) == len(rounds["offline_tokens_per_s"]) == len(rounds["http_vs_offline"]) == 2
     assert rounds["http_vs_offline"][-1] == result["http_vs_offline"]  # the report is the last round's

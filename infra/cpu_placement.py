@@ -1,0 +1,155 @@
+"""CPU placement for services that share one host: executors on CPUs of their own, the control
+plane (gateways, schedulers, a Redis the launcher started) on the rest.
+
+Why: an executor that shares its CPUs with the control plane is preempted mid-step and resumes
+with cold caches. On the 2-core development VM the steps of one serving run of the tiny model
+cost its executor 2.1 CPU-s there (its first 500) and a median 1.1 s (all 550) replayed alone in
+one process. Pinning that executor to CPU 1 and the rest (the load client too) to CPU 0 served
+32% more tokens/s over four alternating rounds each (10% in an earlier series), at a higher
+inter-token latency (12.7-14.5 ms against 7.5-12.0: the gateway, with one CPU, merges more steps
+per event); ``small``, whose executor ran two threads unpinned and one pinned, lost a quarter
+(572 -> 429 tok/s). So it is off by default: a trade for hosts where the control plane's load
+would otherwise preempt the executor (docs/performance.md, "CPU placement"). vLLM's CPU backend
+binds its OpenMP threads to cores for the same reason.
+
+Every service process applies ``CONVEYOR_CPUS`` (a Linux CPU list such as ``0-3,6``) first
+thing (`apply_cpus_from_env`, from `infra.cli`), before torch reads its affinity mask to choose
+its thread count. The launchers (`conveyor up`, `infra.stack.Stack`) plan the split with
+`plan_placement` and set the variable per process; a deployment can set it per service (or use
+its orchestrator's cpusets). Linux only: elsewhere nothing is pinned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_CPUS = "CONVEYOR_CPUS"
+# The control plane gets a quarter of the host's CPUs, and at least one: a middle between the tiny
+# model, whose gateway, scheduler and Redis used 3.1 CPU-s of one run against its executor's 2.2
+# on the development VM, and a large model, whose executor wants nearly every CPU there is.
+CONTROL_SHARE = 4
+
+
+def parse_cpus(text: str) -> set[int]:
+    """The CPUs of a Linux CPU list (``0-3,6``); ``ValueError`` if it is not one."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise ValueError(f"{ENV_CPUS}: {text!r} is not a CPU list such as 0-3,6") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"{ENV_CPUS}: {text!r} is not a CPU list such as 0-3,6")
+        cpus.update(range(lo, hi + 1))
+    return cpus
+
+
+def format_cpus(cpus: set[int]) -> str:
+    """``cpus`` as a Linux CPU list (the inverse of `parse_cpus`; "" for none)."""
+    if not cpus:
+        return ""
+    out: list[str] = []
+    ordered = sorted(cpus)
+    start = prev = ordered[0]
+    for cpu in [*ordered[1:], None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(out)
+
+
+def allowed_cpus() -> set[int] | None:
+    """The CPUs this process may run on, or None where the OS cannot say (not Linux)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return set(getaffinity(0)) if getaffinity is not None else None
+
+
+def apply_cpus_from_env(environ: Mapping[str, str] | None = None) -> set[int] | None:
+    """Pin this process to ``CONVEYOR_CPUS`` (None when unset or empty); a CPU it may not use is a
+    ``ValueError`` naming the ones it may. Call it before threads start or torch is imported."""
+    text = (os.environ if environ is None else environ).get(ENV_CPUS, "").strip()
+    if not text:
+        return None
+    cpus = parse_cpus(text)
+    allowed = allowed_cpus()
+    if allowed is None:
+        return None  # nothing to pin on this OS
+    if not cpus <= allowed:
+        raise ValueError(
+            f"{ENV_CPUS}={text}: CPUs {format_cpus(cpus - allowed)} are not available here "
+            f"(this process may use {format_cpus(allowed)})"
+        )
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    """Run the calling thread (and the threads it starts) on ``cpus`` inside the block, then on
+    what it had before; None pins nothing."""
+    before = allowed_cpus()
+    if cpus is None or before is None:
+        yield
+        return
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@dataclass(slots=True)
+class Placement:
+    """Which CPUs each executor (engine ``i``: ``executors[i]``) and the control plane run on."""
+
+    executors: list[set[int]]
+    control: set[int]
+
+    def describe(self) -> str:
+        """The executors' CPU lists, one per engine, for a log line."""
+        return "; ".join(format_cpus(cpus) for cpus in self.executors)
+
+    def env(self, engine: int | None) -> dict[str, str]:
+        """The environment that pins one process: engine ``engine``'s executor, or (None) the
+        control plane."""
+        return {ENV_CPUS: format_cpus(self.control if engine is None else self.executors[engine])}
+
+
+def plan_placement(allowed: set[int] | None, num_engines: int, cpus_per_executor: int = 1) -> Placement | None:
+    """Split ``allowed`` CPUs: the lowest quarter (at least one) to the control plane, the rest
+    shared equally among ``num_engines`` executors (each needs ``cpus_per_executor``, one per
+    tensor-parallel rank). None when there are too few CPUs for that, or the OS cannot pin."""
+    if allowed is None or num_engines < 1:
+        return None
+    ordered = sorted(allowed)
+    num_control = max(1, len(ordered) // CONTROL_SHARE)
+    share = (len(ordered) - num_control) // num_engines
+    if share < max(1, cpus_per_executor):
+        return None
+    control, rest = ordered[:num_control], ordered[num_control:]
+    executors = [set(rest[i * share : (i + 1) * share]) for i in range(num_engines)]
+    control += rest[num_engines * share :]  # what an uneven split leaves over
+    return Placement(executors, set(control))
+
+
+def tensor_parallel_size(executor_args: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    """The executor's ``--tensor-parallel-size`` among its arguments (else its environment
+    variable, else 1): the CPUs each executor needs at least, one per rank."""
+    flag = "--tensor-parallel-size"
+    value = (os.environ if environ is None else environ).get("CONVEYOR_TENSOR_PARALLEL_SIZE", "1")
+    for i, arg in enumerate(executor_args):
+        if arg == flag and i + 1 < len(executor_args):
+            value = executor_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    try:
+        return max(1, int(value))
+    except ValueError:
+        return 1  # the executor itself rejects it, with its own message

@@ -117,9 +117,9 @@ class Placement:
         return "; ".join(format_cpus(cpus) for cpus in self.executors)
 
     def env(self, engine: int | None) -> dict[str, str]:
-        """The environment that pins one process: engine ``engine``'s executor, or (None) the
-        control plane."""
-        return {ENV_CPUS: format_cpus(self.control if engine is None else self.executors[engine])}
+        """The environment that pins one process: engine ``engine``'s executor (a standby beyond
+        the planned engines shares one's CPUs), or (None) the control plane."""
+        return {ENV_CPUS: format_cpus(self.control if engine is None else self.executors[engine % len(self.executors)])}
 
 
 def plan_placement(allowed: set[int] | None, num_engines: int, cpus_per_executor: int = 1) -> Placement | None:

@@ -101,7 +101,8 @@ class Stack:
         log = open(self.workdir / f"{name}.log", "ab")
         env = self._env()
         if self.placement is not None:
-            env.update(self.placement.env(int(name.removeprefix("executor")) if name.startswith("executor") else None))
+            index = name.removeprefix("executor")
+            env.update(self.placement.env((int(index) if index.isdigit() else 0) if name.startswith("executor") else None))
         proc = subprocess.Popen(
             [sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         )

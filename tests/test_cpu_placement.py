@@ -189,4 +189,5 @@ def test_placement_gives_each_process_its_cpu_list() -> None:
     plan = Placement([{2, 3}, {4}], {0, 1})
     assert plan.env(None) == {ENV_CPUS: "0-1"}
     assert plan.env(0) == {ENV_CPUS: "2-3"} and plan.env(1) == {ENV_CPUS: "4"}
+    assert plan.env(2) == {ENV_CPUS: "2-3"}  # a standby executor beyond the planned engines
     assert plan.describe() == "2-3; 4"

@@ -139,17 +139,13 @@ def plan_placement(allowed: set[int] | None, num_engines: int, cpus_per_executor
     return Placement(executors, set(control))
 
 
-def tensor_parallel_size(executor_args: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
-    """The executor's ``--tensor-parallel-size`` among its arguments (else its environment
-    variable, else 1): the CPUs each executor needs at least, one per rank."""
-    flag = "--tensor-parallel-size"
-    value = (os.environ if environ is None else environ).get("CONVEYOR_TENSOR_PARALLEL_SIZE", "1")
-    for i, arg in enumerate(executor_args):
-        if arg == flag and i + 1 < len(executor_args):
-            value = executor_args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
+def tensor_parallel_size(executor_args: Sequence[str]) -> int:
+    """The ranks of an executor started with ``executor_args``, as the executor reads them (its own
+    parser: the flag, its environment variable and default), i.e. the CPUs it needs at least."""
+    from executor.service import build_parser  # imports no torch
+
     try:
-        return max(1, int(value))
-    except ValueError:
-        return 1  # the executor itself rejects it, with its own message
+        args, _ = build_parser().parse_known_args(list(executor_args))
+    except SystemExit:  # a bad value: the executor itself rejects it, with its own message
+        return 1
+    return max(1, args.tensor_parallel_size)

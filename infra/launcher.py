@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         cli = [sys.executable, "-m", "infra.cli"]
         placement = None
         if args.cpu_placement == "auto":
-            placement = plan_placement(allowed_cpus(), args.engines, tensor_parallel_size(args.executor_arg, env))
+            placement = plan_placement(allowed_cpus(), args.engines, tensor_parallel_size(args.executor_arg))
         if placement is not None:
             for proc in redis_procs:  # the private Redis belongs to the control plane
                 os.sched_setaffinity(proc.pid, placement.control)

@@ -59,12 +59,15 @@ def test_no_plan_without_a_cpu_for_each_rank_and_one_left_over(cpus: set[int] | 
     assert plan_placement(cpus, engines, per_executor) is None
 
 
-def test_tensor_parallel_ranks_need_a_cpu_each() -> None:
-    assert tensor_parallel_size(["--num-blocks", "64"], {}) == 1
-    assert tensor_parallel_size(["--tensor-parallel-size", "2"], {}) == 2
-    assert tensor_parallel_size(["--tensor-parallel-size=4"], {}) == 4
-    assert tensor_parallel_size([], {"CONVEYOR_TENSOR_PARALLEL_SIZE": "2"}) == 2
-    assert plan_placement(set(range(8)), 1, tensor_parallel_size(["--tensor-parallel-size=2"], {})) == Placement(
+def test_tensor_parallel_ranks_need_a_cpu_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_TENSOR_PARALLEL_SIZE", raising=False)
+    assert tensor_parallel_size(["--num-blocks", "64"]) == 1
+    assert tensor_parallel_size(["--tensor-parallel-size", "2"]) == 2
+    assert tensor_parallel_size(["--tensor-parallel-size=4", "--num-blocks=64"]) == 4
+    assert tensor_parallel_size(["--tensor-parallel-size", "x"]) == 1  # the executor's own error, at its start
+    monkeypatch.setenv("CONVEYOR_TENSOR_PARALLEL_SIZE", "2")
+    assert tensor_parallel_size([]) == 2
+    assert plan_placement(set(range(8)), 1, tensor_parallel_size(["--tensor-parallel-size=2"])) == Placement(
         [set(range(2, 8))], {0, 1}
     )
 

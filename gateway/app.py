@@ -62,6 +62,7 @@ from gateway.tokenization import (
     read_json,
     tokenize,
     tokenize_only,
+    tokenizes_inline,
 )
 
 logger = logging.getLogger("conveyor.gateway")
@@ -289,9 +290,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 if isinstance(out, dict)
                 else event_stream(out, response_id)
             )
-        prompt_ids, prompt_text, max_tokens = await workers.run(
-            spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, tokenizers.call_lock, spec, info
-        )
+        if tokenizes_inline(spec, tokenizer):
+            prompt_ids, prompt_text, max_tokens = tokenize(tokenizer, tokenizers.call_lock, spec, info)
+        else:
+            prompt_ids, prompt_text, max_tokens = await workers.run(
+                spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, tokenizers.call_lock, spec, info
+            )
         n_prompt = len(prompt_ids)
         spec.sampling.max_tokens = max_tokens
         try:

@@ -14,7 +14,7 @@ from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
 from gateway.json_input import MAX_JSON_DEPTH, ApiError, parse_json
 from gateway.openai_schema import _CHUNK, check_token_ids, parse_chat, parse_completion
-from gateway.tokenization import COUNT_WINDOW_CHARS, _count_past, encode_text, tokenize
+from gateway.tokenization import COUNT_WINDOW_CHARS, INLINE_INPUT_BYTES, _count_past, encode_text, tokenize, tokenizes_inline
 
 
 def _nested(depth: int) -> bytes:
@@ -221,3 +221,20 @@ def test_echo_of_token_ids_is_decoded_with_the_tokenization(tiny_model: Any) -> 
     _, text, max_tokens = tokenize(tok, threading.Lock(), parse_completion({"prompt": ids, "echo": True, "max_tokens": 3}), info)
     assert text == tok.decode(ids) and max_tokens == 3
     assert tokenize(tok, threading.Lock(), parse_completion({"prompt": ids}), info)[1] is None
+
+
+def test_small_prompts_are_prepared_on_the_event_loop(tiny_model: Any) -> None:
+    """Token ids and short texts skip the worker thread; a grammar to compile, a long prompt, or a
+    tokenizer that needs the shared lock (truncation set in its backend) still take it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model())
+    assert tokenizes_inline(parse_completion({"prompt": [5, 6, 7]}), tok)
+    assert tokenizes_inline(parse_completion({"prompt": "hello world", "echo": True}), tok)
+    assert tokenizes_inline(parse_chat({"messages": [{"role": "user", "content": "hi"}]}), tok)
+    assert not tokenizes_inline(parse_completion({"prompt": "x" * (INLINE_INPUT_BYTES + 1)}), tok)
+    assert not tokenizes_inline(parse_completion({"prompt": [5] * INLINE_INPUT_BYTES}), tok)
+    assert not tokenizes_inline(parse_completion({"prompt": "hi", "structured_outputs": {"regex": "a+"}}), tok)
+    tok.backend_tokenizer.enable_truncation(8)
+    assert not tokenizes_inline(parse_completion({"prompt": "hello world"}), tok)
+    assert tokenizes_inline(parse_completion({"prompt": [5, 6, 7]}), tok), "token ids need no tokenizer"

@@ -59,8 +59,8 @@ from gateway.tokenization import (
     InputWorkers,
     Tokenizers,
     detokenize,
+    prepare_prompt,
     read_json,
-    tokenize,
     tokenize_only,
     tokenizes_inline,
 )
@@ -290,12 +290,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 if isinstance(out, dict)
                 else event_stream(out, response_id)
             )
-        if tokenizes_inline(spec, tokenizer):
-            prompt_ids, prompt_text, max_tokens = tokenize(tokenizer, tokenizers.call_lock, spec, info)
-        else:
-            prompt_ids, prompt_text, max_tokens = await workers.run(
-                spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, tokenizers.call_lock, spec, info
-            )
+        prompt_ids, prompt_text, max_tokens = await prepare_prompt(
+            workers, tokenizer, tokenizers.call_lock, spec, info, tokenizes_inline(spec, tokenizer)
+        )
         n_prompt = len(prompt_ids)
         spec.sampling.max_tokens = max_tokens
         try:

@@ -42,7 +42,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient, RequestIdInUse
-from gateway.tokenization import LARGE_INPUT_BYTES, InputWorkers, tokenize
+from gateway.tokenization import InputWorkers, prepare_prompt, tokenizes_inline
 
 
 @dataclass(slots=True)
@@ -75,14 +75,13 @@ async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prom
     items: list[Any] = spec.prompts if spec.prompts is not None else [None]
     out: list[_Prompt] = []
     budgets: list[int] = []
+    inline = tokenizes_inline(spec, ctx.tokenizer)  # the whole request's size: all its prompts
     for item in items:
         sub = spec
         if item is not None:
             text, ids = (item, None) if isinstance(item, str) else (None, item)
             sub = dataclasses.replace(spec, prompt=text, prompt_token_ids=ids, prompts=None)
-        prompt_ids, text, max_tokens = await ctx.workers.run(
-            sub.input_size() > LARGE_INPUT_BYTES, tokenize, ctx.tokenizer, ctx.lock, sub, ctx.info
-        )
+        prompt_ids, text, max_tokens = await prepare_prompt(ctx.workers, ctx.tokenizer, ctx.lock, sub, ctx.info, inline)
         echo = (text if text is not None else ctx.tokenizer.decode(prompt_ids)) if spec.echo else None
         out.append(_Prompt(prompt_ids, echo))
         budgets.append(max_tokens)

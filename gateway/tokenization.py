@@ -52,14 +52,27 @@ class InputWorkers:
 
 def tokenizes_inline(spec: GenerationSpec, tokenizer: Any) -> bool:
     """Whether `tokenize` may run on the event loop for ``spec``: a small prompt (token ids, or text
-    for a fast tokenizer's lock-free backend, see `encode_text`) without a grammar to compile. Such
-    a prompt takes well under a millisecond; waiting for a worker thread took tens on a busy gateway."""
+    for a fast tokenizer's lock-free backend, see `encode_text`) without a grammar to compile or
+    tools for the chat template to render (neither is counted in the input's size). Such a prompt
+    takes well under a millisecond; waiting for a worker thread took tens on a busy gateway."""
     if spec.input_size() > INLINE_INPUT_BYTES or spec.sampling.structured_outputs is not None:
+        return False
+    if spec.structured is not None and spec.structured.tools:
         return False
     if spec.prompt_token_ids is not None:
         return True
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return backend is not None and backend.truncation is None and backend.padding is None
+
+
+async def prepare_prompt(
+    workers: InputWorkers, tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: EngineStatus, inline: bool
+) -> tuple[list[int], str | None, int]:
+    """`tokenize` ``spec``: on the event loop when ``inline`` (`tokenizes_inline`, decided for the whole
+    request), else on a worker thread (the large-input pool past `LARGE_INPUT_BYTES`)."""
+    if inline:
+        return tokenize(tokenizer, lock, spec, info)
+    return await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, lock, spec, info)
 
 
 async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:

@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MAX_NUM_SEQS = 256  # SchedulerConfig's; also the largest decode batch an executor captures as a CUDA graph
 MAX_TENSOR_PARALLEL = 64  # ranks of one executor (one machine; multi-node is not supported)
+MAX_STEPS_IN_FLIGHT = 8  # `SchedulerConfig.steps_in_flight`: past a few, only the tokens wasted at a stop grow
 
 
 def _check_int(name: str, value: object, lo: int = 1, hi: int = _INT32_MAX, optional: bool = False) -> None:
@@ -123,17 +124,23 @@ class SchedulerConfig:
     because only the scheduler's block table knows it: the executor just follows block tables.
     ``async_scheduling``: schedule (and send) step N+1 while step N runs (see
     `scheduler.engine_core`); off, each step waits for the previous one's tokens.
+    ``steps_in_flight``: with ``async_scheduling``, how many steps may be sent and not yet answered
+    (2: one scheduled ahead). More hide a longer way from the scheduler to the executor and back,
+    such as a Redis a network hop away (docs/performance.md), for one more token computed and
+    dropped per request that stops, per extra step.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    steps_in_flight: int = 2
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (a zero limit would never schedule)."""
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("max_num_seqs", self.max_num_seqs)
+        _check_int("steps_in_flight", self.steps_in_flight, 1, MAX_STEPS_IN_FLIGHT)
         for name in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -7,7 +7,8 @@ answer with a `StepResult`. Steps of any other epoch are ignored: they refer to 
 previous binding. A step that fails drops every request's state and ends the epoch here (later
 steps of it, already sent one ahead, are ignored): the scheduler rebinds with a new epoch and
 resends every request. The step stream has exactly one reader (this process), so no consumer group. The loop
-is synchronous (blocking reads, the forward pass inline); heartbeats run on their own thread.
+is one thread (the forward pass inline; the read of the next step sent before the current one runs,
+results not waited for: `common.overlap`); heartbeats run on their own thread.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
+from common.overlap import PendingRead, WriteBehind
 from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
 from common.service_cli import (
@@ -133,60 +137,87 @@ class ExecutorService:
         """Execute the steps of ``scheduler_id`` until stopped, or (``pairing``) until its claim on
         this executor ends.
 
-        The result of a step rides in the same round trip as the next blocking read of the step
-        stream (XADD, then XREAD), so a step costs this process one Redis round trip.
+        The read of the steps stream leaves before the step at hand runs, and a result leaves without
+        waiting for Redis's answer (`common.overlap`), so a step the scheduler sent meanwhile is
+        here when the current one ends. After a Redis error both are redone with retries.
         """
         t = self.transport
         steps, results = self.names.steps(scheduler_id), self.names.results(scheduler_id)
         cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
+        trimmed = cursors[steps]
         hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS)
         sends: list[Outgoing] = [hello]
+        queue: deque[SchedulerOutput | BindExecutor] = deque()  # read, not yet run
+        writes = WriteBehind(t)
+        read: PendingRead | None = None
         last_activity = last_claim_check = time.monotonic()
         run_id = t.run_id()
         logger.info("executor %s: serving scheduler %s", self.eid, scheduler_id)
-        while not self.stopping.is_set():
-            if pairing is not None and time.monotonic() - last_claim_check > CLAIM_CHECK_S:
-                last_claim_check = time.monotonic()
-                if t.call(pairing.owner, self.eid) != scheduler_id:
-                    return
-            # Steps already read are trimmed in the same round trip (this is the stream's only reader).
-            got = t.exchange(
-                sends,
-                cursors,
-                count=16,
-                block_ms=1000,
-                expected=(BindExecutor, SchedulerOutput),
-                trim={steps: cursors[steps]},
-            )
-            sends = []
-            if not got:
-                # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
-                # executor, and at once when Redis restarted (the announcements were lost with it).
-                restarted = run_id != (run_id := t.run_id())
-                if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
-                    sends.append(hello)
+        try:
+            while not self.stopping.is_set():
+                if pairing is not None and time.monotonic() - last_claim_check > CLAIM_CHECK_S:
+                    last_claim_check = time.monotonic()
+                    if t.call(pairing.owner, self.eid) != scheduler_id:
+                        return
+                got: list[Any] | None = None  # None: nothing read this turn
+                try:
+                    # Steps read are trimmed with the writes (this process is the stream's only reader).
+                    taken = cursors[steps]
+                    writes.send(sends, trim={steps: taken} if taken != trimmed else None)
+                    sends, trimmed = [], taken
+                    if read is None:
+                        read = PendingRead(t, cursors, count=16, block_ms=1000, expected=(BindExecutor, SchedulerOutput))
+                    if not queue or read.ready():  # else the queued step runs while the read waits
+                        writes.settle()  # before waiting on the read: a result that did not land is redone now
+                        got, read = [msg for _, _, msg in read.take()], None
+                except TRANSIENT_ERRORS as exc:
+                    logger.warning("Redis: %s; retrying", exc)
+                    if read is not None:
+                        read.close()
+                        read = None
+                    writes.redo()  # blocks, retrying, until Redis answers
+                    sends = []
+                    continue
+                if got is not None:
+                    queue.extend(got)
+                    if not got:
+                        # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
+                        # executor, and at once when Redis restarted (the announcements were lost with it).
+                        restarted = run_id != (run_id := t.run_id())
+                        if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
+                            sends.append(hello)
+                            last_activity = time.monotonic()
+                if queue:
                     last_activity = time.monotonic()
-            for k, (_, _, msg) in enumerate(got):
-                last_activity = time.monotonic()
-                if isinstance(msg, BindExecutor):
-                    if msg.executor_id == self.eid:
-                        logger.info("bound to scheduler %s, epoch %d", msg.scheduler_id, msg.epoch)
-                        self.epoch = msg.epoch
-                    elif self.epoch is not None:
-                        logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
-                        self.epoch = None
-                    self.model.reset()  # type: ignore[attr-defined]
-                    self.last_step = 0
-                elif msg.epoch == self.epoch and msg.step > self.last_step:
-                    # (a step seen twice, from a retried send, is not executed twice)
-                    self.last_step = msg.step
-                    result = self._step(msg)
-                    if result.error is not None:
-                        self.epoch = None  # the rest of the epoch refers to the state just dropped
-                    sends.append(Outgoing(results, t.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
-                    if k + 1 < len(got):  # the scheduler waits for this result while the next step runs
-                        t.exchange(sends)
-                        sends = []
+                    self._handle(queue.popleft(), results, sends)
+        finally:
+            if read is not None:
+                read.close()
+            try:
+                writes.send(sends)  # a last result, and the answers of the one before
+                writes.settle()
+            except Exception as exc:  # whoever serves the scheduler next is rebound, and recomputes
+                logger.warning("could not send the last results: %s", exc)
+            writes.close()
+
+    def _handle(self, msg: SchedulerOutput | BindExecutor, results: str, sends: list[Outgoing]) -> None:
+        """Apply a binding, or run a step of the bound epoch (its result appended to ``sends``)."""
+        if isinstance(msg, BindExecutor):
+            if msg.executor_id == self.eid:
+                logger.info("bound to scheduler %s, epoch %d", msg.scheduler_id, msg.epoch)
+                self.epoch = msg.epoch
+            elif self.epoch is not None:
+                logger.warning("scheduler bound another executor (%s); unbound", msg.executor_id)
+                self.epoch = None
+            self.model.reset()  # type: ignore[attr-defined]
+            self.last_step = 0
+        elif msg.epoch == self.epoch and msg.step > self.last_step:
+            # (a step seen twice, from a retried send, is not executed twice)
+            self.last_step = msg.step
+            result = self._step(msg)
+            if result.error is not None:
+                self.epoch = None  # the rest of the epoch refers to the state just dropped
+            sends.append(Outgoing(results, self.transport.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
 
     def _step(self, output: SchedulerOutput) -> StepResult:
         result = StepResult(epoch=output.epoch, step=output.step)

@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="schedule and send the next step while the executor runs the current one (default: on)",
     )
     p.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=int(env("CONVEYOR_STEPS_IN_FLIGHT", SchedulerConfig().steps_in_flight)),
+        help="with async scheduling, steps sent ahead of their results (default 2: one ahead); more hide a longer "
+        "round trip to the executor, e.g. a Redis a network hop away",
+    )
+    p.add_argument(
         "--result-timeout",
         type=float,
         default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
@@ -82,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        steps_in_flight=args.steps_in_flight,
         result_timeout_s=args.result_timeout,
         recovery_timeout_s=args.recovery_timeout,
         resume_window_s=args.resume_window,

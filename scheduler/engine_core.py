@@ -6,11 +6,13 @@
     result = executor.collect()                # the oldest step's sampled tokens
     step_outputs = scheduler.update_from_output(output, result)
 
-With ``async_scheduling`` (the default) at most two steps are in flight: step N+1 is scheduled
-and sent while step N runs, so the executor starts N+1 as soon as N ends and the control plane
-(scheduling, the Redis round trip, routing outputs) hides behind the forward pass. Without it,
-each step is scheduled after the previous one's tokens are applied. Greedy and seeded outputs
-are the same either way: sampling depends only on the seed and the output position.
+With ``async_scheduling`` (the default) two steps are in flight: step N+1 is scheduled and sent
+while step N runs, so the executor starts N+1 as soon as N ends and the control plane
+(scheduling, the Redis round trip, routing outputs) hides behind the forward pass, as long as it
+takes less than a step; ``steps_in_flight`` (`SchedulerConfig`) lets more go ahead when it takes
+longer. Without async scheduling, each step is scheduled after the previous one's tokens are
+applied. Greedy and seeded outputs are the same either way: sampling depends only on the seed and
+the output position.
 """
 
 from __future__ import annotations
@@ -72,10 +74,12 @@ class InlineExecutor:
 class EngineCore:
     """Owns a `Scheduler` and a `StepExecutor`; `step` advances the engine by one executed step."""
 
-    def __init__(self, scheduler: Scheduler, executor: StepExecutor, async_scheduling: bool = True) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: StepExecutor, async_scheduling: bool = True, steps_in_flight: int = 2
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.depth = 2 if async_scheduling else 1
+        self.depth = steps_in_flight if async_scheduling else 1
         self.in_flight: deque[SchedulerOutput] = deque()
         self.failed_request_ids: list[str] = []  # of the step whose result was an error
         self.collected = False  # whether the last `step` applied an executed step's result

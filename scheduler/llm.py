@@ -79,7 +79,8 @@ class LLM:
 
     Options: ``dtype``, ``device``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``,
-    ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``num_threads``
+    ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``steps_in_flight``
+    (default 2), ``num_threads``
     (CPU intra-op threads), ``tensor_parallel_size`` (ranks spawned by this process; call
     `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs).
     """
@@ -101,7 +102,8 @@ class LLM:
         info = self.executor.info
         self.cache_manager = CacheManager(info.num_blocks, info.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, info)
-        self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor), self.scheduler_config.async_scheduling)
+        sc = self.scheduler_config
+        self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor), sc.async_scheduling, sc.steps_in_flight)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
 

@@ -22,11 +22,11 @@ class Request:
     ``num_computed_tokens`` counts tokens whose K/V sit in the cache; the scheduler's only
     per-request progress variable (no prefill/decode phases); it advances when a step is scheduled.
     ``num_output_placeholders`` counts tokens that scheduled steps will sample but whose results
-    have not arrived (at most two: one step ahead). Preemption resets ``num_computed_tokens`` to 0 and the
-    request recomputes prompt plus the tokens it has already generated (less what the prefix
-    cache still holds). ``cache_salt`` keeps its prefix-cache entries apart from those of
-    requests with another salt (or none); ``block_hashes`` are its full blocks' chained hashes,
-    filled by the `CacheManager`. ``group_id``: shared by the sibling requests of one prompt's
+    have not arrived (fewer than the steps in flight: one, one step ahead). Preemption resets
+    ``num_computed_tokens`` to 0 and the request recomputes prompt plus the tokens it has already
+    generated (less what the prefix cache still holds). ``cache_salt`` keeps its prefix-cache
+    entries apart from those of requests with another salt (or none); ``block_hashes`` are its
+    full blocks' chained hashes, filled by the `CacheManager`. ``group_id``: shared by the sibling requests of one prompt's
     ``n`` samples (see `Scheduler`: a sibling waits for another's prompt blocks to be cached).
     ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one entry per prompt token after
     the first, filled as prefill steps compute them.

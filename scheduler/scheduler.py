@@ -6,8 +6,8 @@ tensor work and calls no executor. `update_from_output` applies that step's samp
 `EngineCore` calls them in turn, with the next step scheduled before the previous one's tokens
 arrive: a step that will sample counts a *placeholder* token (``num_output_placeholders``), so a
 decode can be scheduled again at once, and a request whose last token is already on the way
-is not scheduled further. A request that stops at a token sampled one step late wastes that one
-extra step; its extra token is dropped here and never reported.
+is not scheduled further. A request that stops at a token sampled steps ahead wastes those extra
+steps (one with two steps in flight); their tokens are dropped here and never reported.
 
 No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_tokens`` behind its
 ``num_tokens``; running requests are served first, then waiting ones FCFS, all under one token
@@ -225,7 +225,8 @@ class Scheduler:
         w = 0
         while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[w]
-            if self._held(request):
+            # A preempted request with a step still in flight (two or more ahead) waits for its token.
+            if request.num_output_placeholders or self._held(request):
                 w += 1
                 continue
             admitted = self._admit_blocks(request, budget)
@@ -255,7 +256,6 @@ class Scheduler:
         """Tokens a running request can compute now (placeholders included); 0 if its last token
         (by ``max_tokens`` or ``max_model_len``) is already being sampled."""
         ph = request.num_output_placeholders
-        assert ph <= 1, "at most one step ahead"
         if ph and (
             request.num_output_tokens + ph >= request.sampling_params.max_tokens or request.num_tokens + ph >= self.max_model_len
         ):

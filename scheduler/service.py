@@ -59,6 +59,7 @@ class SchedulerServiceConfig:
     max_num_batched_tokens: int = SchedulerConfig().max_num_batched_tokens
     enable_prefix_caching: bool = SchedulerConfig().enable_prefix_caching
     async_scheduling: bool = SchedulerConfig().async_scheduling
+    steps_in_flight: int = SchedulerConfig().steps_in_flight
     heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
     result_timeout_s: float = ServiceDefaults.result_timeout_s
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
@@ -72,6 +73,7 @@ class SchedulerServiceConfig:
             self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching,
             async_scheduling=self.async_scheduling,
+            steps_in_flight=self.steps_in_flight,
         )
         config.validate()
         return config
@@ -155,7 +157,7 @@ class SchedulerService:
                     self.engine = Scheduler(config, cache, executor.info)
                 else:
                     self.engine.reset_executor(executor.info, cache)
-                core = EngineCore(self.engine, executor, config.async_scheduling)
+                core = EngineCore(self.engine, executor, config.async_scheduling, config.steps_in_flight)
                 self.executor, self.lost_since = executor, None
                 try:
                     self._engine_loop(core, executor)

@@ -32,6 +32,8 @@ def test_defaults_are_valid(tmp_path) -> None:
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(max_num_batched_tokens=2**31), "max_num_batched_tokens"),
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+        (dict(steps_in_flight=0), r"steps_in_flight must be an integer in \[1, 8\], got 0"),
+        (dict(steps_in_flight=9), "steps_in_flight"),
     ],
 )
 def test_scheduler_config(kw: dict, match: str) -> None:

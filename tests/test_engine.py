@@ -203,6 +203,8 @@ def test_async_scheduling_gives_identical_outputs(tiny_model) -> None:
     for p, out in zip(params, free_run):
         p.stop_token_ids = [out.token_ids[7]]
     want = sync.generate(prompts, params)
+    three = LLM(model_dir, steps_in_flight=3, **options).generate(prompts, params)  # two ahead
+    assert [(o.token_ids, o.finish_reason) for o in three] == [(o.token_ids, o.finish_reason) for o in want]
     got_async = LLM(model_dir, **options)
     got = got_async.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

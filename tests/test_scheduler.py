@@ -302,6 +302,30 @@ def test_preemption_recomputes_to_identical_outputs(async_scheduling: bool) -> N
     assert small.cache.get_num_free_blocks() == 16
 
 
+@pytest.mark.parametrize("steps_in_flight", [3, 4])
+def test_more_steps_in_flight_give_the_same_outputs(steps_in_flight: int) -> None:
+    """With several steps sent ahead: the same tokens as one at a time (through preemptions, whose
+    requests wait for the tokens still in flight before they are admitted again), a request that
+    stops costs ``steps_in_flight - 1`` dropped steps, and never more than that many are in flight."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[i + 1] * (5 + 3 * i) for i in range(8)]
+    for num_blocks, preempts in ((200, False), (16, True)):
+        ex = ScriptedExecutor(num_blocks)
+        sched = Scheduler(SchedulerConfig(32, 8), CacheManager(num_blocks, ex.info.block_size), ex.info)
+        core = EngineCore(sched, InlineExecutor(ex), steps_in_flight=steps_in_flight)
+        assert core.depth == steps_in_flight
+        got = run(core, [Request(str(i), p, params) for i, p in enumerate(prompts)])
+        assert got == {str(i): expected_output(p, params) for i, p in enumerate(prompts)}
+        assert (sched.num_preemptions > 0) == preempts and sched.cache.get_num_free_blocks() == num_blocks
+    stop = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[61])
+    want = expected_output([11], stop)
+    ex = ScriptedExecutor(64)
+    sched = Scheduler(SchedulerConfig(16, 8), CacheManager(64, ex.info.block_size), ex.info)
+    core = EngineCore(sched, InlineExecutor(ex), steps_in_flight=steps_in_flight)
+    assert run(core, [Request("r", [11], stop)]) == {"r": want}
+    assert ex.sampled["r"] == len(want) + steps_in_flight - 1
+
+
 def test_preempted_request_goes_to_head_of_waiting() -> None:
     sched, _, core = make(num_blocks=4, budget=64)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

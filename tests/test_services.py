@@ -125,6 +125,21 @@ def test_64_concurrent_streams(stack: Stack) -> None:
 def test_one_step_ahead_services_match_step_at_a_time_offline(stack: Stack, tiny_model: Any) -> None:
     """The services schedule one step ahead (the default); an offline engine that does not gives
     the same greedy and seeded tokens for concurrent streams."""
+    _match_step_at_a_time(stack.urls[0], tiny_model)
+
+
+def test_more_steps_in_flight_services_match_step_at_a_time_offline(tiny_model: Any, tmp_path: Path) -> None:
+    """Three steps in flight (`--steps-in-flight 3`, for a Redis a network hop away): the same tokens."""
+    three = Stack(
+        tiny_model(), tmp_path, executor_args=("--num-blocks", str(NUM_BLOCKS)), scheduler_args=("--steps-in-flight", "3")
+    ).start()
+    try:
+        _match_step_at_a_time(three.urls[0], tiny_model)
+    finally:
+        three.stop()
+
+
+def _match_step_at_a_time(url: str, tiny_model: Any) -> None:
     from scheduler import LLM
 
     prompts = [[5 + i, 17, 3 * i + 1, 40] * (1 + i % 3) for i in range(12)]
@@ -145,7 +160,7 @@ def test_one_step_ahead_services_match_step_at_a_time_offline(stack: Stack, tiny
         return r.choices[0].text, r.usage.completion_tokens
 
     async def run() -> list[tuple[str, int]]:
-        async with openai.AsyncOpenAI(base_url=f"{stack.urls[0]}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as c:
             return await asyncio.gather(*(one(c, i) for i in range(12)))
 
     assert asyncio.run(run()) == want

@@ -1,0 +1,114 @@
+"""`common.overlap` against real Redis: a read sent ahead answers when its entries land, writes land
+in order without being waited for, and a connection killed under either is redone without a loss."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from common.overlap import PendingRead, WriteBehind
+from common.protocol import ENTRY_FIELD, Names, StepResult, decode, encode
+from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from infra.stack import find_redis
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[redis.Redis, Names, SyncTransport]]:
+    url, proc = find_redis(tmp_path)
+    names = Names(f"test-ov-{uuid.uuid4().hex[:8]}")
+    r = redis.Redis.from_url(url)
+    transport = SyncTransport(url, names, owner="test")
+    try:
+        yield r, names, transport
+    finally:
+        transport.close()
+        for key in r.scan_iter(match=f"{names.namespace}:*"):
+            r.delete(key)
+        if proc is not None:
+            proc.terminate()
+
+
+def result(step: int) -> bytes:
+    return encode(StepResult(epoch=1, step=step, token_ids=[step]))
+
+
+def steps_in(r: redis.Redis, stream: str) -> list[int]:
+    entries: Any = r.xrange(stream)
+    return [decode(e[ENTRY_FIELD]).step for _, e in entries]
+
+
+def kill(r: redis.Redis, *conns: Any) -> None:
+    """Kill these redis-py connections from the server's side (found by their local address)."""
+    for conn in conns:
+        host, port = conn._sock.getsockname()[:2]
+        r.client_kill_filter(addr=f"{host}:{port}")
+
+
+def test_a_read_sent_ahead_answers_when_its_entries_land(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    r, names, t = env
+    stream = names.steps("0")
+    cursors: dict[str, bytes | str] = {stream: b"0-0"}
+    read = PendingRead(t, cursors, count=16, block_ms=1000, expected=(StepResult,))
+    time.sleep(0.05)
+    assert not read.ready(), "nothing was there to read"
+    pipe = r.pipeline(transaction=True)  # both land before the blocked read is answered
+    pipe.xadd(stream, {ENTRY_FIELD: result(1)})
+    pipe.xadd(stream, {ENTRY_FIELD: b"not msgpack"})  # dead-lettered, and read past
+    pipe.execute()
+    deadline = time.monotonic() + 2
+    while not read.ready():
+        assert time.monotonic() < deadline, "the answer never came"
+        time.sleep(0.001)
+    assert [msg.step for _, _, msg in read.take()] == [1]
+    last: Any = r.xrevrange(stream, count=1)
+    assert cursors[stream] == last[0][0] and t.num_dead_letters == 1, "the cursor moved past the rejected entry"
+    assert PendingRead(t, cursors, count=16, block_ms=10, expected=(StepResult,)).take() == []
+
+
+def test_writes_land_in_order_without_being_waited_for(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    r, names, t = env
+    stream = names.results("0")
+    writes = WriteBehind(t)
+    for step in range(1, 6):
+        writes.send([Outgoing(stream, result(step), 100, 60_000)])
+    writes.settle()
+    assert steps_in(r, stream) == [1, 2, 3, 4, 5]
+    assert 0 < r.pttl(stream) <= 60_000
+    steps = names.steps("0")
+    ids = [r.xadd(steps, {ENTRY_FIELD: result(n)}) for n in range(3)]
+    writes.send([], trim={steps: ids[1]})  # the entries before ids[1] were taken
+    writes.settle()
+    writes.close()
+    assert steps_in(r, steps) == [1, 2]
+    r.set(names.namespace + ":a-string", "x")
+    writes.send([Outgoing(names.namespace + ":a-string", b"x", None, None)])  # WRONGTYPE
+    with pytest.raises(redis.ResponseError):  # Redis refused it: raised as a pipeline raises it
+        writes.settle()
+    writes.close()
+
+
+def test_a_killed_connection_is_redone_without_a_loss(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    r, names, t = env
+    stream, steps = names.results("0"), names.steps("0")
+    writes = WriteBehind(t)
+    writes.send([Outgoing(stream, result(1), None, None)])
+    cursors: dict[str, bytes | str] = {steps: b"0-0"}
+    read = PendingRead(t, cursors, count=16, block_ms=1000, expected=(StepResult,))
+    kill(r, read.conn, writes.conn)
+    with pytest.raises(TRANSIENT_ERRORS):
+        read.take()
+    assert cursors[steps] == b"0-0", "a failed read moves no cursor"
+    with pytest.raises(TRANSIENT_ERRORS):  # a write into a dead socket may pass; its answer cannot
+        writes.send([Outgoing(stream, result(2), None, None)])
+        writes.settle()
+    writes.redo()  # what may not have landed goes again: step 2 (and step 1, if its answer went unread)
+    got = steps_in(r, stream)
+    assert 1 in got and got[-1] == 2, got
+    r.xadd(steps, {ENTRY_FIELD: result(3)})
+    assert [m.step for _, _, m in PendingRead(t, cursors, count=16, block_ms=1000, expected=(StepResult,)).take()] == [3]

@@ -22,6 +22,11 @@ import redis
 from common.transport import Cursors, Outgoing, Received, SyncTransport
 
 
+def _send(conn: Any, pipe: Any) -> None:
+    """Write a pipeline's commands, as redis-py packs them, without reading any answer."""
+    conn.send_packed_command(conn.pack_commands([args for args, _ in pipe.command_stack]))
+
+
 def _release(transport: SyncTransport, conn: Any, *, broken: bool) -> None:
     if broken:
         conn.disconnect()  # answers unread, or a dead socket: nobody may read this connection again
@@ -42,7 +47,7 @@ class PendingRead:
         self.pipe: Any = transport._pipeline([], None, transport._xread(cursors, count, block_ms))
         self.conn: Any = transport.redis.connection_pool.get_connection()
         try:
-            self.conn.send_packed_command(self.conn.pack_commands([args for args, _ in self.pipe.command_stack]))
+            _send(self.conn, self.pipe)
         except BaseException:
             self.close()
             raise
@@ -95,7 +100,7 @@ class WriteBehind:
         if self.conn is None:
             self.conn = self.transport.redis.connection_pool.get_connection()
         try:
-            self.conn.send_packed_command(self.conn.pack_commands([args for args, _ in self.pipe.command_stack]))
+            _send(self.conn, self.pipe)
         except BaseException:
             self.close()
             raise

@@ -1,20 +1,45 @@
 """Real Redis deployments for tests, on free ports under a test's tmp dir: a TLS server with a
-throwaway CA (made with ``openssl``), and a master + replica watched by three sentinels."""
+throwaway CA (made with ``openssl``), and a master + replica watched by three sentinels; and a
+namespace of its own on the test Redis (`private_namespace`)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import redis
 
+from common.protocol import Names
+from common.transport import SyncTransport
 from infra.launcher import free_port, stop_all, wait_for_port
+from infra.stack import find_redis
 
 SERVICE = "mymaster"
+
+
+@contextmanager
+def private_namespace(tmp_path: Path, tag: str) -> Iterator[tuple[redis.Redis, Names, SyncTransport]]:
+    """A client and a `SyncTransport` on the test Redis (`infra.stack.find_redis`) under a fresh
+    namespace, whose keys are deleted after."""
+    url, proc = find_redis(tmp_path)
+    names = Names(f"test-{tag}-{uuid.uuid4().hex[:8]}")
+    r = redis.Redis.from_url(url)
+    transport = SyncTransport(url, names, owner="test")
+    try:
+        yield r, names, transport
+    finally:
+        transport.close()
+        for key in r.scan_iter(match=f"{names.namespace}:*"):
+            r.delete(key)
+        if proc is not None:
+            proc.terminate()
 
 
 def redis_server() -> str:

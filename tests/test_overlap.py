@@ -4,7 +4,6 @@ in order without being waited for, and a connection killed under either is redon
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,23 +14,13 @@ import redis
 from common.overlap import PendingRead, WriteBehind
 from common.protocol import ENTRY_FIELD, Names, StepResult, decode, encode
 from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
-from infra.stack import find_redis
+from tests.redis_servers import private_namespace
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[tuple[redis.Redis, Names, SyncTransport]]:
-    url, proc = find_redis(tmp_path)
-    names = Names(f"test-ov-{uuid.uuid4().hex[:8]}")
-    r = redis.Redis.from_url(url)
-    transport = SyncTransport(url, names, owner="test")
-    try:
-        yield r, names, transport
-    finally:
-        transport.close()
-        for key in r.scan_iter(match=f"{names.namespace}:*"):
-            r.delete(key)
-        if proc is not None:
-            proc.terminate()
+    with private_namespace(tmp_path, "ov") as env:
+        yield env
 
 
 def result(step: int) -> bytes:

@@ -3,7 +3,6 @@ and results that arrive together (one read returning two) lose nothing that was 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,31 +12,22 @@ import redis
 
 from common.config import ExecutorInfo
 from common.protocol import ENTRY_FIELD, Names, SchedulerOutput, StepResult, decode, encode
-from common.transport import Outgoing, SyncTransport
+from common.transport import Outgoing
 from infra.stack import find_redis
 from scheduler.stream_executor import StepFailed, StreamExecutor
+from tests.redis_servers import private_namespace
 
 EPOCH = 7
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[tuple[redis.Redis, Names, StreamExecutor]]:
-    url, proc = find_redis(tmp_path)
-    names = Names(f"test-se-{uuid.uuid4().hex[:8]}")
-    r = redis.Redis.from_url(url)
-    transport = SyncTransport(url, names, owner="test")
-    info = ExecutorInfo("m", 16, 4, 64, [0], 100)
-    executor = StreamExecutor(
-        info, transport, scheduler_id="0", executor_id="e", epoch=EPOCH, results_cursor=b"0-0", result_timeout_s=5
-    )
-    try:
+    with private_namespace(tmp_path, "se") as (r, names, transport):
+        info = ExecutorInfo("m", 16, 4, 64, [0], 100)
+        executor = StreamExecutor(
+            info, transport, scheduler_id="0", executor_id="e", epoch=EPOCH, results_cursor=b"0-0", result_timeout_s=5
+        )
         yield r, names, executor
-    finally:
-        transport.close()
-        for key in r.scan_iter(match=f"{names.namespace}:*"):
-            r.delete(key)
-        if proc is not None:
-            proc.terminate()
 
 
 def step(n: int, request_ids: list[str]) -> SchedulerOutput:

@@ -161,14 +161,15 @@ class ExecutorService:
                         return
                 got: list[Any] | None = None  # None: nothing read this turn
                 try:
-                    # Steps read are trimmed with the writes (this process is the stream's only reader).
-                    taken = cursors[steps]
-                    writes.send(sends, trim={steps: taken} if taken != trimmed else None)
-                    sends, trimmed = [], taken
-                    if read is None:
+                    if sends:  # steps read ride along as a trim (this process is the stream's only reader)
+                        taken = cursors[steps]
+                        writes.send(sends, trim={steps: taken} if taken != trimmed else None)
+                        sends, trimmed = [], taken
+                    if read is None:  # sent before the queued step runs, which it then overlaps
                         read = PendingRead(t, cursors, count=16, block_ms=1000, expected=(BindExecutor, SchedulerOutput))
-                    if not queue or read.ready():  # else the queued step runs while the read waits
-                        writes.settle()  # before waiting on the read: a result that did not land is redone now
+                    elif not queue or read.ready():
+                        if not read.ready():
+                            writes.settle()  # about to wait: a result that did not land is redone first
                         got, read = [msg for _, _, msg in read.take()], None
                 except TRANSIENT_ERRORS as exc:
                     logger.warning("Redis: %s; retrying", exc)
@@ -187,7 +188,7 @@ class ExecutorService:
                         if restarted or time.monotonic() - last_activity > HELLO_INTERVAL_S:
                             sends.append(hello)
                             last_activity = time.monotonic()
-                if queue:
+                if queue and read is not None:  # a step runs only with the read for the next one out
                     last_activity = time.monotonic()
                     self._handle(queue.popleft(), results, sends)
         finally:

@@ -1,8 +1,10 @@
 """`common.overlap` against real Redis: a read sent ahead answers when its entries land, writes land
-in order without being waited for, and a connection killed under either is redone without a loss."""
+in order without being waited for, and a connection killed under either is redone without a loss;
+and the executor's loop has its next read out while a step runs."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +13,12 @@ from typing import Any
 import pytest
 import redis
 
+from common.config import ExecutorInfo
+from common.executor_output import ExecutorOutput
 from common.overlap import PendingRead, WriteBehind
-from common.protocol import ENTRY_FIELD, Names, StepResult, decode, encode
+from common.protocol import ENTRY_FIELD, BindExecutor, Names, SchedulerOutput, StepResult, decode, encode
 from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from executor.service import ExecutorService, ExecutorServiceConfig
 from tests.redis_servers import private_namespace
 
 
@@ -28,8 +33,9 @@ def result(step: int) -> bytes:
 
 
 def steps_in(r: redis.Redis, stream: str) -> list[int]:
+    """The step numbers of the results (and steps) on ``stream``, in order; other messages skipped."""
     entries: Any = r.xrange(stream)
-    return [decode(e[ENTRY_FIELD]).step for _, e in entries]
+    return [m.step for m in (decode(e[ENTRY_FIELD]) for _, e in entries) if isinstance(m, (StepResult, SchedulerOutput))]
 
 
 def kill(r: redis.Redis, *conns: Any) -> None:
@@ -101,3 +107,57 @@ def test_a_killed_connection_is_redone_without_a_loss(env: tuple[redis.Redis, Na
     assert 1 in got and got[-1] == 2, got
     r.xadd(steps, {ENTRY_FIELD: result(3)})
     assert [m.step for _, _, m in PendingRead(t, cursors, count=16, block_ms=1000, expected=(StepResult,)).take()] == [3]
+
+
+class _Probe:
+    """A model whose every step records how many of the executor's connections sit blocked in an
+    XREAD at Redis while it runs (found by their local addresses in CLIENT LIST)."""
+
+    info = ExecutorInfo("probe", 16, 4, 64, [0], 100)
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.service: ExecutorService | None = None
+        self.blocked_reads: list[int] = []
+
+    def reset(self) -> None:
+        pass
+
+    def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
+        assert self.service is not None
+        pool: Any = self.service.transport.redis.connection_pool
+        conns = pool._connections  # every connection of the transport's (blocking) pool
+        mine = {"{}:{}".format(*c._sock.getsockname()[:2]) for c in conns if c._sock}
+        blocked = [c for c in self.r.client_list() if c["addr"] in mine and c["cmd"] == "xread" and "b" in c["flags"]]
+        self.blocked_reads.append(len(blocked))
+        return ExecutorOutput([7] * output.num_seqs, [])
+
+
+def test_the_executor_reads_its_next_step_while_a_step_runs(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    """The executor's read of the steps stream is waiting at Redis during each step (so a step sent
+    meanwhile is at hand when the current one ends), and every result still arrives, in order."""
+    r, names, t = env
+    probe = _Probe(r)
+    service = ExecutorService(ExecutorServiceConfig(t.url, "probe", names.namespace, executor_id="e"), probe)
+    probe.service = service
+    serving = threading.Thread(target=service._serve, args=("0", None), daemon=True)
+    serving.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not r.xlen(names.results("0")):  # its hello: it reads the steps stream from here on
+            assert time.monotonic() < deadline, "the executor never said hello"
+            time.sleep(0.005)
+        r.xadd(names.steps("0"), {ENTRY_FIELD: encode(BindExecutor("e", "0", 1))})
+        for step in range(1, 6):  # one at a time, as a scheduler waiting on each result would
+            out = SchedulerOutput(step=step, epoch=1)
+            out.add_scheduled("r", 1, 0)
+            r.xadd(names.steps("0"), {ENTRY_FIELD: encode(out)})
+            deadline = time.monotonic() + 5
+            while step not in steps_in(r, names.results("0")):
+                assert time.monotonic() < deadline, f"no result for step {step}"
+                time.sleep(0.005)
+    finally:
+        service.stopping.set()
+        serving.join(5)
+    assert steps_in(r, names.results("0"))[-5:] == [1, 2, 3, 4, 5]
+    assert probe.blocked_reads == [1] * 5

@@ -110,9 +110,14 @@ def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> Ste
 
 def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEvent]:
     """The journaled events of a stream, in order and without duplicates, as first delivered
-    (one per journal entry); stops at a gap (outputs lost with the old gateway: the engine resends
-    from there); ends with the end. Extends ``handle.output_token_ids``. Outputs of other requests
-    (the other choices of a response, which share its journal) are skipped.
+    (one per journal entry); ends with the end. Extends ``handle.output_token_ids``. Outputs of
+    other requests (the other choices of a response, which share its journal) are skipped.
+
+    Entries past a gap are skipped, not stopped at: a killed gateway leaves one (the steps it had
+    read but not journaled), the scheduler journals the steps after it as orphans, and the adopter
+    replays up to the gap, has the engine resend from there and journals what it streams after
+    those orphans. A second adopter must replay the first one's entries too, numbered as it
+    delivered them. An entry that repeats only delivered tokens is no event (a late writer's).
 
     One writer's entries never overlap. Two writers' do when a gateway whose client left (or the
     scheduler, while the stream was orphaned) journals a little more after another gateway read
@@ -135,9 +140,11 @@ def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEven
             elif events and events[-1].finished:
                 continue  # nothing follows the end but a later writer's entries
             if index > handle.next_index:
-                return events
+                continue  # past a gap (see above)
             skip = handle.next_index - index
             tokens, lps = tokens[skip:], lps[skip:]
+            if not tokens and not msg.finished[i]:
+                continue
             starts.append(handle.next_index)
             handle.output_token_ids.extend(tokens)
             event = EngineEvent(

@@ -26,10 +26,13 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.sampling_params import SamplingParams
 from common.transport import Outgoing
 from gateway.journal import read_journal
 from gateway.outputs import replay
 from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
+from scheduler.outputs import OutputRouter
+from scheduler.request import Request, StepOutput
 
 NAMES = Names("t-client")
 SAMPLING = {"temperature": 0.0, "max_tokens": 10}
@@ -500,6 +503,28 @@ def test_a_late_writers_entries_give_way_to_the_adopters() -> None:
     assert [e.token_ids for e in replay(RequestHandle("resp", [1], SAMPLING), alone)] == [[5, 6], [7], [8], [9, 10, 11]]
 
 
+def test_a_second_adopter_replays_past_the_first_ones_gap() -> None:
+    """Gateway A was killed with steps 2-4 read from its outputs stream but never journaled; the
+    scheduler journaled steps 5-6 as orphans. B replayed up to the gap, asked for a resend from 2
+    and journaled what it streamed. B dies too: C must replay the events as B delivered them (A's
+    two, then B's), not stop at the orphans' gap and renumber the rest, which would make a client
+    that resumes from B's event ids miss tokens (or see them twice)."""
+    by_a = [outputs(("resp", 0, [5])), outputs(("resp", 1, [6]))]
+    orphaned = [outputs(("resp", 5, [10])), outputs(("resp", 6, [11]))]
+    by_b = [outputs(("resp", 2, [7, 8, 9, 10, 11])), outputs(("resp", 7, [12])), outputs(("resp", 8, [13]))]
+    b = RequestHandle("resp", [1], SAMPLING)
+    assert [e.token_ids for e in replay(b, by_a + orphaned)] == [[5], [6]] and b.next_index == 2  # B syncs from 2
+    c = RequestHandle("resp", [1], SAMPLING)
+    events = replay(c, by_a + orphaned + by_b)
+    assert [e.token_ids for e in events] == [[5], [6], [7, 8, 9, 10, 11], [12], [13]]
+    assert c.output_token_ids == [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    # A late writer's entry that only repeats delivered tokens is no event of its own.
+    one_event = [outputs(("resp", 0, [5, 6]))]
+    late = [outputs(("resp", 1, [6]))]
+    d = RequestHandle("resp", [1], SAMPLING)
+    assert [e.token_ids for e in replay(d, one_event + late + by_b)] == [[5, 6], [7, 8, 9, 10, 11], [12], [13]]
+
+
 @async_test
 async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     server = fakeredis.FakeServer()
@@ -523,3 +548,52 @@ async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     assert tokens_of(drain(h2)) == [8] and h2.done
     journaled = (await read_journal(g2, "resp")).outputs
     assert [t for m in journaled for t in m.token_ids] == [5, 6, 7, 8] and journaled[-1].finished == [True]
+
+
+@async_test
+async def test_a_stream_resumes_twice_after_its_engine_journaled_it_as_an_orphan() -> None:
+    """The real gateway and scheduler sides on one Redis: g1 is killed with steps it read but did
+    not journal, the scheduler declares it dead and journals the next steps as orphans, g2 adopts
+    (its replay ends at the gap, the engine resends from there), then g2 is killed too: g3 replays
+    the journal into the very events g2 delivered, so event ids stay valid across both moves."""
+    server = fakeredis.FakeServer()
+    g1, g2, g3 = make_client("g1", server), make_client("g2", server), make_client("g3", server)
+    redis = g1.transport.redis
+    await publish(g1, engine("s0"))
+    for g in (g2, g3):
+        await g._refresh()
+    router = OutputRouter(NAMES, resume_window_s=30.0, max_message_bytes=1 << 20)
+    router.add("resp", "g1", "resp")
+    request = Request("resp", [1, 2], SamplingParams(temperature=0, max_tokens=10))
+
+    async def step(*new: int) -> list[Outgoing]:  # the engine samples ``new``; the router says where it goes
+        request.output_token_ids.extend(new)
+        request.output_logprobs.extend([None] * len(new))
+        sends = router.route([StepOutput("resp", list(new), [None] * len(new), False, None, request.num_output_tokens)])
+        for o in sends:
+            await redis.xadd(o.stream, {ENTRY_FIELD: o.data})
+        return sends
+
+    header = JournalHeader("resp", "completion", '{"prompt": "hi"}', "tiny", 7, 10, [1, 2], "hi")
+    h1 = await g1.submit("resp", [1, 2], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
+    for t in (5, 6):
+        await dispatch_steps(g1, decode((await step(t))[0].data))
+    assert tokens_of(drain(h1)) == [5, 6]
+    for t in (7, 8, 9):
+        await step(t)  # into g1's outputs stream: g1 is dead and never journals them
+    assert router.gateway_died("g1", now=0.0) == []
+    for t in (10, 11):
+        assert [o.stream for o in await step(t)] == [NAMES.journal("resp")]  # orphans
+    read = await read_journal(g2, "resp")
+    h2 = await g2.adopt("resp", [1, 2], SAMPLING, read.single()[1], read.outputs)
+    assert [m for m in await sent(g2, "s0") if isinstance(m, SyncRequest)] == [SyncRequest("resp", "g2", 2)]
+    await dispatch_steps(g2, decode(router.adopt(request, "resp", "g2", 2).data))  # the resend
+    for t in (12, 13):
+        await dispatch_steps(g2, decode((await step(t))[0].data))
+    delivered_by_g2 = [e.token_ids for e in drain(h2)]
+    assert delivered_by_g2 == [[5], [6], [7, 8, 9, 10, 11], [12], [13]]
+    # g2 is killed; the client resumes on g3.
+    read = await read_journal(g3, "resp")
+    h3 = await g3.adopt("resp", [1, 2], SAMPLING, read.single()[1], read.outputs)
+    assert [e.token_ids for e in drain(h3)] == delivered_by_g2
+    assert [m for m in await sent(g3, "s0") if isinstance(m, SyncRequest)][-1] == SyncRequest("resp", "g3", 9)

@@ -21,6 +21,8 @@ from typing import cast
 
 import redis
 
+from common.protocol import Names
+
 AUTO = "auto"  # the --scheduler-id that asks for claim-based pairing
 ANNOUNCE_INTERVAL_S = 0.5
 # Only the owner may refresh or release: compare and act in one step.
@@ -29,7 +31,8 @@ RELEASE_SCRIPT = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.cal
 # Announcements are stamped and aged by the Redis server's clock, not the hosts': replicas on
 # machines whose clocks disagree by more than a TTL would otherwise see each other's offers as stale.
 _NOW_MS = "local t = redis.call('time') local now = t[1] * 1000 + math.floor(t[2] / 1000) "
-ANNOUNCE_SCRIPT = _NOW_MS + "return redis.call('zadd', KEYS[1], now, ARGV[1])"
+# The set expires a claim TTL after the last announcement: its entries are all stale by then.
+ANNOUNCE_SCRIPT = _NOW_MS + "redis.call('zadd', KEYS[1], now, ARGV[1]) return redis.call('pexpire', KEYS[1], ARGV[2])"
 OFFERED_SCRIPT = (
     _NOW_MS
     + "redis.call('zremrangebyscore', KEYS[1], '-inf', now - tonumber(ARGV[1])) "
@@ -43,10 +46,10 @@ class Pairing:
     ``ttl_ms`` is the claim's lifetime without a refresh (the heartbeat TTL): how long a dead
     scheduler keeps its executor from the others."""
 
-    def __init__(self, client: redis.Redis, namespace: str, ttl_ms: int) -> None:
+    def __init__(self, client: redis.Redis, names: Names, ttl_ms: int) -> None:
         self.redis = client
-        self.unpaired = f"{namespace}:executors:unpaired"
-        self.prefix = f"{namespace}:claim:"
+        self.names = names
+        self.unpaired = names.unpaired_executors
         self.ttl_ms = ttl_ms
         self._refresh = client.register_script(REFRESH_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
@@ -54,12 +57,12 @@ class Pairing:
         self._offered = client.register_script(OFFERED_SCRIPT)
 
     def claim_key(self, executor_id: str) -> str:
-        return self.prefix + executor_id
+        return self.names.claim(executor_id)
 
     # -- executor side ---------------------------------------------------------------------------
     def announce(self, executor_id: str) -> None:
         """Offer this executor to the schedulers (again: the score says how recently)."""
-        self._announce(keys=[self.unpaired], args=[executor_id])
+        self._announce(keys=[self.unpaired], args=[executor_id, self.ttl_ms])
 
     def withdraw(self, executor_id: str) -> None:
         """No longer offered (claimed, or stopping)."""

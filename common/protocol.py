@@ -15,15 +15,19 @@ Redis). Every one has an owner that bounds it:
 stream / key                 direction                    discipline and bound
 ===========================  ===========================  =======================================
 ``requests:<scheduler>``     gateways -> one scheduler    single reader; trimmed as it is read
-``steps:<scheduler>``        scheduler -> its executor    single reader, epoch-checked; MAXLEN
-``results:<scheduler>``      executor -> its scheduler    single reader; MAXLEN
+``steps:<scheduler>``        scheduler -> its executor    single reader, epoch-checked; MAXLEN + TTL
+``results:<scheduler>``      executor -> its scheduler    single reader; MAXLEN + TTL
 ``outputs:<gateway>``        schedulers -> one gateway    single reader; MAXLEN + TTL (refreshed)
 ``journal:<response>``       gateway (scheduler while     resumable SSE streams; TTL (refreshed)
                              orphaned) -> any gateway
-``dead``                     anyone                       malformed messages; MAXLEN
+``dead``                     anyone                       malformed messages; MAXLEN + TTL
 ``hb:<kind>:<id>``           key with TTL                 liveness of gateways and executors
 ``engine:<scheduler>``       key with TTL                 `EngineStatus`: liveness, model, load
-``engines``                  sorted set                   scheduler ids seen (score: last beat)
+``engines``                  sorted set                   scheduler ids seen (score: last beat);
+                                                          stale ids dropped, TTL (refreshed)
+``executors:unpaired``       sorted set                   executors offering themselves
+                                                          (`common.pairing`); TTL (refreshed)
+``claim:<executor>``         key with TTL                 the scheduler that holds an executor
 ===========================  ===========================  =======================================
 """
 
@@ -52,8 +56,12 @@ OUTPUTS_MAXLEN = 20_000
 OUTPUTS_TTL_MS = 120_000
 # The engine streams (steps, results) outlive their engine by this long at most.
 ENGINE_STREAMS_TTL_MS = 3_600_000
-# Engine registrations not refreshed for this long are dropped from the ``engines`` set.
+# Engine registrations not refreshed for this long are dropped from the ``engines`` set, and the
+# set itself expires this long after the last beat of any scheduler.
 ENGINE_FORGET_S = 600.0
+# Dead letters are for an operator to read; the stream goes a week after the last one.
+DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_TTL_MS = 7 * 24 * 3_600_000
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -91,6 +99,13 @@ class Names:
 
     def heartbeat(self, kind: str, process_id: str) -> str:
         return f"{self.namespace}:hb:{kind}:{process_id}"
+
+    @property
+    def unpaired_executors(self) -> str:
+        return f"{self.namespace}:executors:unpaired"
+
+    def claim(self, executor_id: str) -> str:
+        return f"{self.namespace}:claim:{executor_id}"
 
 
 # -- message types -------------------------------------------------------------------------------

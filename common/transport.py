@@ -23,6 +23,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
@@ -33,14 +34,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.batch_send import APPEND_SCRIPT, script_arguments
-from common.protocol import ENTRY_FIELD, MAX_MESSAGE_BYTES, Names, ProtocolError, decode, encode
+from common.protocol import (
+    DEAD_LETTER_MAXLEN,
+    DEAD_LETTER_TTL_MS,
+    ENTRY_FIELD,
+    MAX_MESSAGE_BYTES,
+    Names,
+    ProtocolError,
+    decode,
+    encode,
+)
 from common.redis_url import PASSWORD_ENV, async_client, sync_client
 
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
 FIRST_ENTRY_ID = "0-1"  # the lowest stream entry id: `Transport.create_stream`
-DEAD_LETTER_MAXLEN = 10_000
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 CLIENT_OPTIONS: dict[str, Any] = dict(
     socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
@@ -159,14 +168,22 @@ class TransportCore(Generic[Client]):
                     rejected.append((stream, entry_id, entry, str(exc)))
         return received, rejected
 
-    def _dead_letter(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str) -> dict[str, Any]:
-        """Count and log a rejected entry; the XADD keeping a copy (truncated) on the dead-letter stream."""
+    def _dead_letter(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str) -> Callable[[], Any]:
+        """Count and log a rejected entry; returns the call (a new pipeline per try) that keeps a
+        copy (truncated) on the dead-letter stream and refreshes the stream's TTL."""
         self.num_dead_letters += 1
         logger.error("%s: rejected entry %s on %s: %s", self.owner, entry_id, stream, reason)
-        record: dict[bytes | str, bytes | str] = {"stream": stream, "id": entry_id, "reason": reason, "by": self.owner}
+        record: dict[Any, Any] = {"stream": stream, "id": entry_id, "reason": reason, "by": self.owner}
         for key, value in list(entry.items())[:8]:
             record[b"raw:" + key[:64]] = value[:4096]
-        return dict(name=self.names.dead_letter, fields=record, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+
+        def write() -> Any:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.names.dead_letter, record, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+            pipe.pexpire(self.names.dead_letter, DEAD_LETTER_TTL_MS)
+            return pipe.execute()
+
+        return write
 
     # -- commands ------------------------------------------------------------------------------
     @staticmethod
@@ -304,7 +321,7 @@ class Transport(TransportCore[aioredis.Redis]):
     async def dead_letter(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str) -> None:
         """Log a rejected entry and keep a copy (truncated) on the dead-letter stream."""
         try:
-            await self.call(self.redis.xadd, **self._dead_letter(stream, entry_id, entry, reason), deadline_s=5)
+            await self.call(self._dead_letter(stream, entry_id, entry, reason), deadline_s=5)
         except TRANSIENT_ERRORS:
             logger.exception("could not write the dead letter")
 
@@ -341,10 +358,6 @@ class SyncTransport(TransportCore[redis.Redis]):
 
     def ping(self, deadline_s: float | None = None) -> None:
         self.call(self.redis.ping, deadline_s=deadline_s)
-
-    def send(self, stream: str, msg: Any, *, maxlen: int | None = None, deadline_s: float | None = None) -> bytes:
-        """Append one message to ``stream`` (optionally trimmed to about ``maxlen`` entries)."""
-        return self.call(self.redis.xadd, **self._xadd(stream, self.encode(msg), maxlen), deadline_s=deadline_s)
 
     def exchange(
         self,
@@ -396,7 +409,7 @@ class SyncTransport(TransportCore[redis.Redis]):
     def dead_letter(self, stream: str, entry_id: bytes, entry: dict[bytes, bytes], reason: str) -> None:
         """Log a rejected entry and keep a copy (truncated) on the dead-letter stream."""
         try:
-            self.call(self.redis.xadd, **self._dead_letter(stream, entry_id, entry, reason), deadline_s=5)
+            self.call(self._dead_letter(stream, entry_id, entry, reason), deadline_s=5)
         except TRANSIENT_ERRORS:
             logger.exception("could not write the dead letter")
 

@@ -99,7 +99,7 @@ class ExecutorService:
         ).start()
         record_process_id("executor", self.eid)
         logger.info("executor %s up (%d blocks of %d)", self.eid, self.info.num_blocks, self.info.block_size)
-        pairing = Pairing(t.redis, self.names.namespace, ttl) if self.config.scheduler_id == AUTO else None
+        pairing = Pairing(t.redis, self.names, ttl) if self.config.scheduler_id == AUTO else None
         try:
             if pairing is None:
                 self._serve(self.config.scheduler_id, None)

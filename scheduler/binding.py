@@ -17,8 +17,17 @@ from collections.abc import Callable
 
 from common.config import ExecutorInfo, ServiceDefaults
 from common.pairing import Pairing
-from common.protocol import ENTRY_FIELD, STEPS_MAXLEN, BindExecutor, ExecutorHello, ProtocolError, StepResult, decode
-from common.transport import TRANSIENT_ERRORS, SyncTransport
+from common.protocol import (
+    ENGINE_STREAMS_TTL_MS,
+    ENTRY_FIELD,
+    STEPS_MAXLEN,
+    BindExecutor,
+    ExecutorHello,
+    ProtocolError,
+    StepResult,
+    decode,
+)
+from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
 from scheduler.stream_executor import StreamExecutor
 
 logger = logging.getLogger("conveyor.scheduler")
@@ -44,7 +53,7 @@ class ExecutorBinding:
         self.redis_restarted = redis_restarted
         self.hello: ExecutorHello | None = None  # of the executor bound last
         self.epoch = 0
-        self.pairing = Pairing(transport.redis, transport.names.namespace, ttl_ms) if auto else None
+        self.pairing = Pairing(transport.redis, transport.names, ttl_ms) if auto else None
         self.claimed: str | None = None  # the executor this scheduler holds a claim on (auto)
         self.claim_lost = threading.Event()
         self._stop = threading.Event()
@@ -138,7 +147,10 @@ class ExecutorBinding:
 
     def _bind(self, hello: ExecutorHello, cursor: bytes) -> StreamExecutor:
         t = self.transport
-        t.send(t.names.steps(self.sid), BindExecutor(hello.executor_id, self.sid, self.next_epoch()), maxlen=STEPS_MAXLEN)
+        bind = BindExecutor(hello.executor_id, self.sid, self.next_epoch())
+        # With the engine streams' TTL from the first entry: a scheduler that binds and exits before
+        # its first step (with ``--scheduler-id auto``, a new id each time) leaves nothing behind.
+        t.exchange([Outgoing(t.names.steps(self.sid), t.encode(bind), STEPS_MAXLEN, ENGINE_STREAMS_TTL_MS)])
         self.hello = hello
         info = ExecutorInfo(
             hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size

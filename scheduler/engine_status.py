@@ -57,6 +57,18 @@ class EngineBeat:
         pipe.set(self.names.engine(self.scheduler_id), encode(self.snapshot()), px=self.ttl_ms)
         pipe.zadd(self.names.engines, {self.scheduler_id: now})
         pipe.zremrangebyscore(self.names.engines, "-inf", now - ENGINE_FORGET_S)
+        pipe.pexpire(self.names.engines, int(ENGINE_FORGET_S * 1000))  # gone when every scheduler is
+        pipe.execute()
+
+    def withdraw(self) -> None:
+        """Stop beating and take this engine out of Redis now (its status key and its place in
+        ``engines``), rather than at the TTL: gateways migrate its requests at once."""
+        self.stop()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)  # a beat under way would publish the engine again
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(self.names.engine(self.scheduler_id))
+        pipe.zrem(self.names.engines, self.scheduler_id)
         pipe.execute()
 
     def poke(self) -> None:

@@ -172,10 +172,8 @@ class SchedulerService:
                 self.executor, self.lost_since = None, time.monotonic()
         finally:
             self.stopping.set()
-            self.beat.stop()  # type: ignore[union-attr]
             self.binding.close()
-            # Gone at once rather than at the TTL: gateways migrate this engine's requests now.
-            t.call(t.redis.delete, self.names.engine(self.sid), deadline_s=2)
+            t.call(self.beat.withdraw, deadline_s=2)  # type: ignore[union-attr]
             t.close()
 
     def status(self) -> EngineStatus:

@@ -17,7 +17,8 @@ import pytest
 import redis
 
 from common.pairing import Pairing
-from infra.launcher import free_port
+from common.protocol import Names
+from infra.launcher import free_port, stop_all
 from infra.stack import REPO, Stack, find_redis
 
 
@@ -26,7 +27,7 @@ def pairing(tmp_path: Path) -> Iterator[Pairing]:
     url, proc = find_redis(tmp_path)
     client = redis.Redis.from_url(url)
     namespace = f"test-pairing-{uuid.uuid4().hex[:8]}"
-    yield Pairing(client, namespace, ttl_ms=300)
+    yield Pairing(client, Names(namespace), ttl_ms=300)
     keys = list(client.scan_iter(match=f"{namespace}:*"))
     if keys:
         client.delete(*keys)
@@ -67,6 +68,10 @@ def test_offered_executors(pairing: Pairing) -> None:
     time.sleep(0.4)  # no longer announcing (claimed, or dead): dropped after a TTL
     pairing.announce("e3")
     assert pairing.offered() == ["e3"]
+    # The set itself goes a TTL after the last announcement, though no scheduler is left to trim it.
+    assert 0 < int(pairing.redis.pttl(pairing.unpaired)) <= 300
+    time.sleep(0.4)
+    assert not pairing.redis.exists(pairing.unpaired)
 
 
 def _executors(stack: Stack) -> dict[str, str]:
@@ -141,3 +146,43 @@ def test_health_reports_what_is_missing(tmp_path: Path, monkeypatch: pytest.Monk
 
 def _logged_id(log: Path, scheduler_id: str) -> bool:
     return f"scheduler {scheduler_id} up" in log.read_text(errors="replace")
+
+
+def test_every_key_a_stack_leaves_behind_expires(tiny_model: Any, tmp_path: Path) -> None:
+    """Whatever way its processes end, a deployment leaves no Redis key without a TTL: a scheduler
+    killed after binding (with ``auto`` ids, a new id and streams each time), a dead letter, the
+    engines set and the unpaired executors once nobody is left to trim them."""
+    stack = Stack(tiny_model(), tmp_path, auto_pairing=True, executor_args=("--num-blocks", "128"))
+    try:
+        stack.start()
+        _wait(lambda: len(_executors(stack)) == 1, 60)
+        client = openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        text = "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0, stream=True)
+        )
+        assert text
+        first = next(iter(_executors(stack)))
+        stack.redis.xadd(stack.names.requests(first), {b"m": b"not msgpack"})  # dead-lettered by the scheduler
+        _wait(lambda: stack.redis.exists(stack.names.dead_letter), 30)
+        # A scheduler killed outright; its successor (a new id) binds the executor and is killed too.
+        name = next(n for n in stack.procs if n.startswith("scheduler"))
+        stack.procs[name].send_signal(signal.SIGKILL)
+        stack.procs[name].wait()
+        stack.spawn_scheduler(1)
+        _wait(lambda: set(_executors(stack)) - {first}, 60)
+        stack.procs["scheduler1"].send_signal(signal.SIGKILL)
+        stack.procs["scheduler1"].wait()
+        # The executor announces itself again; then it and the gateway stop as on a deploy.
+        _wait(lambda: stack.redis.exists(stack.names.unpaired_executors), 30)
+        stop_all([p for n, p in stack.procs.items() if not n.startswith("scheduler")])
+        keys = sorted(k.decode() for k in stack.redis.scan_iter(match=f"{stack.namespace}:*", count=1000))
+        assert any(":steps:" in k for k in keys) and stack.names.dead_letter in keys, keys
+        without_ttl = [k for k in keys if stack.redis.pttl(k) == -1]
+        assert not without_ttl, without_ttl
+    except BaseException:
+        print(stack.logs(), file=sys.stderr)
+        raise
+    finally:
+        stack.stop()

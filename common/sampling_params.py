@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -84,6 +83,9 @@ class SamplingParams:
     MAX_LOGIT_BIAS = 1024
     # OpenAI's ranges for the penalties and the biases.
     MAX_PENALTY = 2.0
+    # Logits are float32: dividing by a penalty near 0 (or multiplying by a huge one) overflows them
+    # into inf and NaN, and an integer past 2**64 cannot even be encoded. Useful values are ~1-2.
+    REPETITION_PENALTY_RANGE = (0.01, 100.0)
     MAX_LOGIT_BIAS_VALUE = 100.0
     # The most samples (``n``, ``best_of``) one prompt may ask for: each is a request in the engine.
     MAX_N = 128
@@ -133,10 +135,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_num(value) or not -most <= value <= most:
                 raise ValueError(f"{name} must be in [{-most}, {most}], got {value!r}")
-        # Finite: a logit of 0 times an infinite penalty is NaN.
-        rep = self.repetition_penalty
-        if not _is_num(rep) or not (rep > 0 and math.isfinite(rep)):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        rep, (low, high) = self.repetition_penalty, self.REPETITION_PENALTY_RANGE
+        if not _is_num(rep) or not low <= rep <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {reprlib.repr(rep)}")
         self._validate_logit_bias(vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):

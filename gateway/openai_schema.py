@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import INT32_MAX, SamplingParams
 from gateway.json_input import (
     ApiError,
     all_ints,
@@ -131,7 +131,9 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         top_p=get_num(body, "top_p", 1.0),
         top_k=get_int(body, "top_k", 0),
         min_p=get_num(body, "min_p", 0.0),
-        max_tokens=max_tokens if max_tokens is not None else 1,
+        # None (chat's default, the rest of the context) is known once the prompt is: until then a
+        # stand-in that no other field is checked against (``min_tokens``).
+        max_tokens=max_tokens if max_tokens is not None else INT32_MAX,
         min_tokens=get_int(body, "min_tokens", 0),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=get_bool(body, "ignore_eos", False),

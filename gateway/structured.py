@@ -137,7 +137,7 @@ def parse_tools(body: dict[str, Any], sampling: SamplingParams, param: str | Non
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in schemas:
+        if not isinstance(name, str) or name not in schemas:  # a list or an object is no name (and unhashable)
             raise bad(f"'tool_choice' names function {preview(name)}, which is not among 'tools'", "tool_choice")
         mode, schema = ToolCallMode("named", name), schemas[name]
     else:

@@ -23,6 +23,7 @@ from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names,
 from common.sampling_params import sampling_from_dict
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.openai_schema import parse_chat
 from infra.stack import find_redis
 
 MAX_MODEL_LEN = 2048
@@ -99,7 +100,9 @@ def test_malformed_json_and_non_object(env: dict[str, Any]) -> None:
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", ["[-2.0, 2.0]", "2.5"]),
         ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", ["[-2.0, 2.0]", "-3"]),
         ({"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty", ["number"]),
-        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", ["> 0"]),
+        ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", ["[0.01, 100.0]"]),
+        ({"prompt": "hi", "repetition_penalty": 2**64}, "repetition_penalty", ["[0.01, 100.0]"]),  # was a 500
+        ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty", ["[0.01, 100.0]"]),  # was NaN logits
         ({"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias", ["object"]),
         ({"prompt": "hi", "logit_bias": {"dog": 1}}, "logit_bias", ["token ids", "dog"]),
         ({"prompt": "hi", "logit_bias": {"-5": 1}}, "logit_bias", ["token ids"]),
@@ -133,6 +136,13 @@ def test_chat_validation(env: dict[str, Any]) -> None:
     _error(
         c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400, "requires"
     )
+
+
+def test_chat_min_tokens_without_max_tokens_is_valid() -> None:
+    """Chat's ``max_tokens`` defaults to the rest of the context, known only with the prompt: a
+    ``min_tokens`` above 1 was checked against a stand-in of 1 and refused."""
+    spec = parse_chat({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5})
+    assert spec.max_tokens is None and spec.sampling.min_tokens == 5
 
 
 def test_unknown_model_body_too_large_and_unknown_route(env: dict[str, Any]) -> None:

@@ -68,6 +68,8 @@ def test_malformed_or_conflicting_fields_are_400() -> None:
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
         ({"tools": {"add": ADD}}, "tools"),
         ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": ["add"]}}}, "tool_choice"),  # was a 500
+        ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": {"x": 1}}}}, "tool_choice"),
         ({"functions": [ADD["function"]]}, "functions"),
     ]
     for extra, param in cases:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import ENTRY_FIELD, JournalHeader, Route, StepOutputs, decode
-from gateway.json_input import ApiError
+from gateway.json_input import ApiError, preview
 from gateway.request_handle import base_request_id
 from gateway.router import EngineClient
 
@@ -24,7 +24,7 @@ def stream_not_found(response_id: str) -> ApiError:
     """The answer to resuming a stream that has no journal (a 404)."""
     return ApiError(
         404,
-        f"no resumable stream {response_id!r} (unknown, or older than the resume window)",
+        f"no resumable stream {preview(response_id)} (unknown, or older than the resume window)",
         "not_found_error",
         code="stream_not_found",
     )

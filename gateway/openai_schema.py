@@ -84,6 +84,15 @@ def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
         raise bad(f"'{name}' = {preview(value)} is not supported by this server (only {neutral!r})", name)
 
 
+# vLLM's chat-template fields this server does not honour (the checkpoint's own template renders
+# every chat): refused when they ask for anything else, by /v1/chat/completions and /tokenize alike.
+_CHAT_TEMPLATE_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("continue_final_message", False),
+    ("chat_template", None),
+    ("chat_template_kwargs", None),
+)
+
+
 # -- shared parameters -------------------------------------------------------------------------
 def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: int | None) -> GenerationSpec:
     if not isinstance(body, dict):
@@ -271,6 +280,8 @@ def parse_chat(body: Any) -> GenerationSpec:
         if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
+    for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
+        _unsupported(body, name, neutral)
     spec.messages = _messages(body)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None)
     return spec
@@ -342,12 +353,7 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise bad("give either 'prompt' or 'messages', not both", "prompt")
-        for name, neutral in (
-            ("continue_final_message", False),
-            ("chat_template", None),
-            ("chat_template_kwargs", None),
-            ("tools", None),
-        ):
+        for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("tools", None)):
             _unsupported(body, name, neutral)
         return TokenizeSpec(
             model,

@@ -145,12 +145,35 @@ def test_chat_min_tokens_without_max_tokens_is_valid() -> None:
     assert spec.max_tokens is None and spec.sampling.min_tokens == 5
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"chat_template": "{{ messages }}"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"continue_final_message": True},
+        {"add_generation_prompt": False},
+        {"echo": True},
+    ],
+)
+def test_chat_template_fields_it_cannot_honour_are_refused(env: dict[str, Any], field: dict[str, Any]) -> None:
+    """They were ignored: a client asking for another template got the default one and a 200."""
+    (name,) = field
+    body = {"messages": [{"role": "user", "content": "hi"}], **field}
+    err = _error(env["client"].post("/v1/chat/completions", json=body), 400, "not supported")
+    assert err["param"] == name
+    neutral = {"add_generation_prompt": True, "echo": False, "continue_final_message": False}
+    if name in neutral:  # the neutral value is fine
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], name: neutral[name]})
+
+
 def test_unknown_model_body_too_large_and_unknown_route(env: dict[str, Any]) -> None:
     c = env["client"]
     err = _error(c.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "gpt-9")
     assert err["code"] == "model_not_found"
     _error(c.post("/v1/completions", json={"prompt": "x" * 25000}), 413, "20000")
     _error(c.get("/v1/nothing"), 404)
+    err = _error(c.get("/v1/streams/" + "x" * 10_000), 404, "no resumable stream")
+    assert err["code"] == "stream_not_found" and len(err["message"]) < 200  # the id is cut, as other echoes are
 
 
 def test_models_and_health(env: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
+from common.structured_outputs import INITIAL_LEXER_FUEL
 from common.structured_outputs import StructuredOutputsParams as S
 from executor.grammar import GrammarMask, GrammarStats, StructuredDecoding
 
@@ -112,6 +113,49 @@ def test_matcher_advances_replays_and_forces_eos(tiny_model: Any) -> None:
     assert broken["c"].grammar.compiled and broken["c"].grammar.matcher is None
     assert _allowed(mask, 0) == sorted(cfg.eos_token_ids)
     decoding.close()
+
+
+def test_matchers_are_built_with_the_shared_fuel_limit(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's matchers and the gateway's validation use `grammar_limits`: with llguidance's
+    default fuel, the first mask of a{1000}{1000}{1000} stalled every request of its step for ~3 s
+    on the development VM. That regex still ends its request (EOS only) after its first token."""
+    import llguidance
+
+    from executor.model_config import load_config
+
+    limits: list[Any] = []
+    real = llguidance.LLMatcher
+
+    class Spy:
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            limits.append(kwargs.get("limits"))
+            return real(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:  # grammar_from_regex, validate_grammar...
+            return getattr(real, name)
+
+        @staticmethod
+        def validate_grammar(*args: Any, **kwargs: Any) -> Any:
+            limits.append(kwargs.get("limits"))
+            return real.validate_grammar(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Spy())
+    spec = S(regex="a{1000}{1000}{1000}")
+    assert spec.compile_error() is None  # the gateway lets it through: it compiles
+    path = tiny_model()
+    cfg = load_config(path)
+    decoding = StructuredDecoding(path, cfg.vocab_size, list(cfg.eos_token_ids), torch.device("cpu"))
+    prompt = [1, 2, 3]
+    requests = {"a": SimpleNamespace(num_prompt_tokens=len(prompt), token_ids=list(prompt), grammar=None)}
+    first = decoding.start(_batch(requests, spec), requests)
+    assert first is not None
+    allowed = _allowed(first, 0)
+    assert allowed and set(allowed) != set(cfg.eos_token_ids)
+    requests["a"].token_ids.append(decoding.compiler.tokenizer().tokenize_str("a")[0])
+    after = decoding.start(_batch(requests, spec), requests)
+    assert after is not None and _allowed(after, 0) == sorted(cfg.eos_token_ids)
+    decoding.close()
+    assert len(limits) == 2 and all(lim is not None and lim.initial_lexer_fuel == INITIAL_LEXER_FUEL for lim in limits)
 
 
 def test_generation_obeys_each_constraint(llm: Any) -> None:

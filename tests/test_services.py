@@ -372,8 +372,8 @@ def test_bad_penalties_and_logit_bias_get_400(stack: Stack, client: openai.OpenA
     cases: list[tuple[dict[str, Any], str, str]] = [
         (dict(presence_penalty=2.5), "presence_penalty", "[-2.0, 2.0]"),
         (dict(frequency_penalty=-3), "frequency_penalty", "[-2.0, 2.0]"),
-        (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "> 0"),
-        (dict(extra_body={"repetition_penalty": -1.5}), "repetition_penalty", "> 0"),
+        (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "[0.01, 100.0]"),
+        (dict(extra_body={"repetition_penalty": -1.5}), "repetition_penalty", "[0.01, 100.0]"),
         (dict(logit_bias={str(vocab): 5}), "logit_bias", f"[0, {vocab}) (the vocabulary)"),
         (dict(logit_bias={"5": 150}), "logit_bias", "[-100.0, 100.0]"),
         (dict(logit_bias={"five": 1}), "logit_bias", "token ids"),

@@ -12,7 +12,9 @@ steps (one with two steps in flight); their tokens are dropped here and never re
 No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_tokens`` behind its
 ``num_tokens``; running requests are served first, then waiting ones FCFS, all under one token
 budget, so a step freely mixes decodes with prefill chunks. When blocks run out, the most
-recently admitted running request is preempted by recompute.
+recently admitted running request is preempted by recompute. A preempted request is not
+admitted again while a step it was in is still in flight (possible with three or more in flight):
+that step's output belongs to its old blocks.
 
 Prefix caching (``SchedulerConfig.enable_prefix_caching``, on by default): a request being
 admitted starts from the longest run of its leading full blocks found in the cache (shared by
@@ -172,6 +174,8 @@ class Scheduler:
         request.finish_reason = reason
         self.cache.free(request.request_id)
         del self.requests[request.request_id]
+        if request.request_id in self.suspects:  # a later request may reuse its id
+            self.suspects.remove(request.request_id)
         siblings = self.groups.get(request.group_id) if request.group_id is not None else None
         if siblings is not None:
             siblings.remove(request)
@@ -225,8 +229,10 @@ class Scheduler:
         w = 0
         while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[w]
-            # A preempted request with a step still in flight (two or more ahead) waits for its token.
-            if request.num_output_placeholders or self._held(request):
+            # A preempted request waits for the steps it is still in (three or more in flight): an
+            # output applied after its readmission would register blocks of its old table as its new
+            # table's (stale K/V in the prefix cache), or add a token twice.
+            if (request.num_preemptions and self._in_flight(request)) or self._held(request):
                 w += 1
                 continue
             admitted = self._admit_blocks(request, budget)
@@ -237,6 +243,10 @@ class Scheduler:
             scheduled[request.request_id] = admitted
             budget -= admitted
         return scheduled
+
+    def _in_flight(self, request: Request) -> bool:
+        """Whether a step whose output has not arrived holds ``request``."""
+        return any(row[0] is request for record in self.pending for row in record.rows)
 
     def _held(self, request: Request) -> bool:
         """Whether a waiting sibling should wait for a running sibling's prompt blocks to be
@@ -380,8 +390,10 @@ class Scheduler:
             if caching and request.status is RequestStatus.RUNNING and start % block_size + n >= block_size:
                 self.cache.cache_full_blocks(request, start + n)  # a block filled up and the step succeeded
             computed = result.prompt_logprobs[i] if result.prompt_logprobs else None
-            if computed is not None and start == len(request.prompt_logprobs):
-                request.prompt_logprobs.extend(computed)  # not again after a preemption
+            have = len(request.prompt_logprobs)
+            if computed is not None and start <= have < start + len(computed):
+                # Only what is new: a request recomputed after a preemption chunks its prompt anew.
+                request.prompt_logprobs.extend(computed[have - start :])
             if not samples:
                 continue
             request.num_output_placeholders -= 1

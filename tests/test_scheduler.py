@@ -11,9 +11,12 @@ tokens arrive, and every output must be the same.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from common.config import ExecutorInfo, SchedulerConfig
+from common.executor_output import ExecutorOutput
 from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
 from scheduler.cache_manager import CacheManager
@@ -324,6 +327,82 @@ def test_more_steps_in_flight_give_the_same_outputs(steps_in_flight: int) -> Non
     core = EngineCore(sched, InlineExecutor(ex), steps_in_flight=steps_in_flight)
     assert run(core, [Request("r", [11], stop)]) == {"r": want}
     assert ex.sampled["r"] == len(want) + steps_in_flight - 1
+
+
+class KVCheckingExecutor(FakeExecutor):
+    """Writes a record of each position's token prefix into its KV slot, as a forward pass writes
+    K/V, then checks that every position a row attends to holds that row's own prefix."""
+
+    def __init__(self, info: ExecutorInfo) -> None:
+        super().__init__(info)
+        self.kv: dict[int, tuple[int, ...]] = {}
+
+    def execute_model(self, output):  # type: ignore[no-untyped-def]
+        batch = self.state.prepare(output)
+        bs = self.info.block_size
+        rows = [
+            (self.state.requests[rid].token_ids, batch.seq_lens[i], batch.query_lens[i], batch.block_tables[i])
+            for i, rid in enumerate(batch.request_ids)
+        ]
+        for tokens, end, q, table in rows:
+            for p in range(end - q, end):
+                self.kv[table[p // bs] * bs + p % bs] = tuple(tokens[: p + 1])
+        for (tokens, end, _, table), rid in zip(rows, batch.request_ids):
+            for p in range(end):
+                assert self.kv.get(table[p // bs] * bs + p % bs) == tuple(tokens[: p + 1]), (
+                    f"step {output.step}: {rid} attends to stale K/V at position {p} (table {table})"
+                )
+        sampled = [1 if s else -1 for s in batch.sample]
+        self.state.append_sampled(batch, sampled)
+        return ExecutorOutput(sampled, [None] * len(sampled))
+
+
+def test_a_preempted_request_waits_for_its_prefill_chunks_in_flight() -> None:
+    """Three steps in flight: R is preempted while a prefill chunk of its old table is in flight
+    (it samples nothing, so it leaves no placeholder). Readmitted before that chunk's output came
+    back, R had the chunk's blocks registered in the prefix cache against its new table, whose
+    K/V there was never written, and read it after its next preemption."""
+    info = ExecutorInfo("kv", 4, 4, 16, [0], 50)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=5, max_num_seqs=8), CacheManager(4, 4), info)
+    core = EngineCore(sched, InlineExecutor(KVCheckingExecutor(info)), async_scheduling=True, steps_in_flight=3)
+    sched.add_request(Request("B", [30], SamplingParams(max_tokens=4, ignore_eos=True)))
+    sched.add_request(Request("R", list(range(10, 23)), SamplingParams(max_tokens=1, ignore_eos=True)))
+    finished = []
+    while core.has_work():
+        finished += [o.request_id for o in core.step() if o.finished]
+    assert sorted(finished) == ["B", "R"] and sched.num_preemptions > 0
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prompt() -> None:
+    """A request preempted part-way through its prompt recomputes it in other chunks; the prompt
+    logprobs it had were kept and later chunks only added to them if one began exactly where they
+    ended, so it finished with 10 of its 12."""
+
+    class PromptLogprobsExecutor(FakeExecutor):
+        def execute_model(self, output):  # type: ignore[no-untyped-def]
+            batch = self.state.prepare(output)
+            sampled = [1 if s else -1 for s in batch.sample]
+            per_row: list[Any] = [None] * batch.num_seqs
+            for i, count, _ in batch.prompt_lp:
+                start = batch.seq_lens[i] - batch.query_lens[i]
+                tokens = self.state.requests[batch.request_ids[i]].token_ids
+                per_row[i] = [{tokens[p + 1]: -float(p)} for p in range(start, start + count)]
+            self.state.append_sampled(batch, sampled)
+            return ExecutorOutput(sampled, [None] * len(sampled), per_row if batch.prompt_lp else [])
+
+    info = ExecutorInfo("x", 8, 2, 16, [0], 50)
+    config = SchedulerConfig(max_num_batched_tokens=3, max_num_seqs=8, enable_prefix_caching=False)
+    sched = Scheduler(config, CacheManager(8, 2), info)
+    core = EngineCore(sched, InlineExecutor(PromptLogprobsExecutor(info)), async_scheduling=False)
+    a = Request("A", list(range(10, 22)), SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=1))
+    sched.add_request(Request("B", [2, 3], SamplingParams(max_tokens=8, ignore_eos=True)))
+    sched.add_request(a)
+    sent = None
+    while core.has_work():
+        sent = next((o.prompt_logprobs for o in core.step() if o.request_id == "A" and o.prompt_logprobs), sent)
+    assert a.num_preemptions == 1 and sent is not None
+    # One entry per prompt token (None first), each the logprob of that token at its own position.
+    assert sent == [None, *[{a.prompt_token_ids[p + 1]: -float(p)} for p in range(len(a.prompt_token_ids) - 1)]]
 
 
 def test_preempted_request_goes_to_head_of_waiting() -> None:

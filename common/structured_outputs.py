@@ -124,13 +124,15 @@ class StructuredOutputsParams:
             return grammar_from("choice", jsonlib.dumps(self.choice))
         return grammar_from("grammar", str(self.grammar))
 
-    def compile_error(self) -> str | None:
-        """Why this spec's grammar cannot compile, or None when it can (no tokenizer needed)."""
+    def compile_error(self, tokenizer: Any = None) -> str | None:
+        """Why this spec's grammar cannot compile, or None when it can. With ``tokenizer`` (an
+        llguidance tokenizer: `grammar_tokenizer`) what needs the vocabulary is checked too, such
+        as token ranges (``<[99999]>``) and special tokens (``<|name|>``)."""
         from llguidance import LLMatcher
 
         try:
             self.validate()
-            error = LLMatcher.validate_grammar(self.llguidance_grammar(), limits=grammar_limits())
+            error = LLMatcher.validate_grammar(self.llguidance_grammar(), tokenizer, limits=grammar_limits())
         except (ValueError, TypeError) as exc:
             return str(exc)
         return error or None
@@ -141,3 +143,16 @@ def grammar_limits() -> Any:
     from llguidance import LLParserLimits
 
     return LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL)
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of a Hugging Face ``tokenizer`` with the model's ``vocab_size``, built on
+    first use and kept on the tokenizer itself (it lives as long as the tokenizer, and threads that
+    race to build it only repeat the work)."""
+    cached = getattr(tokenizer, "_conveyor_grammar_tokenizer", None)
+    if cached is None or cached[0] != vocab_size:
+        from llguidance.hf import from_tokenizer
+
+        cached = (vocab_size, from_tokenizer(tokenizer, n_vocab=vocab_size))
+        tokenizer._conveyor_grammar_tokenizer = cached
+    return cached[1]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import SamplingParams
-from common.structured_outputs import StructuredOutputsParams
+from common.structured_outputs import StructuredOutputsParams, grammar_tokenizer
 from gateway.json_input import ApiError, bad, preview, typename
 
 MAX_TOOLS = 128
@@ -176,12 +176,13 @@ def _tool_schemas(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def check_grammar(sampling: SamplingParams, structured: StructuredRequest | None) -> None:
-    """A 400 unless the request's constraint compiles; for a worker thread (a large schema takes a while)."""
+def check_grammar(sampling: SamplingParams, structured: StructuredRequest | None, tokenizer: Any, vocab_size: int) -> None:
+    """A 400 unless the request's constraint compiles against the model's vocabulary; for a worker
+    thread (a large schema takes a while)."""
     spec = sampling.structured_outputs
     if spec is None:
         return
-    error = spec.compile_error()
+    error = spec.compile_error(grammar_tokenizer(tokenizer, vocab_size))
     if error is not None:
         param = structured.param if structured is not None else "structured_outputs"
         raise ApiError(400, f"'{param}' does not compile to a grammar: {error}", param=param, code="invalid_grammar")

@@ -14,6 +14,7 @@ from typing import Any, cast
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, select_best
 from common.sampling_params import SamplingParams
+from common.structured_outputs import grammar_tokenizer
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
@@ -157,7 +158,8 @@ class LLM:
         vocab = self.executor.info.vocab_size
         for prompt, params in zip(batch, params_list):
             params.validate(vocab)
-            if params.structured_outputs is not None and (error := params.structured_outputs.compile_error()):
+            spec = params.structured_outputs
+            if spec is not None and (error := spec.compile_error(grammar_tokenizer(self.tokenizer, vocab))):
                 raise ValueError(f"structured_outputs does not compile: {error}")
             text, ids = self._prompt_ids(prompt)
             if len(ids) > self.max_model_len:

@@ -232,7 +232,7 @@ BAD_INPUTS: list[tuple[str, str, str | None, str]] = [
         for v in BIG
     ],
     ("completions", '{"prompt": "x", "temperature": 1e400}', "temperature", "temperature"),
-    ("completions", '{"prompt": "x", "repetition_penalty": 1e400}', "repetition_penalty", "finite"),
+    ("completions", '{"prompt": "x", "repetition_penalty": 1e400}', "repetition_penalty", "[0.01, 100.0]"),
     ("completions", '{"prompt": "x", "logit_bias": {"5": -1e400}}', "logit_bias", "[-100.0, 100.0]"),
     ("completions", '{"prompt": [-1]}', "prompt", "non-negative"),
     ("completions", '{"prompt": [1, true]}', "prompt", "token ids"),

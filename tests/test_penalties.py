@@ -209,6 +209,8 @@ def test_token_counts_are_kept_incrementally_and_slots_reused() -> None:
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(repetition_penalty=-1.0), "repetition_penalty"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(repetition_penalty=1e-3), "repetition_penalty"),  # float32 logits divided by it overflow
+        (dict(repetition_penalty=101), "repetition_penalty"),
         (dict(logit_bias={5: 100.5}), "logit_bias values"),
         (dict(logit_bias={5: float("nan")}), "logit_bias values"),
         (dict(logit_bias={"5": 1.0}), "logit_bias token ids"),
@@ -227,7 +229,8 @@ def test_validation(kw: dict, match: str) -> None:
 def test_boundary_values_are_valid() -> None:
     for kw in (
         dict(presence_penalty=-2, frequency_penalty=2.0),
-        dict(repetition_penalty=1e-3),
+        dict(repetition_penalty=0.01),
+        dict(repetition_penalty=100),
         dict(logit_bias={0: -100, VOCAB - 1: 100.0}),
         dict(logit_bias={}),
     ):

@@ -16,7 +16,7 @@ import redis
 
 from common.protocol import AbortRequests, Names
 from common.redis_url import PASSWORD_FILE_ENV, sync_client
-from common.transport import SyncTransport, Transport
+from common.transport import Outgoing, SyncTransport, Transport
 from infra.stack import Stack
 from tests.redis_servers import start_tls_redis
 
@@ -51,8 +51,9 @@ def test_both_transport_faces_over_tls(tls_redis: tuple[int, dict[str, Path]]) -
     stream = names.requests("0")
     sync = SyncTransport(url, names, owner="test")
     try:
-        sent = sync.send(stream, AbortRequests(["a"]))
-        assert sync.read({stream: "0-0"}, block_ms=None) == [(stream, sent, AbortRequests(["a"]))]
+        sync.exchange([Outgoing(stream, sync.encode(AbortRequests(["a"])))])
+        [(got_stream, sent, msg)] = sync.read({stream: "0-0"}, block_ms=None)
+        assert (got_stream, msg) == (stream, AbortRequests(["a"]))
         assert sync.run_id()
 
         async def run() -> list[Any]:

@@ -86,6 +86,9 @@ def test_bad_grammar_and_bad_tools_are_400(stack: Stack, client: openai.OpenAI) 
     cases: list[tuple[dict[str, Any], str]] = [
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
+        # Compile without the vocabulary, not with it: they ended as an empty "stop" (200).
+        ({"structured_outputs": {"grammar": "start: <[99999]>"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: <|nonexistent|>"}}, "structured_outputs"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
             "response_format",

@@ -51,6 +51,8 @@ def test_spec_validation_and_wire_round_trip() -> None:
     assert S(grammar="start: foo").compile_error() is not None
     assert S(json={"type": "nonsense"}).compile_error() is not None
     assert S(choice=["x", "y"]).compile_error() is None
+    # Token ranges and special tokens need the vocabulary (`grammar_tokenizer`) to be checked.
+    assert S(grammar="start: <[99999]>").compile_error() is None
 
 
 def test_mask_applies_to_its_rows_only() -> None:
@@ -192,13 +194,15 @@ def test_grammar_ends_the_request_even_with_ignore_eos(llm: Any) -> None:
 def test_bad_grammar_is_rejected_before_queueing(llm: Any) -> None:
     with pytest.raises(ValueError, match="does not compile"):
         llm.generate("q", SamplingParams(structured_outputs=S(regex="a(b")))
+    with pytest.raises(ValueError, match="Token range end too large"):  # checked against the vocabulary
+        llm.generate("q", SamplingParams(structured_outputs=S(grammar="start: <[99999]>")))
     assert llm.generate("q", SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine goes on
 
 
 def test_grammar_that_slips_through_ends_only_its_request(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A grammar the engine cannot compile (the gateway's check skipped) makes its request end with
     EOS at once; the step and its batch mate go on unchanged."""
-    monkeypatch.setattr(S, "compile_error", lambda self: None)
+    monkeypatch.setattr(S, "compile_error", lambda self, tokenizer=None: None)
     plain = SamplingParams(temperature=0.0, max_tokens=6)
     bad = SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=S(grammar="start: undefined_rule"))
     broken, ok = llm.generate(["a", "b"], [bad, plain])

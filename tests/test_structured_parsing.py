@@ -1,5 +1,6 @@
 """The gateway's structured-output fields (`gateway.structured`) and tool-call responses
-(`gateway.tool_calls`), without a model: what each body becomes, and the 400s."""
+(`gateway.tool_calls`), without an engine: what each body becomes, and the 400s (grammars are
+checked against the tiny checkpoint's vocabulary, as a gateway checks them against its model's)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,29 @@ ADD = {
 }
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model())
+
+
+VOCAB = 1024  # the tiny checkpoint's
+
+
 def _chat(**body: Any) -> Any:
     return parse_chat({"messages": MESSAGES, **body})
 
 
-def _error(fn: Any, body: dict[str, Any]) -> ApiError:
+def _error(fn: Any, body: dict[str, Any], tokenizer: Any) -> ApiError:
     with pytest.raises(ApiError) as info:
         spec = fn(body)
-        check_grammar(spec.sampling, spec.structured)
+        check_grammar(spec.sampling, spec.structured, tokenizer, VOCAB)
     assert info.value.status == 400
     return info.value
 
 
-def test_each_field_becomes_one_constraint() -> None:
+def test_each_field_becomes_one_constraint(tokenizer: Any) -> None:
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     cases: list[tuple[dict[str, Any], dict[str, Any], str]] = [
         ({"response_format": {"type": "json_object"}}, {"json_object": True}, "response_format"),
@@ -49,12 +60,12 @@ def test_each_field_becomes_one_constraint() -> None:
         for spec in (_chat(**extra), parse_completion({"prompt": "p", **extra})):
             assert spec.sampling.structured_outputs is not None and spec.sampling.structured_outputs.to_dict() == wire
             assert spec.structured is not None and spec.structured.param == param
-            check_grammar(spec.sampling, spec.structured)
+            check_grammar(spec.sampling, spec.structured, tokenizer, VOCAB)
     plain = _chat(response_format={"type": "text"}, tools=[ADD], tool_choice="auto")
     assert plain.sampling.structured_outputs is None and plain.structured is not None and plain.structured.tool_call is None
 
 
-def test_malformed_or_conflicting_fields_are_400() -> None:
+def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         ({"response_format": "json"}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
@@ -73,8 +84,10 @@ def test_malformed_or_conflicting_fields_are_400() -> None:
         ({"functions": [ADD["function"]]}, "functions"),
     ]
     for extra, param in cases:
-        assert _error(parse_chat, {"messages": MESSAGES, **extra}).param == param, extra
-    assert _error(parse_completion, {"prompt": "p", "guided_regex": "("}).code == "invalid_grammar"
+        assert _error(parse_chat, {"messages": MESSAGES, **extra}, tokenizer).param == param, extra
+    assert _error(parse_completion, {"prompt": "p", "guided_regex": "("}, tokenizer).code == "invalid_grammar"
+    outside = _error(parse_completion, {"prompt": "p", "guided_grammar": f"start: <[{VOCAB}]>"}, tokenizer)
+    assert outside.code == "invalid_grammar" and "Token range" in outside.message
 
 
 def test_tool_choice_constraints_and_calls() -> None:

@@ -13,8 +13,11 @@ weak model cannot spend its token budget on runs of spaces and newlines inside a
 from __future__ import annotations
 
 import json as jsonlib
+import logging
 from dataclasses import dataclass
 from typing import Any, cast
+
+logger = logging.getLogger(__name__)
 
 # Bounds on what one request may carry (the spec crosses Redis with every new request, and the
 # gateway validates it on a worker thread).
@@ -146,13 +149,19 @@ def grammar_limits() -> Any:
 
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of a Hugging Face ``tokenizer`` with the model's ``vocab_size``, built on
-    first use and kept on the tokenizer itself (it lives as long as the tokenizer, and threads that
-    race to build it only repeat the work)."""
+    """llguidance's view of a Hugging Face ``tokenizer`` with the model's ``vocab_size``, or None
+    (logged once) where llguidance cannot use it (a slow tokenizer): grammars are then checked
+    without the vocabulary. Built on first use and kept on the tokenizer itself, so it lives as long
+    as the tokenizer; a caller that shares the tokenizer between threads holds its lock here."""
     cached = getattr(tokenizer, "_conveyor_grammar_tokenizer", None)
     if cached is None or cached[0] != vocab_size:
         from llguidance.hf import from_tokenizer
 
-        cached = (vocab_size, from_tokenizer(tokenizer, n_vocab=vocab_size))
+        try:
+            built = from_tokenizer(tokenizer, n_vocab=vocab_size)
+        except Exception as exc:  # not one llguidance reads: validate as before, without it
+            logger.warning("grammars are checked without the vocabulary: llguidance cannot read this tokenizer (%s)", exc)
+            built = None
+        cached = (vocab_size, built)
         tokenizer._conveyor_grammar_tokenizer = cached
     return cached[1]

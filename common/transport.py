@@ -118,9 +118,10 @@ def server_run_id(client: redis.Redis) -> str:
 
 
 class TransportCore(Generic[Client]):
-    """What both transports share and that does no I/O: a face adds only the Redis calls. Command
-    helpers return the keyword arguments of one redis-py call, so a command is spelled once whether
-    a face sends it alone, awaits it, or a pipeline queues it."""
+    """What both transports share: a face adds only the Redis calls and when to make them. Command
+    helpers return the keyword arguments of one redis-py call (a dead letter: the call that sends
+    its two commands, for the face to make), so a command is spelled once whether a face sends it
+    alone, awaits it, or a pipeline queues it."""
 
     def __init__(self, url: str, names: Names, *, max_message_bytes: int = MAX_MESSAGE_BYTES, owner: str = "?") -> None:
         self.url = url

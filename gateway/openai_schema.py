@@ -89,7 +89,7 @@ def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
 _CHAT_TEMPLATE_FIELDS: tuple[tuple[str, Any], ...] = (
     ("continue_final_message", False),
     ("chat_template", None),
-    ("chat_template_kwargs", None),
+    ("chat_template_kwargs", {}),
 )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from common.codec import unpack_logprobs
 from common.protocol import StepOutputs
-from gateway.request_handle import EngineEvent, RequestHandle, base_request_id
+from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 
 
 @dataclass(slots=True)
@@ -124,17 +124,26 @@ def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEven
     the journal to adopt the stream: the adopter then journals what it streams from where its
     replay ended, the start of an event. An entry that starts at an event's start but before the
     end is that later writer's, so its events replace the earlier writer's from there: a stream
-    resumed from the adopter's event ids numbers its events as the adopter did."""
+    resumed from the adopter's event ids numbers its events as the adopter did. An entry without
+    tokens (an engine's error, which it journals at index 0) replaces nothing: it ends the stream.
+
+    Once a request migrated (attempt ``n`` runs as ``<id>~n``), entries of earlier attempts are
+    stale: an engine that only looked gone may still journal its attempt as an orphan."""
     events: list[EngineEvent] = []
     starts: list[int] = []  # the output index of each event's first token
+    latest = 0  # the latest attempt seen
     for msg in outputs:
         stop_reasons = msg.stop_reasons()
         prompt_lps = msg.prompt_logprobs() if msg.plp_num else [None] * len(msg.request_ids)
         for i, engine_request_id, tokens, lps in _rows(msg):
             if base_request_id(engine_request_id) != handle.request_id:
                 continue
+            attempt = attempt_of(engine_request_id)
+            if attempt < latest:
+                continue
+            latest = attempt
             index = msg.token_index[i]
-            if index < handle.next_index and index in starts:  # a later writer (see above)
+            if index < handle.next_index and index in starts and tokens:  # a later writer (see above)
                 k = starts.index(index)
                 del events[k:], starts[k:], handle.output_token_ids[index:]
             elif events and events[-1].finished:

@@ -61,6 +61,12 @@ def base_request_id(engine_request_id: str) -> str:
     return base if tilde and number.isdigit() else engine_request_id
 
 
+def attempt_of(engine_request_id: str) -> int:
+    """How many attempts came before this one (0 for the first, ``n`` for ``<id>~<n>``)."""
+    _, tilde, number = engine_request_id.rpartition("~")
+    return int(number) if tilde and number.isdigit() else 0
+
+
 class EngineUnavailable(RuntimeError):
     """No live engine to serve requests (answered as 503)."""
 

@@ -50,7 +50,7 @@ from common.protocol import (
 from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine
 from gateway.outputs import journal_entry, replay, route_outputs
-from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, base_request_id
+from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
@@ -277,7 +277,7 @@ class EngineClient:
             journal_id=response_id,
             engine_request_id=route.request_id,
             scheduler_id=route.scheduler_id,
-            attempts=int(route.request_id.rpartition("~")[2]) + 1 if request_id != route.request_id else 1,
+            attempts=attempt_of(route.request_id) + 1,
         )
         for event in replay(handle, outputs):  # as `_dispatch` delivered them
             self._deliver(handle, event)

@@ -2,8 +2,8 @@
 older ``guided_*`` names), and chat ``tools`` with ``tool_choice``.
 
 They all become one `StructuredOutputsParams` on the request's `SamplingParams`; the executor
-enforces it token by token (`executor.grammar`). `check_grammar` compiles it (llguidance, no
-tokenizer needed) on a worker thread before the request is submitted: a grammar that cannot
+enforces it token by token (`executor.grammar`). `check_grammar` compiles it (llguidance, against
+the model's vocabulary) on a worker thread before the request is submitted: a grammar that cannot
 compile is a 400 naming the field it came from.
 
 Tools: ``tool_choice`` ``"required"`` constrains the output to a JSON array of calls
@@ -16,6 +16,7 @@ object). The response carries them as OpenAI ``tool_calls`` (`gateway.tool_calls
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,13 +177,17 @@ def _tool_schemas(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def check_grammar(sampling: SamplingParams, structured: StructuredRequest | None, tokenizer: Any, vocab_size: int) -> None:
+def check_grammar(
+    sampling: SamplingParams, structured: StructuredRequest | None, tokenizer: Any, lock: threading.Lock, vocab_size: int
+) -> None:
     """A 400 unless the request's constraint compiles against the model's vocabulary; for a worker
-    thread (a large schema takes a while)."""
+    thread (a large schema takes a while). ``lock``: the tokenizer's, held while llguidance reads it."""
     spec = sampling.structured_outputs
     if spec is None:
         return
-    error = spec.compile_error(grammar_tokenizer(tokenizer, vocab_size))
+    with lock:
+        vocabulary = grammar_tokenizer(tokenizer, vocab_size)
+    error = spec.compile_error(vocabulary)
     if error is not None:
         param = structured.param if structured is not None else "structured_outputs"
         raise ApiError(400, f"'{param}' does not compile to a grammar: {error}", param=param, code="invalid_grammar")

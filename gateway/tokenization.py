@@ -135,7 +135,7 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     token ids has text only for ``echo`` (decoded here, once the ids are known to fit). A structured
     output's grammar is compiled here too (`check_grammar`): a large schema takes a while.
     """
-    check_grammar(spec.sampling, spec.structured, tokenizer, info.vocab_size)
+    check_grammar(spec.sampling, spec.structured, tokenizer, lock, info.vocab_size)
     param = "messages" if spec.kind == "chat" else "prompt"
     text = spec.prompt
     if spec.kind == "chat":

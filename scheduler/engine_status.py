@@ -60,12 +60,10 @@ class EngineBeat:
         pipe.pexpire(self.names.engines, int(ENGINE_FORGET_S * 1000))  # gone when every scheduler is
         pipe.execute()
 
-    def withdraw(self) -> None:
-        """Stop beating and take this engine out of Redis now (its status key and its place in
-        ``engines``), rather than at the TTL: gateways migrate its requests at once."""
-        self.stop()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)  # a beat under way would publish the engine again
+    def remove(self) -> None:
+        """Take this engine out of Redis now (its status key and its place in ``engines``), rather
+        than at the TTL: gateways migrate its requests at once. After `stop` with a wait: a beat
+        under way would publish the engine again."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.names.engine(self.scheduler_id))
         pipe.zrem(self.names.engines, self.scheduler_id)
@@ -80,9 +78,14 @@ class EngineBeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Beat no more; wait up to ``wait_s`` for a beat under way to end."""
         self._stop.set()
         self._poke.set()
+        if wait_s > 0 and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait_s)
+            if self._thread.is_alive():
+                logger.warning("a beat still under way after %.0f s: it may publish this engine once more", wait_s)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -35,7 +35,7 @@ from common.pairing import AUTO
 from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, ExecutorHello, GenerateRequest, Names, SyncRequest
 from common.sampling_params import sampling_from_dict
 from common.service_cli import record_process_id
-from common.transport import Outgoing, SyncTransport
+from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
 from scheduler.binding import ExecutorBinding
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore
@@ -173,7 +173,12 @@ class SchedulerService:
         finally:
             self.stopping.set()
             self.binding.close()
-            t.call(self.beat.withdraw, deadline_s=2)  # type: ignore[union-attr]
+            if self.beat is not None:
+                self.beat.stop(wait_s=5.0)
+                try:
+                    t.call(self.beat.remove, deadline_s=2)
+                except TRANSIENT_ERRORS as exc:  # its keys expire with their TTL instead
+                    logger.warning("could not take this engine out of Redis: %s", exc)
             t.close()
 
     def status(self) -> EngineStatus:

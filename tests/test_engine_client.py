@@ -449,7 +449,7 @@ async def test_unknown_request_with_all_tokens_finishes_with_length() -> None:
 
 # -- adopting a journaled stream -------------------------------------------------------------------------
 @async_test
-async def test_adopt_replays_journal_in_order_stops_at_gap_and_syncs() -> None:
+async def test_adopt_replays_journal_in_order_up_to_a_gap_and_syncs() -> None:
     client = make_client("g2")
     await publish(client, engine("s1"))
     journaled = [
@@ -523,6 +523,27 @@ def test_a_second_adopter_replays_past_the_first_ones_gap() -> None:
     late = [outputs(("resp", 1, [6]))]
     d = RequestHandle("resp", [1], SAMPLING)
     assert [e.token_ids for e in replay(d, one_event + late + by_b)] == [[5, 6], [7, 8, 9, 10, 11], [12], [13]]
+
+
+def test_replay_skips_a_superseded_attempts_entries_and_keeps_an_orphans_error() -> None:
+    """The request moved to a second attempt (``resp~1``) while its first engine only looked
+    gone: that engine's late entries for ``resp`` are not the stream's. An engine's error while
+    the stream was orphaned is journaled at index 0 with no tokens: it ends the stream and
+    replaces none of its events."""
+    journal = [
+        outputs(("resp", 0, [5])),
+        outputs(("resp", 1, [6])),
+        outputs(("resp~1", 2, [7])),
+        outputs(("resp~1", 5, [10])),  # an orphan past a gap
+        outputs(("resp", 3, [99, 98])),  # the first engine, late
+    ]
+    h = RequestHandle("resp", [1], SAMPLING)
+    assert [e.token_ids for e in replay(h, journal)] == [[5], [6], [7]] and h.next_index == 3
+    failed = [*journal[:3], outputs(("resp~1", 0, [], True, "error", "engine error: boom"))]
+    h = RequestHandle("resp", [1], SAMPLING)
+    events = replay(h, failed)
+    assert [e.token_ids for e in events] == [[5], [6], [7], []] and h.output_token_ids == [5, 6, 7]
+    assert events[-1].finished and events[-1].error == "engine error: boom"
 
 
 @async_test

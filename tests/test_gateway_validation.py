@@ -161,7 +161,7 @@ def test_chat_template_fields_it_cannot_honour_are_refused(env: dict[str, Any], 
     body = {"messages": [{"role": "user", "content": "hi"}], **field}
     err = _error(env["client"].post("/v1/chat/completions", json=body), 400, "not supported")
     assert err["param"] == name
-    neutral = {"add_generation_prompt": True, "echo": False, "continue_final_message": False}
+    neutral = {"add_generation_prompt": True, "echo": False, "continue_final_message": False, "chat_template_kwargs": {}}
     if name in neutral:  # the neutral value is fine
         parse_chat({"messages": [{"role": "user", "content": "hi"}], name: neutral[name]})
 

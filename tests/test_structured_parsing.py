@@ -5,10 +5,13 @@ checked against the tiny checkpoint's vocabulary, as a gateway checks them again
 from __future__ import annotations
 
 import json
+import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from common.structured_outputs import grammar_tokenizer
 from gateway.json_input import ApiError
 from gateway.openai_schema import parse_chat, parse_completion
 from gateway.structured import check_grammar
@@ -38,7 +41,7 @@ def _chat(**body: Any) -> Any:
 def _error(fn: Any, body: dict[str, Any], tokenizer: Any) -> ApiError:
     with pytest.raises(ApiError) as info:
         spec = fn(body)
-        check_grammar(spec.sampling, spec.structured, tokenizer, VOCAB)
+        check_grammar(spec.sampling, spec.structured, tokenizer, threading.Lock(), VOCAB)
     assert info.value.status == 400
     return info.value
 
@@ -60,7 +63,7 @@ def test_each_field_becomes_one_constraint(tokenizer: Any) -> None:
         for spec in (_chat(**extra), parse_completion({"prompt": "p", **extra})):
             assert spec.sampling.structured_outputs is not None and spec.sampling.structured_outputs.to_dict() == wire
             assert spec.structured is not None and spec.structured.param == param
-            check_grammar(spec.sampling, spec.structured, tokenizer, VOCAB)
+            check_grammar(spec.sampling, spec.structured, tokenizer, threading.Lock(), VOCAB)
     plain = _chat(response_format={"type": "text"}, tools=[ADD], tool_choice="auto")
     assert plain.sampling.structured_outputs is None and plain.structured is not None and plain.structured.tool_call is None
 
@@ -88,6 +91,11 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
     assert _error(parse_completion, {"prompt": "p", "guided_regex": "("}, tokenizer).code == "invalid_grammar"
     outside = _error(parse_completion, {"prompt": "p", "guided_grammar": f"start: <[{VOCAB}]>"}, tokenizer)
     assert outside.code == "invalid_grammar" and "Token range" in outside.message
+    # A tokenizer llguidance cannot read (a slow one) leaves the check without the vocabulary, not a 500.
+    unreadable = SimpleNamespace()
+    assert grammar_tokenizer(unreadable, VOCAB) is None
+    spec = parse_completion({"prompt": "p", "guided_grammar": 'start: "x"'})
+    check_grammar(spec.sampling, spec.structured, unreadable, threading.Lock(), VOCAB)
 
 
 def test_tool_choice_constraints_and_calls() -> None:

@@ -112,6 +112,8 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     if options is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = get_bool(options or {}, "include_usage", False)
+    if get_bool(options or {}, "continuous_usage_stats", False):  # vLLM's; ignoring it would look like support
+        raise bad("'stream_options.continuous_usage_stats' is not supported by this server", "stream_options")
     stop = body.get("stop")
     if stop is None:
         stop = []

@@ -67,6 +67,14 @@ class ResponseFormatter:
         n = self.spec.logprobs or 0
         return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
+    def _top_with(self, entry: dict[int, float], token_id: int) -> dict[str, float]:
+        """Completions' ``top_logprobs`` of one position: the top ``logprobs`` and the token chosen
+        there, whether or not it is among them (OpenAI's and vLLM's rule: up to ``logprobs`` + 1)."""
+        top = self._top(entry)
+        if token_id in entry and all(t != token_id for t, _ in top):
+            top.append((token_id, entry[token_id]))
+        return {self._token_text(t): v for t, v in top}
+
     def logprobs(self, pieces: list[Piece], with_prompt: bool = True) -> dict[str, Any] | None:
         """Logprobs of the tokens in ``pieces``, in completions or chat format; an echoed
         completion's start with the prompt's (unless not ``with_prompt``)."""
@@ -95,13 +103,15 @@ class ResponseFormatter:
             text = self._token_text(token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append((entry or {}).get(token_id))
-            out["top_logprobs"].append({self._token_text(t): v for t, v in self._top(entry or {})})
+            out["top_logprobs"].append(self._top_with(entry or {}, token_id))
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(text)
         return out
 
     def _prompt_logprobs(self, prompt_lps: list[dict[int, float] | None] | None) -> dict[str, list[Any]]:
-        """Completions-format logprobs of the echoed prompt (empty lists without them)."""
+        """Completions-format logprobs of the echoed prompt (empty lists without them). Offsets
+        count the tokens' strings, as vLLM's do, and the completion's go on from the prompt's: the
+        echoed text has no special tokens (a BOS), so counting it instead made them go backwards."""
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         if prompt_lps is None or self.echo_text is None or self.prompt_token_ids is None:
             return out
@@ -110,11 +120,10 @@ class ResponseFormatter:
             text = self._token_text(token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append(None if prompt_entry is None else prompt_entry.get(token_id))
-            out["top_logprobs"].append(
-                None if prompt_entry is None else {self._token_text(t): v for t, v in self._top(prompt_entry)}
-            )
+            out["top_logprobs"].append(None if prompt_entry is None else self._top_with(prompt_entry, token_id))
             out["text_offset"].append(offset)
             offset += len(text)
+        self.text_offset = offset
         return out
 
     # -- non-streaming -----------------------------------------------------------------------
@@ -140,7 +149,11 @@ class ResponseFormatter:
         logprobs = self.logprobs(pieces)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls = tool_calls(self.tool_call, text, self.request_id) if self.tool_call and reason == "stop" else None
+            calls = (
+                tool_calls(self.tool_call, text, self.request_id, self.created, self.index)
+                if self.tool_call and reason == "stop"
+                else None
+            )
             if calls:
                 message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
             return {
@@ -240,7 +253,11 @@ class ResponseFormatter:
         self.tool_text += piece.text
         if piece.finish_reason is None:
             return {}, None
-        calls = tool_calls(self.tool_call, self.tool_text, self.request_id) if piece.finish_reason == "stop" else None
+        calls = (
+            tool_calls(self.tool_call, self.tool_text, self.request_id, self.created, self.index)
+            if piece.finish_reason == "stop"
+            else None
+        )
         if calls:
             return {"tool_calls": stream_tool_calls(calls)}, "tool_calls"
         return {"content": self.tool_text}, piece.finish_reason

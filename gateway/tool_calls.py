@@ -4,8 +4,10 @@ Under ``tool_choice`` "required" the text is a JSON array ``[{"name", "parameter
 a named function it is that function's arguments (`gateway.structured`). Streaming sends the calls
 whole in the final chunk (``delta.tool_calls``, finish reason "tool_calls"): the arguments are only
 known to be complete JSON at the end, and incremental argument deltas would need a JSON parser
-running over every token. Call ids derive from the response id, so a resumed stream replays the
-same ones.
+running over every token. Call ids derive from the response id, its creation time and the choice
+index, all journaled, so a resumed stream replays the same ones, while every choice and every
+response (a client may reuse its ``X-Request-Id`` once the last stream under it is over) gets its
+own: clients match tool results to calls by id.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from gateway.structured import ToolCallMode
 
 
-def tool_calls(mode: ToolCallMode, text: str, response_id: str) -> list[dict[str, Any]] | None:
+def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, choice: int) -> list[dict[str, Any]] | None:
     """The calls ``text`` makes, in OpenAI's message form; None when it is not complete (a request
     cut short by ``max_tokens``): its text is then returned as content."""
     try:
@@ -37,7 +39,7 @@ def tool_calls(mode: ToolCallMode, text: str, response_id: str) -> list[dict[str
             calls.append((call["name"], json.dumps(call.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))))
     return [
         {
-            "id": "chatcmpl-tool-" + hashlib.sha256(f"{response_id}:{i}".encode()).hexdigest()[:24],
+            "id": "chatcmpl-tool-" + hashlib.sha256(f"{response_id}:{created}:{choice}:{i}".encode()).hexdigest()[:24],
             "type": "function",
             "function": {"name": name, "arguments": arguments},
         }

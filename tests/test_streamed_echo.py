@@ -79,3 +79,17 @@ def test_a_sibling_ahead_of_child_0_waits_for_its_prompt_logprobs() -> None:
     (_, own), (_, sibling) = shared.ready(2, piece(4, other_lps))
     assert own.prompt_logprobs == sibling.prompt_logprobs == other_lps
     assert shared.ready(3, piece(5)) == [(3, piece(5))]  # only a choice's first piece gets them
+
+
+def test_top_logprobs_carry_the_chosen_token_and_offsets_never_go_back() -> None:
+    """Completions' ``top_logprobs`` hold the top ``logprobs`` and the token chosen there when it is
+    not among them (OpenAI's and vLLM's rule; it was left out). Offsets count token strings, and the
+    completion's go on from the prompt's, even when the echoed text leaves a special token out (a
+    BOS): they went backwards."""
+    spec = parse_completion({"prompt": PROMPT, "echo": True, "logprobs": 1})
+    fmt = ResponseFormatter(spec, "cmpl-1", "m", Tokens(), len(PROMPT), "<6><7>", 0, PROMPT)  # <5> is not echoed
+    chosen = Piece("<8>", [8], [{8: -1.0, 3: -0.1}], finish_reason="length", prompt_logprobs=PROMPT_LPS)
+    lp = fmt.full_response([chosen], 1)["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [0, 3, 6, 9]
+    assert lp["top_logprobs"] == [None, {"<6>": -0.5}, {"<7>": -0.25}, {"<3>": -0.1, "<8>": -1.0}]
+    assert lp["token_logprobs"] == [None, -0.5, -0.25, -1.0]

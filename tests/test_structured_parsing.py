@@ -103,11 +103,18 @@ def test_tool_choice_constraints_and_calls() -> None:
     schema = json.loads(required.sampling.structured_outputs.to_dict()["json"])
     assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["add"]}
     assert required.structured.tool_call.kind == "required"
-    calls = tool_calls(required.structured.tool_call, '[{"name":"add","parameters":{"a":1}}]', "chatcmpl-1")
+    text = '[{"name":"add","parameters":{"a":1}}]'
+    calls = tool_calls(required.structured.tool_call, text, "chatcmpl-1", 1700000000, 0)
     assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a":1}'}
-    assert calls == tool_calls(required.structured.tool_call, '[{"name":"add","parameters":{"a":1}}]', "chatcmpl-1")  # stable ids
+    assert calls == tool_calls(required.structured.tool_call, text, "chatcmpl-1", 1700000000, 0)  # a resumed stream's
+    # Another choice, or another response under the same (client-chosen) id later: other ids.
+    others = [
+        tool_calls(required.structured.tool_call, text, "chatcmpl-1", 1700000000, 1),
+        tool_calls(required.structured.tool_call, text, "chatcmpl-1", 1700000060, 0),
+    ]
+    assert len({c[0]["id"] for c in [calls, *others] if c}) == 3
     named = _chat(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}})
     assert json.loads(named.sampling.structured_outputs.to_dict()["json"]) == ADD["function"]["parameters"]
-    calls = tool_calls(named.structured.tool_call, '{"a":2}', "chatcmpl-2")
+    calls = tool_calls(named.structured.tool_call, '{"a":2}', "chatcmpl-2", 1700000000, 0)
     assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
-    assert tool_calls(named.structured.tool_call, '{"a":', "chatcmpl-2") is None  # cut short
+    assert tool_calls(named.structured.tool_call, '{"a":', "chatcmpl-2", 1700000000, 0) is None  # cut short

@@ -167,7 +167,14 @@ class Codec:
             kwargs[name] = value
         if body:
             raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, body))}")
-        return cls(**kwargs)
+        msg = cls(**kwargs)
+        check_columns = getattr(msg, "check_columns", None)  # a columnar message's own consistency
+        if check_columns is not None:
+            try:
+                check_columns()
+            except ValueError as exc:
+                raise ProtocolError(f"{cls.__name__}: {exc}") from None
+        return msg
 
 
 def _hint_name(hint: Any) -> str:

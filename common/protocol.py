@@ -36,10 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.codec import Codec, packed
+from common.codec import Codec, packed, unpack_logprobs
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
 from common.sampling_params import SamplingParams, sampling_to_dict
 from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the one schema module
+from common.step_outputs import unpack_prompt_logprobs
 
 PROTOCOL_VERSION = 3  # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
@@ -323,6 +324,18 @@ class StepResult:
     plp_counts: list[int] = packed("i")
     plp_token_ids: list[int] = packed("i")
     plp_values: list[float] = packed("d")
+
+    def check_columns(self) -> None:
+        """Raise ``ValueError`` unless the logprob columns agree with the tokens (called by
+        `common.codec` on decode: a malformed result is dead-lettered, it does not fail the step)."""
+        if self.lp_counts:
+            if len(self.lp_counts) != len(self.token_ids):
+                raise ValueError("lp_counts disagrees with token_ids")
+            unpack_logprobs(self.lp_counts, self.lp_token_ids, self.lp_values)
+        if self.plp_num:
+            if len(self.plp_num) != len(self.token_ids):
+                raise ValueError("plp_num disagrees with token_ids")
+            unpack_prompt_logprobs(len(self.token_ids), self.plp_num, self.plp_counts, self.plp_token_ids, self.plp_values)
 
 
 @dataclass(slots=True)

@@ -119,6 +119,34 @@ class StepOutputs:
             self.plp_token_ids.extend(ids)
             self.plp_values.extend(values)
 
+    def check_columns(self) -> None:
+        """Raise ``ValueError`` unless the columns describe the same requests and tokens: called by
+        `common.codec` on every decode, so a malformed message is dead-lettered alone instead of
+        failing its whole read (and every request in it) in the gateway."""
+        rows = len(self.request_ids)
+        if (
+            not len(self.token_index)
+            == len(self.num_tokens)
+            == len(self.finished)
+            == len(self.finish_reasons)
+            == len(self.errors)
+            == rows
+        ):
+            raise ValueError(f"per-request columns disagree with the {rows} requests")
+        if any(n < 0 for n in self.num_tokens) or sum(self.num_tokens) != len(self.token_ids):
+            raise ValueError("num_tokens disagrees with token_ids")
+        if any(i < 0 for i in self.token_index) or any(t < 0 for t in self.token_ids):
+            raise ValueError("token indices and token ids must not be negative")
+        if self.lp_counts and len(self.lp_counts) != len(self.token_ids):
+            raise ValueError("lp_counts disagrees with token_ids")
+        for name in ("queue_time_s", "stop_reason_ids", "plp_num"):
+            if len(getattr(self, name)) > rows:
+                raise ValueError(f"{name} has more entries than requests")
+        if self.lp_counts:
+            unpack_logprobs(self.lp_counts, self.lp_token_ids, self.lp_values)  # ProtocolError if they disagree
+        if self.plp_num:
+            self.prompt_logprobs()
+
     def sealed(self) -> StepOutputs:
         """Ready to send: without logprob columns when no request asked for logprobs, and without
         queue times when none is carried."""

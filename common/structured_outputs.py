@@ -74,6 +74,8 @@ class StructuredOutputsParams:
                     schema = jsonlib.loads(schema)
                 except ValueError as exc:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+                except RecursionError:  # "[" * 200000 (a gateway's parser caps nesting; a stream may not)
+                    raise ValueError("structured_outputs.json nests too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
         elif kind == "choice":

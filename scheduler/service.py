@@ -351,6 +351,8 @@ class SchedulerService:
                     sends.append(self.router.reject(msg.request_id, msg.gateway_id, error))
             elif isinstance(msg, AbortRequests):
                 aborts.extend((r, msg.gateway_id) for r in msg.request_ids)
+            elif not msg.gateway_id:  # would route the request's outputs to no gateway's stream
+                logger.warning("sync for %s names no gateway; ignored", msg.request_id)
             else:
                 sends.append(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
@@ -400,7 +402,7 @@ class SchedulerService:
             request.output_token_ids = list(msg.output_token_ids)
             request.output_logprobs = [None] * len(msg.output_token_ids)
             engine.add_request(request)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # refused alone, whatever the stream carried
             return str(exc)
         self.router.add(msg.request_id, msg.gateway_id, msg.journal_id)
         logger.debug(

@@ -277,6 +277,37 @@ def test_garbage_is_dead_lettered_and_reader_continues() -> None:
     asyncio.run(run())
 
 
+def test_columns_that_disagree_are_dead_lettered_alone() -> None:
+    """A `StepOutputs` (or `StepResult`) whose columns disagree, or that carries negative token
+    ids, is rejected at decode: dead-lettered by itself, while the good messages of the same read
+    go on. It used to raise while the gateway routed the read (IndexError, or OverflowError in the
+    detokenizer), which dropped every output in that read, other requests' included."""
+    bad_outputs = [
+        StepOutputs(["a", "b"], [0], [1], [5], [False], [None], [None]),  # two requests, one row of columns
+        StepOutputs(["a"], [0], [2], [5], [False], [None], [None]),  # 2 tokens said, 1 given
+        StepOutputs(["a"], [0], [1], [-5], [False], [None], [None]),  # a negative token id
+        StepOutputs(["a"], [0], [1], [5], [False], [None], [None], lp_counts=[3], lp_token_ids=[1], lp_values=[]),
+    ]
+    bad_results = [StepResult(1, 2, [5], lp_counts=[3], lp_token_ids=[1], lp_values=[]), StepResult(1, 2, [5, 6], plp_num=[1])]
+    for msg in [*bad_outputs, *bad_results]:
+        with pytest.raises(ProtocolError):
+            decode(encode(msg))
+
+    async def run() -> None:
+        names = Names("t-columns")
+        stream = names.outputs("g")
+        t = Transport("redis://unused", names, owner="test")
+        t.redis = fakeredis.FakeAsyncRedis()
+        good = StepOutputs()
+        good.add("legit", 0, [7, 8], None)
+        for msg in [bad_outputs[0], good.sealed(), bad_outputs[2]]:
+            await t.send(stream, msg)
+        got = await t.read({stream: "0-0"}, block_ms=None, expected=(StepOutputs,))
+        assert [m for _, _, m in got] == [good] and t.num_dead_letters == 2
+
+    asyncio.run(run())
+
+
 # -- steps: the executor rebuilds each batch from its state and the step's delta -----------------
 def _wire(output: SchedulerOutput) -> SchedulerOutput:
     back = decode(encode(output), expected=(SchedulerOutput,))

@@ -38,7 +38,8 @@ def llm(tiny_model: Any) -> Any:
 
 
 def test_spec_validation_and_wire_round_trip() -> None:
-    for bad in (S(), S(regex="a", choice=["x"]), S(choice=[]), S(choice=["", "x"]), S(json="{not json"), S(json=[1])):  # type: ignore[arg-type]
+    deep = S(json="[" * 200_000)  # a RecursionError in json.loads, which failed every request of a scheduler
+    for bad in (S(), S(regex="a", choice=["x"]), S(choice=[]), S(choice=["", "x"]), S(json="{not json"), S(json=[1]), deep):  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="^structured_outputs"):
             SamplingParams(structured_outputs=bad).validate()
     params = SamplingParams(max_tokens=5, structured_outputs=S(json=SCHEMA))

@@ -214,6 +214,11 @@ class ExecutorService:
             self.last_step = 0
         elif msg.epoch == self.epoch and msg.step > self.last_step:
             # (a step seen twice, from a retried send, is not executed twice)
+            if self.last_step and msg.step != self.last_step + 1:
+                # A scheduler numbers an epoch's steps one by one, so this entry is not its: run, it
+                # would make every real step look old and stall the engine until a rebind.
+                logger.warning("step %d skips ahead of step %d in epoch %d; ignored", msg.step, self.last_step, msg.epoch)
+                return
             self.last_step = msg.step
             result = self._step(msg)
             if result.error is not None:

@@ -161,3 +161,47 @@ def test_the_executor_reads_its_next_step_while_a_step_runs(env: tuple[redis.Red
         serving.join(5)
     assert steps_in(r, names.results("0"))[-5:] == [1, 2, 3, 4, 5]
     assert probe.blocked_reads == [1] * 5
+
+
+class _Echo:
+    """A model that samples token 7 for every request of a step."""
+
+    info = ExecutorInfo("echo", 16, 4, 64, [0], 100)
+
+    def reset(self) -> None:
+        pass
+
+    def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
+        return ExecutorOutput([7] * output.num_seqs, [])
+
+
+def test_a_step_that_skips_ahead_is_ignored(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    """Within an epoch the scheduler numbers steps one by one. A step far ahead (a forged or corrupt
+    entry) used to run and make every real step after it look old: the engine stalled until the
+    scheduler's result timeout rebound it. Now it is ignored, and so is a repeated step."""
+    r, names, t = env
+    service = ExecutorService(ExecutorServiceConfig(t.url, "echo", names.namespace, executor_id="e"), _Echo())
+    serving = threading.Thread(target=service._serve, args=("0", None), daemon=True)
+    serving.start()
+
+    def step(number: int) -> None:
+        out = SchedulerOutput(step=number, epoch=1)
+        out.add_scheduled("r", 1, 0)
+        r.xadd(names.steps("0"), {ENTRY_FIELD: encode(out)})
+
+    try:
+        deadline = time.monotonic() + 5
+        while not r.xlen(names.results("0")):
+            assert time.monotonic() < deadline, "the executor never said hello"
+            time.sleep(0.005)
+        r.xadd(names.steps("0"), {ENTRY_FIELD: encode(BindExecutor("e", "0", 1))})
+        for number in (1, 2**31 - 1, 1, 2):
+            step(number)
+        deadline = time.monotonic() + 5
+        while 2 not in steps_in(r, names.results("0")):
+            assert time.monotonic() < deadline, f"no result for step 2: {steps_in(r, names.results('0'))}"
+            time.sleep(0.005)
+    finally:
+        service.stopping.set()
+        serving.join(5)
+    assert [s for s in steps_in(r, names.results("0")) if s] == [1, 2]

@@ -25,6 +25,7 @@ from typing import Any
 
 from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
+from common.heartbeat import Heartbeat
 from common.overlap import PendingRead, WriteBehind
 from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
@@ -38,7 +39,7 @@ from common.service_cli import (
     stop_on_sigterm,
 )
 from common.step_outputs import pack_prompt_logprobs
-from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, SyncTransport
+from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
 
 logger = logging.getLogger("conveyor.executor")
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.config import ServiceDefaults
+from common.heartbeat import Heartbeat
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
     OUTPUTS_MAXLEN,
@@ -47,7 +48,7 @@ from common.protocol import (
     SyncRequest,
     encode,
 )
-from common.transport import TRANSIENT_ERRORS, Heartbeat, Outgoing, Transport
+from common.transport import TRANSIENT_ERRORS, Outgoing, Transport
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine
 from gateway.outputs import journal_entry, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id

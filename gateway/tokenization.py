@@ -20,8 +20,8 @@ from fastapi import Request
 
 from common.protocol import EngineStatus
 from common.service_cli import freeze_startup_heap
-from gateway.json_input import ApiError, parse_json
-from gateway.openai_schema import GenerationSpec, TokenizeSpec, check_token_ids, fit_context
+from gateway.json_input import ApiError, all_ints, bad, parse_json, preview, typename
+from gateway.openai_schema import GenerationSpec, TokenizeSpec
 from gateway.structured import check_grammar
 
 T = TypeVar("T")
@@ -267,3 +267,41 @@ def _count_past(backend: Any, text: str, add_special_tokens: bool, limit: int) -
         if count - slack > limit:
             return count - slack
     return None
+
+
+# -- after tokenization ------------------------------------------------------------------------
+# Items per builtin call over a long list: a call holds the GIL until it returns, and between
+# calls the event loop's thread can take it.
+_CHUNK = 1 << 15
+
+
+def check_token_ids(ids: list[Any], vocab_size: int, param: str) -> None:
+    """A 400 unless every id is an integer in ``[0, vocab_size)``; for a worker thread."""
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        if not all_ints(chunk):
+            wrong = next(v for v in chunk if type(v) is not int)
+            raise bad(f"'{param}' token ids must be integers, got {typename(wrong)} {preview(wrong)}", param)
+        if (low := min(chunk)) < 0:
+            raise bad(f"'{param}' token ids must be non-negative, got {low}", param)
+        if (high := max(chunk)) >= vocab_size:
+            raise bad(f"'{param}' token ids must be in [0, {vocab_size}) (the vocabulary), got {high}", param)
+
+
+def fit_context(spec: GenerationSpec, num_prompt_tokens: int, max_model_len: int, at_least: bool = False) -> int:
+    """The request's ``max_tokens`` (default: the rest of the context); a 400 naming both counts
+    and the limit when prompt and completion do not fit. ``at_least``: the prompt was not
+    counted to the end (it was far too long), and ``num_prompt_tokens`` is a lower bound."""
+    n_prompt, limit = num_prompt_tokens, max_model_len
+    max_tokens = spec.max_tokens if spec.max_tokens is not None else limit - n_prompt
+    if n_prompt + max(max_tokens, 1) > limit:
+        some = "at least " if at_least else ""
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested {some}"
+            f"{n_prompt + max_tokens} tokens ({some}{n_prompt} in the prompt, {max_tokens} in the completion). "
+            f"Please reduce the prompt or max_tokens.",
+            param="max_tokens" if n_prompt < limit else ("messages" if spec.kind == "chat" else "prompt"),
+            code="context_length_exceeded",
+        )
+    return max_tokens

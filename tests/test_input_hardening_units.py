@@ -13,8 +13,17 @@ import pytest
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
 from gateway.json_input import MAX_JSON_DEPTH, ApiError, parse_json
-from gateway.openai_schema import _CHUNK, check_token_ids, parse_chat, parse_completion
-from gateway.tokenization import COUNT_WINDOW_CHARS, INLINE_INPUT_BYTES, _count_past, encode_text, tokenize, tokenizes_inline
+from gateway.openai_schema import parse_chat, parse_completion
+from gateway.tokenization import (
+    _CHUNK,
+    COUNT_WINDOW_CHARS,
+    INLINE_INPUT_BYTES,
+    _count_past,
+    check_token_ids,
+    encode_text,
+    tokenize,
+    tokenizes_inline,
+)
 
 
 def _nested(depth: int) -> bytes:

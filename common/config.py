@@ -168,6 +168,10 @@ class ServiceDefaults:
     liveness_check_s = 0.5
     # Seconds to wait for one step's result before declaring the executor lost.
     result_timeout_s = 120.0
+    # Seconds a service's working thread (a scheduler's engine loop, an executor's step loop, a
+    # gateway's event loop) may go without turning before its watchdog ends the process
+    # (`common.watchdog`): as long as a scheduler waits for one step, the longest a turn may take.
+    stall_timeout_s = result_timeout_s
     # Seconds a scheduler keeps its requests without an executor before failing them.
     recovery_timeout_s = 60.0
     # Seconds a resumable stream keeps generating after its gateway died, waiting to be resumed.

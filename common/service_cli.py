@@ -19,8 +19,8 @@ from common.transport import RedisAuthFailed
 
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
-    """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--log-level``,
-    ``--log-format``."""
+    """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--stall-timeout``,
+    ``--log-level``, ``--log-format``."""
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--redis-url", type=redis_url_arg, default=env("CONVEYOR_REDIS_URL", ServiceDefaults.redis_url), help=URL_HELP)
@@ -30,6 +30,14 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
     p.add_argument("--model", default=env("CONVEYOR_MODEL"), help=model_help)
     p.add_argument(
         "--heartbeat-ttl-ms", type=int, default=int(env("CONVEYOR_HEARTBEAT_TTL_MS", ServiceDefaults.heartbeat_ttl_ms))
+    )
+    p.add_argument(
+        "--stall-timeout",
+        # type= on a string default: argparse checks a value from the environment only through its type
+        type=_positive_seconds,
+        default=env("CONVEYOR_STALL_TIMEOUT", str(ServiceDefaults.stall_timeout_s)),
+        help="seconds the service's working thread may go without turning before the process withdraws and exits "
+        "(code 70) for its supervisor to restart it",
     )
     p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     # type= as well as choices=: argparse checks a default from the environment only through its type.
@@ -41,6 +49,16 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
         help="text: one line per record; json: one JSON object per line, for log shippers",
     )
     return p
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
+    return seconds
 
 
 def _log_format(value: str) -> str:

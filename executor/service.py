@@ -40,6 +40,7 @@ from common.service_cli import (
 )
 from common.step_outputs import pack_prompt_logprobs
 from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.watchdog import Watchdog
 
 logger = logging.getLogger("conveyor.executor")
 
@@ -57,6 +58,7 @@ class ExecutorServiceConfig:
     model_config: ModelConfig | None = None
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
+    stall_timeout_s: float = ServiceDefaults.stall_timeout_s
 
 
 class ExecutorService:
@@ -73,6 +75,9 @@ class ExecutorService:
         self.names = Names(config.namespace)
         self.transport = SyncTransport(config.redis_url, self.names, owner=f"executor {self.eid}")
         self.epoch: int | None = None
+        # Ticked on every turn of the step loop (its reads are bounded; a step is not): a step stuck
+        # in the model, say a hung device, ends the process (`common.watchdog`).
+        self.watchdog = Watchdog("the step loop", config.stall_timeout_s)
         self.stopping = threading.Event()  # `run` returns once set (and its read times out)
         self.last_step = 0  # of the current epoch
 
@@ -96,7 +101,13 @@ class ExecutorService:
         t.ping()
         ttl = self.config.heartbeat_ttl_ms
         heartbeat = Heartbeat(
-            self.config.redis_url, self.names, "executor", self.eid, ServiceDefaults.heartbeat_interval_s(ttl), ttl
+            self.config.redis_url,
+            self.names,
+            "executor",
+            self.eid,
+            ServiceDefaults.heartbeat_interval_s(ttl),
+            ttl,
+            self.watchdog,
         ).start()
         record_process_id("executor", self.eid)
         logger.info("executor %s up (%d blocks of %d)", self.eid, self.info.num_blocks, self.info.block_size)
@@ -125,6 +136,7 @@ class ExecutorService:
         t = self.transport
         logger.info("executor %s: waiting for a scheduler to claim it", self.eid)
         while not self.stopping.is_set():
+            self.watchdog.tick()
             owner = t.call(pairing.owner, self.eid)
             if owner is not None:
                 t.call(pairing.withdraw, self.eid)
@@ -156,6 +168,7 @@ class ExecutorService:
         logger.info("executor %s: serving scheduler %s", self.eid, scheduler_id)
         try:
             while not self.stopping.is_set():
+                self.watchdog.tick()
                 if pairing is not None and time.monotonic() - last_claim_check > CLAIM_CHECK_S:
                     last_claim_check = time.monotonic()
                     if t.call(pairing.owner, self.eid) != scheduler_id:
@@ -332,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         model_config,
         cache_config,
         args.heartbeat_ttl_ms,
+        args.stall_timeout,
     )
     try:
         return run_service(ExecutorService(config, model_executor).run, logger)

@@ -80,6 +80,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         migration_limit=config.migration_limit,
         recovery_timeout_s=config.recovery_timeout_s,
         resume_window_s=config.resume_window_s,
+        stall_timeout_s=config.stall_timeout_s,
     )
     tokenizers = Tokenizers(config.model)
     workers = InputWorkers()

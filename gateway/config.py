@@ -22,4 +22,5 @@ class GatewayConfig:
     migration_limit: int = ServiceDefaults.migration_limit
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
+    stall_timeout_s: float = ServiceDefaults.stall_timeout_s
     api_key: str | None = field(default=None, repr=False)

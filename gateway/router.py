@@ -49,6 +49,7 @@ from common.protocol import (
     encode,
 )
 from common.transport import TRANSIENT_ERRORS, Outgoing, Transport
+from common.watchdog import Watchdog
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine
 from gateway.outputs import journal_entry, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
@@ -71,6 +72,7 @@ class EngineClient:
         migration_limit: int = ServiceDefaults.migration_limit,
         recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s,
         resume_window_s: float = ServiceDefaults.resume_window_s,
+        stall_timeout_s: float = ServiceDefaults.stall_timeout_s,
     ) -> None:
         self.names = names
         self.gateway_id = gateway_id
@@ -95,6 +97,8 @@ class EngineClient:
         self._abort_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat: Heartbeat | None = None
+        # Ticked by a task of the event loop: a loop blocked that long ends the process (`common.watchdog`).
+        self.watchdog = Watchdog("the event loop", stall_timeout_s)
         self.redis_url = redis_url
         self.outputs_stream = names.outputs(gateway_id)
 
@@ -117,8 +121,10 @@ class EngineClient:
             self.gateway_id,
             ServiceDefaults.heartbeat_interval_s(self.heartbeat_ttl_ms),
             self.heartbeat_ttl_ms,
+            self.watchdog,
         ).start()
         self._tasks = [
+            asyncio.create_task(self._tick()),
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._send_aborts()),
             asyncio.create_task(self._watch()),
@@ -291,6 +297,11 @@ class EngineClient:
         return handle
 
     # -- background tasks ----------------------------------------------------------------------
+    async def _tick(self) -> None:
+        while True:
+            self.watchdog.tick()
+            await asyncio.sleep(ServiceDefaults.liveness_check_s)
+
     async def _send_aborts(self) -> None:
         while True:
             await self._abort_event.wait()

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         migration_limit=args.migration_limit,
         recovery_timeout_s=args.recovery_timeout,
         resume_window_s=args.resume_window,
+        stall_timeout_s=args.stall_timeout,
     )
     # log_config=None: uvicorn's records go to the root handler too, through its redaction filter.
     uvicorn.run(

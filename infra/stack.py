@@ -58,8 +58,10 @@ class Stack:
         redis_url: str | None = None,
         auto_pairing: bool = False,
         cpu_placement: bool = False,
+        module: str = "infra.cli",
     ) -> None:
         self.model = str(model)
+        self.module = module  # run as every process: `infra.cli`, or a test's wrapper around it
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
         self.names = Names(self.namespace)
@@ -104,7 +106,7 @@ class Stack:
             index = name.removeprefix("executor")
             env.update(self.placement.env((int(index) if index.isdigit() else 0) if name.startswith("executor") else None))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", self.module, *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         )
         self.procs[name] = proc
         return proc

@@ -28,6 +28,7 @@ from common.protocol import (
     decode,
 )
 from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.watchdog import Watchdog
 from scheduler.stream_executor import StreamExecutor
 
 logger = logging.getLogger("conveyor.scheduler")
@@ -46,11 +47,13 @@ class ExecutorBinding:
         ttl_ms: int,
         result_timeout_s: float,
         redis_restarted: threading.Event,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.transport = transport
         self.sid = scheduler_id
         self.result_timeout_s = result_timeout_s
         self.redis_restarted = redis_restarted
+        self.watchdog = watchdog  # of the engine thread, which waits in the executors it binds
         self.hello: ExecutorHello | None = None  # of the executor bound last
         self.epoch = 0
         self.pairing = Pairing(transport.redis, transport.names, ttl_ms) if auto else None
@@ -173,4 +176,5 @@ class ExecutorBinding:
             result_timeout_s=self.result_timeout_s,
             redis_restarted=self.redis_restarted,
             claim_lost=self.claim_lost,
+            watchdog=self.watchdog,
         )

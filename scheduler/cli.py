@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         async_scheduling=args.async_scheduling,
         steps_in_flight=args.steps_in_flight,
         result_timeout_s=args.result_timeout,
+        stall_timeout_s=args.stall_timeout,
         recovery_timeout_s=args.recovery_timeout,
         resume_window_s=args.resume_window,
         heartbeat_ttl_ms=args.heartbeat_ttl_ms,

@@ -2,9 +2,10 @@
 
 Gateways route by it (which engines are alive, their model, their load) and detect a restarted
 scheduler by its ``incarnation``. It beats on its own thread (a long step must not let it lapse),
-every interval and at once when poked (after aborts, so freed blocks show without delay). It also
-watches Redis's ``run_id``: a new one means Redis restarted and lost what it held, and the
-scheduler must re-create its side (it rebinds its executor; the key itself is rewritten here).
+every interval and at once when poked (after aborts, so freed blocks show without delay); a
+stalled engine thread ends it, and the process (`common.watchdog`). It also watches Redis's
+``run_id``: a new one means Redis restarted and lost what it held, and the scheduler must
+re-create its side (it rebinds its executor; the key itself is rewritten here).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
 from common.redis_url import sync_client
 from common.transport import CLIENT_OPTIONS, server_run_id
+from common.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class EngineBeat:
         ttl_ms: int,
         snapshot: Callable[[], EngineStatus],
         on_redis_restart: Callable[[], None],
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.names = names
         self.scheduler_id = scheduler_id
@@ -40,6 +43,7 @@ class EngineBeat:
         self.ttl_ms = ttl_ms
         self.snapshot = snapshot
         self.on_redis_restart = on_redis_restart
+        self.watchdog = watchdog  # of the engine thread: its stall withdraws the engine and ends the process
         self.redis = sync_client(url, **{**CLIENT_OPTIONS, "socket_timeout": max(1.0, ttl_ms / 1000)})
         self.run_id: str | None = None
         self._poke = threading.Event()
@@ -93,8 +97,12 @@ class EngineBeat:
             self._poke.clear()
             if self._stop.is_set():
                 break
+            if self.watchdog is not None:
+                self.watchdog.check(self.remove)
             try:
                 self.beat()
             except Exception as exc:  # keep beating whatever happens; Redis may be restarting
                 logger.warning("engine status not published: %s", exc)
+                if self.watchdog is not None:
+                    self.watchdog.excuse()
                 time.sleep(min(self.interval_s, 0.2))

@@ -36,6 +36,7 @@ from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, Exec
 from common.sampling_params import sampling_from_dict
 from common.service_cli import record_process_id
 from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.watchdog import Watchdog
 from scheduler.binding import ExecutorBinding
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore
@@ -62,6 +63,7 @@ class SchedulerServiceConfig:
     steps_in_flight: int = SchedulerConfig().steps_in_flight
     heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
     result_timeout_s: float = ServiceDefaults.result_timeout_s
+    stall_timeout_s: float = ServiceDefaults.stall_timeout_s
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -106,6 +108,8 @@ class SchedulerService:
         self.wakeup = threading.Event()
         self.stopping = threading.Event()
         self.redis_restarted = threading.Event()
+        # Ticked on every turn of the engine thread (its waits are bounded); see `common.watchdog`.
+        self.watchdog = Watchdog("the engine thread", config.stall_timeout_s)
         self.binding = ExecutorBinding(
             self.transport,
             self.sid,
@@ -113,11 +117,14 @@ class SchedulerService:
             ttl_ms=config.heartbeat_ttl_ms,
             result_timeout_s=config.result_timeout_s,
             redis_restarted=self.redis_restarted,
+            watchdog=self.watchdog,
         )
         self.router = OutputRouter(self.names, config.resume_window_s, config.max_message_bytes)
         self.engine: Scheduler | None = None
         self.executor: StreamExecutor | None = None
-        self.lost_since: float | None = None  # when the executor was lost (None: bound)
+        # When the executor was lost; None once a bound one answers a step. Binding one is not
+        # enough: a stuck executor whose heartbeat goes on is rebound after every result timeout.
+        self.lost_since: float | None = None
         self.settle_until = 0.0  # after a Redis restart, no gateway is declared dead before this
         self.beat: EngineBeat | None = None
         self.last_poke = 0.0
@@ -140,6 +147,7 @@ class SchedulerService:
             self.config.heartbeat_ttl_ms,
             self.status,
             self._on_redis_restart,
+            self.watchdog,
         ).start()
         threading.Thread(target=self._read_requests, args=(cursor,), name="requests", daemon=True).start()
         threading.Thread(target=self._watch_gateways, name="gateways", daemon=True).start()
@@ -158,7 +166,7 @@ class SchedulerService:
                 else:
                     self.engine.reset_executor(executor.info, cache)
                 core = EngineCore(self.engine, executor, config.async_scheduling, config.steps_in_flight)
-                self.executor, self.lost_since = executor, None
+                self.executor = executor
                 try:
                     self._engine_loop(core, executor)
                 except ExecutorLost as exc:
@@ -169,7 +177,10 @@ class SchedulerService:
                     request_ids = list(self.engine.requests)
                     self.engine = None
                     self._send(self.router.errors(request_ids, f"engine error: {exc}"))
-                self.executor, self.lost_since = None, time.monotonic()
+                self.executor = None
+                if self.lost_since is None:
+                    self.lost_since = time.monotonic()
+                self._check_recovery_timeout()
         finally:
             self.stopping.set()
             self.binding.close()
@@ -218,6 +229,7 @@ class SchedulerService:
     # -- executor binding ----------------------------------------------------------------------
     def _idle(self) -> None:
         """Between polls for an executor: serve the inbox, fail requests past the recovery timeout."""
+        self.watchdog.tick()
         self._serve_inbox()
         self._check_recovery_timeout()
 
@@ -289,7 +301,9 @@ class SchedulerService:
 
     def _engine_loop(self, core: EngineCore, executor: StreamExecutor) -> None:
         while not self.stopping.is_set():
+            self.watchdog.tick()
             if not core.has_work() and not self.inbox and not self.dead_gateways and not self.revived_gateways:
+                self.lost_since = None  # nothing waits for the executor
                 self._flush(executor)
                 woke = self.wakeup.wait(timeout=1.0)
                 self.wakeup.clear()
@@ -316,6 +330,7 @@ class SchedulerService:
             if core.collected:  # a call that only sent a step (the pipeline filling) executed none
                 self.step_forward_s += executor.last_forward_s
                 self.step_count += 1
+                self.lost_since = None
             if t0 - self.last_poke > 0.1:
                 self.last_poke = t0
                 self._poke()

@@ -23,6 +23,7 @@ from common.executor_output import ExecutorOutput
 from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, BindExecutor, SchedulerOutput, StepResult
 from common.step_outputs import unpack_prompt_logprobs
 from common.transport import Outgoing, SyncTransport
+from common.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class StreamExecutor:
         liveness_check_s: float = 0.5,
         redis_restarted: threading.Event | None = None,
         claim_lost: threading.Event | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.info = info
         self.transport = transport
@@ -70,6 +72,7 @@ class StreamExecutor:
         self.liveness_check_s = liveness_check_s
         self.redis_restarted = redis_restarted or threading.Event()
         self.claim_lost = claim_lost or threading.Event()  # auto pairing: another scheduler took it
+        self.watchdog = watchdog  # ticked while waiting for a result: a wait is no stall
         self.last_forward_s = 0.0
         self.outbox: list[Outgoing] = []  # messages that ride with the next round trip
         self.in_flight: deque[tuple[int, int]] = deque()  # (step, number of requests), oldest first
@@ -131,6 +134,8 @@ class StreamExecutor:
                 sends, cursors, count=64, block_ms=block_ms, trim={self._results_stream: self.results_cursor}
             )
             while True:
+                if self.watchdog is not None:
+                    self.watchdog.tick()
                 found: StepResult | None = None
                 for _, _, msg in got:
                     if isinstance(msg, StepResult) and msg.epoch == self.epoch:

@@ -20,7 +20,7 @@ class Heartbeat:
 
     The first beat happens in `start` (so the process is visible before it serves); later
     failures are logged and retried at the next tick, never fatal. With a ``watchdog``, a stall of
-    the thread it watches deletes the key and ends the process instead (`Watchdog.check`).
+    the thread it watches deletes the key and ends the process (`Watchdog.check`).
     """
 
     def __init__(
@@ -37,6 +37,8 @@ class Heartbeat:
         self.interval_s = interval_s
         self.ttl_ms = ttl_ms
         self.watchdog = watchdog
+        if watchdog is not None:
+            watchdog.check_interval(interval_s)
         # Its own client with short timeouts: a beat must not wait behind, or outlive, the service's calls.
         self.redis = sync_client(url, socket_timeout=max(1.0, ttl_ms / 1000), socket_connect_timeout=2.0)
         self._stop = threading.Event()
@@ -67,11 +69,13 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            if self.watchdog is not None:
-                self.watchdog.check(self.withdraw)
+            reachable = True
             try:
                 self.beat()
+            except TRANSIENT_ERRORS as exc:
+                reachable = False
+                logger.warning("heartbeat %s failed: %s", self.key, exc)
             except Exception as exc:  # keep beating whatever happens; the loop is the liveness signal
                 logger.warning("heartbeat %s failed: %s", self.key, exc)
-                if self.watchdog is not None:
-                    self.watchdog.excuse()
+            if self.watchdog is not None:
+                self.watchdog.check(self.withdraw, self.interval_s, reachable)

@@ -37,7 +37,7 @@ def service_parser(prog: str, description: str, model_help: str) -> argparse.Arg
         type=_positive_seconds,
         default=env("CONVEYOR_STALL_TIMEOUT", str(ServiceDefaults.stall_timeout_s)),
         help="seconds the service's working thread may go without turning before the process withdraws and exits "
-        "(code 70) for its supervisor to restart it",
+        "(code 70) for its supervisor to restart it; on executors, keep it at least the schedulers' --result-timeout",
     )
     p.add_argument("--log-level", default=env("CONVEYOR_LOG_LEVEL", "INFO"))
     # type= as well as choices=: argparse checks a default from the environment only through its type.

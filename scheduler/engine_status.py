@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
 from common.redis_url import sync_client
-from common.transport import CLIENT_OPTIONS, server_run_id
+from common.transport import CLIENT_OPTIONS, TRANSIENT_ERRORS, server_run_id
 from common.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class EngineBeat:
         self.snapshot = snapshot
         self.on_redis_restart = on_redis_restart
         self.watchdog = watchdog  # of the engine thread: its stall withdraws the engine and ends the process
+        if watchdog is not None:
+            watchdog.check_interval(interval_s)
         self.redis = sync_client(url, **{**CLIENT_OPTIONS, "socket_timeout": max(1.0, ttl_ms / 1000)})
         self.run_id: str | None = None
         self._poke = threading.Event()
@@ -97,12 +99,12 @@ class EngineBeat:
             self._poke.clear()
             if self._stop.is_set():
                 break
-            if self.watchdog is not None:
-                self.watchdog.check(self.remove)
+            reachable = True
             try:
                 self.beat()
             except Exception as exc:  # keep beating whatever happens; Redis may be restarting
+                reachable = not isinstance(exc, TRANSIENT_ERRORS)
                 logger.warning("engine status not published: %s", exc)
-                if self.watchdog is not None:
-                    self.watchdog.excuse()
                 time.sleep(min(self.interval_s, 0.2))
+            if self.watchdog is not None:
+                self.watchdog.check(self.remove, self.interval_s, reachable)

@@ -167,6 +167,8 @@ class SchedulerService:
                     self.engine.reset_executor(executor.info, cache)
                 core = EngineCore(self.engine, executor, config.async_scheduling, config.steps_in_flight)
                 self.executor = executor
+                if not self.engine.requests:
+                    self.lost_since = None  # nothing waited through the loss: a later one starts afresh
                 try:
                     self._engine_loop(core, executor)
                 except ExecutorLost as exc:

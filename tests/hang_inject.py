@@ -54,9 +54,12 @@ def _patch(command: str, flag: Path) -> None:
 
 
 def main() -> int:
+    from executor.threads import set_openmp_env_defaults
     from infra.cli import main as conveyor
 
     argv = sys.argv[1:]
+    if argv[0] == "executor":
+        set_openmp_env_defaults()  # as the executor's own entry does, before the patch imports torch
     _patch(argv[0], hang_flag(Path(os.environ[HANG_DIR_ENV]), os.getpid()))
     return conveyor(argv)
 

@@ -35,7 +35,8 @@ from gateway.router import EngineClient
 __all__ = ["CONTENT_TYPE_LATEST", "FINISH_REASONS", "DeploymentCollector", "GatewayMetrics", "RequestMetrics"]
 
 # How a request served by a gateway ends (``vllm:request_success``'s ``finished_reason``): vLLM's
-# stop, length and abort (the client went away), plus error (the engine failed it).
+# stop, length and abort, plus error (the engine failed it). As in vLLM, a request its client
+# abandoned is not counted as finished (`RequestMetrics.finish`): the series stays for dashboards.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
@@ -123,12 +124,22 @@ class ModelSeries:
 class RequestMetrics:
     """One request as the metrics see it: `Generation` feeds it each engine event and the end.
 
-    Tokens count as they reach this gateway from the engine, so the counters grow by exactly what
-    clients receive. A stream resumed here replays tokens another gateway delivered (and counted):
-    those are not counted again, and its latencies (which began elsewhere) are not observed.
+    Tokens count as they reach this gateway from the engine. A stream resumed here replays tokens
+    another gateway delivered (and counted): those are not counted again, and its latencies (which
+    began elsewhere) are not observed. A resumed stream counts as finished here only if something
+    of it came here from its engine: resuming a stream that had already ended counts nothing again.
     """
 
-    __slots__ = ("series", "num_prompt_tokens", "arrival", "num_tokens", "last_token_at", "queue_time_seen", "done")
+    __slots__ = (
+        "series",
+        "num_prompt_tokens",
+        "arrival",
+        "num_tokens",
+        "last_token_at",
+        "queue_time_seen",
+        "live",
+        "done",
+    )
 
     def __init__(self, series: ModelSeries, num_prompt_tokens: int, arrival: float | None) -> None:
         self.series = series
@@ -137,6 +148,7 @@ class RequestMetrics:
         self.num_tokens = 0  # generated so far, replayed ones included
         self.last_token_at: float | None = None
         self.queue_time_seen = False
+        self.live = False  # an event came from the engine to this gateway, not from a journal
         self.done = False
 
     def on_event(self, event: EngineEvent) -> None:
@@ -148,15 +160,21 @@ class RequestMetrics:
         n = len(event.token_ids)
         first = self.num_tokens == 0
         self.num_tokens += n
+        if not event.replayed:
+            self.live = True
         if n == 0 or event.replayed:
             return
         now = time.monotonic()
-        # One observation per engine step, as vLLM's; the steps of a merged event came at once.
-        for _ in range(event.num_steps - 1):
-            s.inter_token_latency.observe(0.0)
+        # One observation per engine step, as vLLM's. The steps of a merged event (read together)
+        # share the wait since the last event; those merged with the first one came with it.
         if self.last_token_at is not None:
-            s.inter_token_latency.observe(now - self.last_token_at)
-        elif first:  # the prefill is done (vLLM counts prompt tokens then)
+            gap = (now - self.last_token_at) / event.num_steps
+            for _ in range(event.num_steps):
+                s.inter_token_latency.observe(gap)
+        else:
+            for _ in range(event.num_steps - 1):
+                s.inter_token_latency.observe(0.0)
+        if self.last_token_at is None and first:  # the prefill is done (vLLM counts prompt tokens then)
             s.prompt_tokens.inc(self.num_prompt_tokens)
             if self.arrival is not None:
                 s.time_to_first_token.observe(now - self.arrival)
@@ -164,10 +182,16 @@ class RequestMetrics:
         s.generation_tokens.inc(n)
 
     def finish(self, reason: str) -> None:
-        """The request ended (``reason`` one of `FINISH_REASONS`); only the first call counts."""
+        """The request ended (``reason`` one of `FINISH_REASONS`); only the first call counts.
+
+        Not counted, as in vLLM: a request its client abandoned (``abort``; a resumable stream may
+        yet be resumed and end elsewhere), and a resumed stream all of which was replayed from its
+        journal (the gateway that delivered its end counted it)."""
         if self.done:
             return
         self.done = True
+        if reason == "abort" or (self.arrival is None and not self.live):
+            return
         s = self.series
         s.success[reason].inc()
         if self.arrival is not None:

@@ -21,8 +21,8 @@ admitted starts from the longest run of its leading full blocks found in the cac
 reference count, never the block holding its last token), so it computes only the rest; after
 each successful step (when its output arrives) the blocks its computed tokens filled are registered. A preempted or
 aborted request's blocks stay cached until they are needed, so recompute after preemption is
-mostly a cache hit. Counters, in tokens, over admissions: ``prefix_cache_queries`` and
-``prefix_cache_hits``.
+mostly a cache hit. Counters, in tokens, over the admissions that look the cache up, readmissions
+after a preemption not included (as vLLM's): ``prefix_cache_queries`` and ``prefix_cache_hits``.
 
 Siblings (the ``n`` samples of one prompt, ``Request.group_id``) share the prompt's KV through
 the prefix cache: a waiting sibling is *held* (passed over, FCFS otherwise kept) while another
@@ -82,7 +82,7 @@ class Scheduler:
         self.groups: dict[str, list[Request]] = {}  # live siblings by ``group_id``
         self.num_preemptions = 0
         self.num_steps = 0
-        self.prefix_cache_queries = 0  # tokens of admitted requests (each admission counts)
+        self.prefix_cache_queries = 0  # tokens of requests looked up in the cache (see the module's docstring)
         self.prefix_cache_hits = 0  # of which found in the prefix cache
         # Requests of a failed step, still to pass one step alone (in order); see `isolate`.
         self.suspects: list[str] = []
@@ -109,14 +109,15 @@ class Scheduler:
         self.pending.clear()
         for request in self.requests.values():
             request.num_output_placeholders = 0
-        self.preempt_all()
+        self.preempt_all(counted=False)  # not memory pressure: vLLM's preemption count stays
         self.executor_blocks.clear()
         self.finished_for_executor.clear()
 
-    def preempt_all(self) -> None:
-        """Preempt every running request (their KV is gone or untrusted); order is kept."""
+    def preempt_all(self, counted: bool = True) -> None:
+        """Preempt every running request (their KV is gone or untrusted); order is kept.
+        ``counted``: in ``num_preemptions`` (vLLM's metric counts those memory pressure caused)."""
         for request in reversed(self.running):
-            self._preempt(request)
+            self._preempt(request, counted)
         self.running.clear()
 
     def step_failed(self, request_ids: list[str]) -> str | None:
@@ -184,7 +185,7 @@ class Scheduler:
         if self.executor_blocks.pop(request.request_id, None) is not None:
             self.finished_for_executor.append(request.request_id)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, counted: bool = True) -> None:
         """Free ``request``'s blocks and requeue it first. A token a step in flight samples for it
         still arrives and is kept: that step ran with its blocks intact (the executor runs steps
         in order, so whoever gets the blocks next writes them only after)."""
@@ -194,7 +195,8 @@ class Scheduler:
         if request.request_id in self.executor_blocks:
             self.executor_blocks[request.request_id] = -1  # it keeps its tokens; the table is resent
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
@@ -280,7 +282,8 @@ class Scheduler:
         On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
         assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
         assert request.num_output_placeholders == 0, "a preempted request's token arrives before its next admission"
-        if self.config.enable_prefix_caching and not self._needs_prompt_logprobs(request):
+        looked_up = self.config.enable_prefix_caching and not self._needs_prompt_logprobs(request)
+        if looked_up:
             hit_blocks, hit_tokens = self.cache.get_computed_blocks(request)
         else:
             hit_blocks, hit_tokens = [], 0
@@ -288,7 +291,7 @@ class Scheduler:
         if not self.cache.allocate_slots(request.request_id, hit_tokens + n, hit_blocks):
             return None
         request.num_computed_tokens = hit_tokens
-        if self.config.enable_prefix_caching:
+        if looked_up and not request.num_preemptions:  # as vLLM: a lookup, not a readmission after preemption
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit_tokens
         return n

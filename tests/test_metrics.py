@@ -82,9 +82,28 @@ def fake_client() -> EngineClient:
 def test_each_app_has_its_own_registry() -> None:
     apps = [create_app(GatewayConfig(redis_url="redis://127.0.0.1:1/0", gateway_id=f"g{i}")) for i in range(2)]
     first, second = (app.state.metrics for app in apps)
-    first.request(MODEL, 7, time.monotonic()).finish("abort")
-    assert value(samples(first.exposition().decode()), "vllm:request_success_total", finished_reason="abort") == 1
+    first.request(MODEL, 7, time.monotonic()).finish("stop")
+    assert value(samples(first.exposition().decode()), "vllm:request_success_total", finished_reason="stop") == 1
     assert value(samples(second.exposition().decode()), "vllm:request_success_total") == 0
+
+
+def test_merged_steps_share_the_wait_since_the_last_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps the gateway read together make one event: each observes its share of the wait since
+    the previous event, not the wait for one and 0 for the others."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    metrics = GatewayMetrics(fake_client(), lambda s: s.model_name)
+    r = metrics.request(MODEL, 3, now[0])
+    r.on_event(EngineEvent([1], [None]))
+    now[0] += 0.06
+    event = EngineEvent([2, 3, 4], [None] * 3)
+    event.num_steps = 3
+    r.on_event(event)
+    got = samples(metrics.exposition().decode())
+    assert value(got, "vllm:inter_token_latency_seconds_count") == 3
+    assert value(got, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.06)
+    assert value(got, "vllm:inter_token_latency_seconds_bucket", le="0.01") == 0  # none reads as 0
+    assert value(got, "vllm:inter_token_latency_seconds_bucket", le="0.025") == 3
 
 
 def test_engine_series_come_from_every_engine_status() -> None:
@@ -132,22 +151,30 @@ def test_request_metrics_count_what_they_are_fed() -> None:
     r.on_event(EngineEvent([2, 3], [None, None], queue_time_s=0.5))  # a migrated request's second queue time
     r.on_event(EngineEvent([], [], True, "length"))
     r.finish("length")
-    r.finish("abort")  # only the first end counts
+    r.finish("error")  # only the first end counts
     # A stream resumed here: the journal's tokens were counted by the gateway that delivered them.
     resumed = metrics.request(MODEL, 4, None)
     resumed.on_event(EngineEvent([7, 8], [None, None], replayed=True))
     resumed.on_event(EngineEvent([9], [None]))
     resumed.finish("stop")
+    # Resumed after it ended: all of it replayed, counted where it ended (vLLM counts a request once).
+    again = metrics.request(MODEL, 4, None)
+    again.on_event(EngineEvent([7, 8, 9], [None] * 3, True, "stop", replayed=True))
+    again.finish("stop")
+    # Abandoned by its client (it may be resumed elsewhere): not a finished request, as in vLLM.
+    left = metrics.request(MODEL, 6, time.monotonic())
+    left.on_event(EngineEvent([4], [None]))
+    left.finish("abort")
     got = samples(metrics.exposition().decode())
     m = {"model_name": MODEL}
-    assert value(got, "vllm:generation_tokens_total", **m) == 3 + 1
-    assert value(got, "vllm:prompt_tokens_total", **m) == 5  # counted at the first token it delivers
+    assert value(got, "vllm:generation_tokens_total", **m) == 3 + 1 + 1  # what reached clients from engines
+    assert value(got, "vllm:prompt_tokens_total", **m) == 5 + 6  # counted at the first token it delivers
     assert value(got, "vllm:request_success_total", finished_reason="length") == 1
     assert value(got, "vllm:request_success_total", finished_reason="stop") == 1
     assert value(got, "vllm:request_success_total", finished_reason="abort") == 0
     assert value(got, "vllm:request_queue_time_seconds_count") == 1 and value(got, "vllm:request_queue_time_seconds_sum") == 0.25
-    assert value(got, "vllm:time_to_first_token_seconds_count") == 1
-    assert value(got, "vllm:inter_token_latency_seconds_count") == 1  # per event after the first, as vLLM
+    assert value(got, "vllm:time_to_first_token_seconds_count") == 2
+    assert value(got, "vllm:inter_token_latency_seconds_count") == 1  # per engine step after the first, as vLLM
     assert value(got, "vllm:e2e_request_latency_seconds_count") == 1  # the resumed one began elsewhere
     assert value(got, "vllm:request_generation_tokens_sum") == 3 + 3 and value(got, "vllm:request_prompt_tokens_sum") == 9
     assert value(got, "vllm:request_generation_tokens_bucket", le="2.0") == 0
@@ -324,9 +351,16 @@ def test_request_counts_are_exact(stack: Stack) -> None:
     ]
 
 
-def test_client_disconnect_counts_as_abort(stack: Stack) -> None:
+def _finished(got: list[Any]) -> float:
+    """Requests counted as finished, whatever the reason."""
+    return sum(s.value for s in got if s.name == "vllm:request_success_total")
+
+
+def test_client_disconnect_is_not_a_finished_request(stack: Stack) -> None:
+    """As in vLLM, a request its client abandoned is aborted in the engine but not counted as
+    finished (a resumable stream may still be resumed and end on another gateway)."""
     url = stack.urls[1]
-    aborts = value(scrape(url), "vllm:request_success_total", finished_reason="abort")
+    before = scrape(url)
     body = {"prompt": "def f(", "max_tokens": 1800, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
         lines = 0
@@ -334,13 +368,31 @@ def test_client_disconnect_counts_as_abort(stack: Stack) -> None:
             lines += line.startswith("data: ")
             if lines >= 3:
                 break
-    deadline = time.monotonic() + 5
-    while value(got := scrape(url), "vllm:request_success_total", finished_reason="abort") == aborts:
-        assert time.monotonic() < deadline, "the disconnect was not counted"
-        time.sleep(0.05)
-    assert value(got, "vllm:request_success_total", finished_reason="abort") == aborts + 1
-    for sid in stack.engines():  # and the engine was told
+    for sid in stack.engines():  # the engine was told
         assert stack.wait_stats(lambda s: s.num_running == 0, 3, sid).num_running == 0
+    after = scrape(url)
+    assert _finished(after) == _finished(before)
+    assert delta(before, after, "vllm:e2e_request_latency_seconds_count") == 0
+    assert delta(before, after, "vllm:generation_tokens_total") >= 1  # what it did receive counts
+
+
+def test_resuming_an_ended_stream_counts_nothing_again(stack: Stack) -> None:
+    """A stream that ended on one gateway and is read again from its journal on another (and on
+    the first) is one finished request, as vLLM counts each request once."""
+    body = {"prompt": "def g(", "max_tokens": 6, "stream": True, "ignore_eos": True, "temperature": 0}
+    before = [scrape(url) for url in stack.urls]
+    with httpx.stream("POST", f"{stack.urls[0]}/v1/completions", json=body, timeout=30) as r:
+        rid = r.headers["x-request-id"]
+        first = [line for line in r.iter_lines() if line.startswith("data: ")]
+    for url in (stack.urls[1], stack.urls[0]):
+        with httpx.stream("GET", f"{url}/v1/streams/{rid}", headers={"Last-Event-ID": "1"}, timeout=30) as r:
+            assert r.status_code == 200
+            again = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert again and again[-1] == "data: [DONE]" == first[-1]
+    after = [scrape(url) for url in stack.urls]
+    assert sum(_finished(a) - _finished(b) for a, b in zip(after, before)) == 1
+    assert sum(delta(b, a, "vllm:request_generation_tokens_count") for a, b in zip(after, before)) == 1
+    assert sum(delta(b, a, "vllm:generation_tokens_total") for a, b in zip(after, before)) == 6
 
 
 def test_concurrent_streams_count_exactly(stack: Stack) -> None:

@@ -507,3 +507,23 @@ def test_offline_greedy_outputs_identical_with_and_without(tiny_model) -> None:
     on.reset_prefix_cache()
     assert on.cache_manager.cached_blocks == {}
     on.cache_manager.check_invariants()
+
+
+def test_counters_follow_vllm_readmissions_and_skipped_lookups_are_not_queries() -> None:
+    """vLLM's ``prefix_cache_queries`` counts lookups: not a request that skips the cache (it needs
+    prompt logprobs), nor a readmission after a preemption; and its ``num_preemptions`` counts
+    what memory pressure preempted, not requests resent because the executor was lost."""
+    sched, ex, core = make()
+    prompt = [7, 1, 8, 2, 8, 1, 8, 2, 3]
+    sched.add_request(Request("a", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    step(core)
+    assert (sched.prefix_cache_queries, sched.num_preemptions) == (9, 0)
+    sched.executor_lost()  # every running request preempted and resent: no KV pressure
+    ex.state.clear()
+    assert sched.num_preemptions == 0 and sched.requests["a"].num_preemptions == 1
+    step(core)  # "a" readmitted (a cache hit, not counted)
+    assert sched.prefix_cache_queries == 9
+    lp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    sched.add_request(Request("b", prompt, lp))  # computes every prompt position: no lookup
+    drain(core)
+    assert sched.prefix_cache_queries == 9

@@ -25,7 +25,7 @@ import pytest
 from common.watchdog import STALLED_EXIT_CODE
 from infra.stack import Stack
 from tests.hang_inject import HANG_DIR_ENV, hang_flag
-from tests.test_chaos import NUM_STREAMS, _busiest_engine, _check, run_load
+from tests.test_chaos import NUM_STREAMS, _busiest_engine, _check, reference_run, run_load
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +54,7 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def reference(stack: Stack) -> list[str]:
-    results = run_load(stack)
-    assert all(not r.errors and r.text for r in results), [r.errors for r in results]
-    return [r.text for r in results]
+    return reference_run(stack)
 
 
 def _hang_and_restart(stack: Stack, name: str) -> None:

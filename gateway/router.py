@@ -391,14 +391,25 @@ class EngineClient:
         self.down_reason = None if engines else "no engine is running (no scheduler with an executor is alive)"
         if restarted:
             self.settle_until = time.monotonic() + self.heartbeat_ttl_ms / 1000
-            logger.warning("Redis restarted: asking the engines to resend what %d requests are missing", len(self.requests))
-            for handle in list(self.requests.values()):
-                if not handle.done and handle.unrouted_since is None:
-                    await self._sync(handle)
+            await self._sync_all("Redis restarted")
+
+    async def _sync_all(self, why: str) -> None:
+        """Ask the engines to resend what every request in flight is missing; one an engine no
+        longer holds is answered ``unknown`` and migrated."""
+        logger.warning("%s: asking the engines to resend what %d requests are missing", why, len(self.requests))
+        for handle in list(self.requests.values()):
+            if not handle.done and handle.unrouted_since is None:
+                await self._sync(handle)
 
     async def _watch(self) -> None:
+        overslept = 0.0
         while True:
             try:
+                if overslept > self.heartbeat_ttl_ms / 1000:
+                    # Frozen (SIGSTOP, a paused VM) for as long as a heartbeat lives: schedulers may
+                    # have declared this gateway gone, aborted its non-resumable requests and ended
+                    # orphans, telling it nothing. A sync finds every such request (and migrates it).
+                    await self._sync_all(f"this gateway did not run for {overslept:.1f} s")
                 await self._refresh()
                 read = self._outputs_cursors.get(self.outputs_stream)
                 if read is not None:  # this gateway is the stream's only reader
@@ -418,4 +429,6 @@ class EngineClient:
             except Exception as exc:
                 self.down_reason = f"cannot reach Redis: {exc}"
                 logger.warning("engine watch: %s", exc)
+            asleep = time.monotonic()
             await asyncio.sleep(ServiceDefaults.liveness_check_s)
+            overslept = time.monotonic() - asleep - ServiceDefaults.liveness_check_s

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -223,6 +224,33 @@ def test_engine_part_killed_and_restarted(stack: Stack, reference: list[str], ro
         assert max(r.max_gap_s for r in results) > 1.0, "no stream paused: the fault missed every request"
     else:  # a migration can be quicker than a second: count them instead
         assert _log_count(stack, "migrating") > migrations_before, "no request migrated: the fault missed them all"
+
+
+def test_gateway_frozen_past_its_ttl_gets_back_what_it_missed(stack: Stack, reference: list[str]) -> None:
+    """SIGSTOP a gateway for four heartbeat TTLs: schedulers declare it gone, abort its
+    non-streaming requests and orphan its streams (which end meanwhile), telling it nothing. Once it
+    runs again it asks the engines for what it misses, and what they no longer hold migrates: the
+    non-streaming request and every stream end as without the fault."""
+    # long enough to be running when the schedulers give the gateway up
+    body = {"prompt": "def frozen(x):", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    want = httpx.post(f"{stack.urls[1]}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    answer: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: answer.append(httpx.post(f"{stack.urls[0]}/v1/completions", json=body, timeout=60)))
+
+    def fault() -> None:
+        waiter.start()
+        time.sleep(0.3)
+        proc = stack.procs["gateway0"]
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(4 * stack.heartbeat_ttl_ms / 1000)
+        proc.send_signal(signal.SIGCONT)
+
+    results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
+    waiter.join(90)
+    _check(stack, results, reference, "gateway SIGSTOP for 4 heartbeat TTLs")
+    assert answer and answer[0].status_code == 200, "the non-streaming request was never answered"
+    assert answer[0].json()["choices"][0]["text"] == want
+    assert _log_count(stack, "did not run for") >= 1
 
 
 def test_gateway_killed_streams_resume_elsewhere(stack: Stack, reference: list[str]) -> None:

@@ -551,7 +551,7 @@ def test_reset_executor_moves_everything_and_continues_identically(async_schedul
     assert sched.running == [] and [r.request_id for r in sched.waiting] == running + waiting
     assert all(r.num_computed_tokens == 0 and r.num_output_placeholders == 0 for r in reqs.values())
     assert all(reqs[r].num_preemptions == 1 for r in running) and reqs["d"].num_preemptions == 0
-    assert sched.num_preemptions == preemptions + len(running)
+    assert sched.num_preemptions == preemptions  # vLLM's count is of memory pressure, not of a lost executor
     assert sched.executor_blocks == {} and not sched.pending  # the new executor gets everything as new
     # The old pool got every block back; the new one is untouched until the next step.
     assert old_cache.get_num_free_blocks() == 64 and old_cache.block_tables == {}

@@ -55,6 +55,9 @@ OUTPUTS_MAXLEN = 20_000
 # An outputs stream outlives its gateway by this long at most (every send refreshes it), so a dead
 # gateway's stream is removed by Redis itself.
 OUTPUTS_TTL_MS = 120_000
+# A `StepOutputs` finish reason for the gateway a stream was taken from: another gateway resumed it
+# (`SyncRequest`), so this one ends its copy without journaling anything (the stream goes on there).
+TAKEN_OVER = "taken_over"
 # The engine streams (steps, results) outlive their engine by this long at most.
 ENGINE_STREAMS_TTL_MS = 3_600_000
 # Engine registrations not refreshed for this long are dropped from the ``engines`` set, and the

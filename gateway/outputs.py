@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from common.codec import unpack_logprobs
-from common.protocol import StepOutputs
+from common.protocol import TAKEN_OVER, StepOutputs
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 
 
@@ -27,6 +27,7 @@ class Routed:
     events: list[tuple[RequestHandle, EngineEvent, int]] = field(default_factory=list)
     syncs: list[RequestHandle] = field(default_factory=list)  # outputs were lost: ask for a resend
     migrate: list[RequestHandle] = field(default_factory=list)  # their engine does not hold them
+    taken: list[tuple[RequestHandle, str]] = field(default_factory=list)  # resumed on another gateway (and why)
 
 
 def _rows(msg: StepOutputs) -> Iterable[tuple[int, str, list[int], list[dict[int, float] | None]]]:
@@ -61,6 +62,9 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
             if msg.finish_reasons[i] == "unknown":
                 if handle not in routed.migrate:
                     routed.migrate.append(handle)
+                continue
+            if msg.finish_reasons[i] == TAKEN_OVER:
+                routed.taken.append((handle, msg.errors[i] or "the stream was resumed on another gateway"))
                 continue
             index = msg.token_index[i]
             if index > handle.next_index:

@@ -348,6 +348,10 @@ class EngineClient:
             await self.transport.send_many(journal)
         for handle, event, _ in routed.events:
             self._deliver(handle, event)
+        for handle, why in routed.taken:  # the stream goes on elsewhere: nothing is journaled
+            if not handle.done:
+                logger.warning("request %s: %s; this copy ends", handle.request_id, why)
+                self._deliver(handle, EngineEvent([], [], True, "error", why))
         for handle in routed.syncs:
             await self._sync(handle)
         for handle in routed.migrate:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, Names, StepOutputs, encode
+from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, TAKEN_OVER, Names, StepOutputs, encode
 from common.transport import Outgoing
 from scheduler.request import Request, StepOutput
 
@@ -113,20 +113,28 @@ class OutputRouter:
         return self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS)
 
     # -- gateways come and go -------------------------------------------------------------------
-    def adopt(self, request: Request | None, request_id: str, gateway_id: str, from_index: int) -> Outgoing:
-        """Route ``request_id`` to ``gateway_id`` and resend its tokens from ``from_index``.
+    def adopt(self, request: Request | None, request_id: str, gateway_id: str, from_index: int) -> list[Outgoing]:
+        """Route ``request_id`` to ``gateway_id`` and resend its tokens from ``from_index``. A
+        gateway that served it until now (its client reconnected elsewhere while this one still
+        held the stream) is told `TAKEN_OVER`, or its copy would wait for outputs forever.
 
         ``request`` None: not held here (finished, or never arrived); the answer says ``unknown``.
         """
         msg = StepOutputs()
+        sends = []
         if request is None or request_id not in self.routes:
             msg.add(request_id, 0, [], None, True, "unknown", "the scheduler does not hold this request")
         else:
             route = self.routes[request_id]
+            if route.gateway_id not in ("", gateway_id):
+                notice = StepOutputs()
+                notice.add(request_id, 0, [], None, True, TAKEN_OVER, f"the stream was resumed on gateway {gateway_id}")
+                sends.append(self._out(self.names.outputs(route.gateway_id), notice, OUTPUTS_TTL_MS))
             route.gateway_id, route.orphaned_until = gateway_id, 0.0
             start = max(0, min(from_index, request.num_output_tokens))
             msg.add(request_id, start, request.output_token_ids[start:], request.output_logprobs[start:], False, None, None)
-        return self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS)
+        sends.append(self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS))
+        return sends
 
     def gateway_died(self, gateway_id: str, now: float) -> list[str]:
         """Orphan the resumable requests of ``gateway_id``; returns the others (to abort)."""

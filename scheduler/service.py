@@ -371,7 +371,7 @@ class SchedulerService:
             elif not msg.gateway_id:  # would route the request's outputs to no gateway's stream
                 logger.warning("sync for %s names no gateway; ignored", msg.request_id)
             else:
-                sends.append(
+                sends.extend(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
                 )
         aborted.extend(r for r, gateway_id in aborts if self.router.may_abort(r, gateway_id))
@@ -383,7 +383,8 @@ class SchedulerService:
             aborted.extend(doomed)
         while self.revived_gateways:  # only late, not dead: it gets its requests back
             gateway_id = self.revived_gateways.popleft()
-            sends.extend(self.router.adopt(engine.requests.get(r), r, gateway_id, 0) for r in self.router.orphans_of(gateway_id))
+            for r in self.router.orphans_of(gateway_id):
+                sends.extend(self.router.adopt(engine.requests.get(r), r, gateway_id, 0))
         aborted.extend(self.router.expired_orphans(now))
         for request_id in aborted:
             engine.abort(request_id)

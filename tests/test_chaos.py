@@ -326,6 +326,45 @@ def test_gateway_killed_mid_multi_choice_stream_resumes_elsewhere(stack: Stack) 
         time.sleep(0.2)
 
 
+def test_stream_resumed_elsewhere_while_served_ends_the_first_copy(stack: Stack) -> None:
+    """A stream is resumed on gateway1 while gateway0 still serves it (its client never noticed a
+    fault): gateway0's copy ends with an error naming the takeover instead of waiting forever, the
+    resumed copy runs to the end, and gateway0 no longer holds the stream (resumable there again)."""
+    body = {"prompt": "def twice(x):", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
+    ended: list[str] = []
+    started = threading.Event()
+    rid: list[str] = []
+
+    def read_first() -> None:
+        with httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http:
+            with http.stream("POST", f"{stack.urls[0]}/v1/completions", json=body) as r:
+                rid.append(r.headers["x-request-id"])
+                for line in r.iter_lines():
+                    started.set()
+                    if line.startswith("data: ") and "error" in line:
+                        ended.append(line)
+        ended.append("closed")
+
+    reader = threading.Thread(target=read_first)
+    reader.start()
+    assert started.wait(30)
+    second = ChoicesRead()
+    with httpx.stream("GET", f"{stack.urls[1]}/v1/streams/{rid[0]}", headers={"Last-Event-ID": "0"}, timeout=60) as r:
+        assert r.status_code == 200
+        second.read(r)
+    reader.join(20)
+    assert not reader.is_alive(), "gateway0's copy of the stream waited on after the takeover"
+    assert ended[-1] == "closed" and any("resumed on gateway" in line for line in ended), ended
+    assert second.finished == {0: "length"}
+    want = httpx.post(f"{stack.urls[1]}/v1/completions", json={**body, "stream": False}, timeout=60).json()
+    assert second.texts[0] == want["choices"][0]["text"]
+    with httpx.stream("GET", f"{stack.urls[0]}/v1/streams/{rid[0]}", headers={"Last-Event-ID": "0"}, timeout=60) as r:
+        assert r.status_code == 200  # not 409 stream_in_use: gateway0 let its copy go
+        again = ChoicesRead()
+        again.read(r)
+    assert again.texts[0] == want["choices"][0]["text"]
+
+
 def test_redis_restarted(stack: Stack, reference: list[str]) -> None:
     first_success: list[float] = []
 

@@ -608,7 +608,7 @@ async def test_a_stream_resumes_twice_after_its_engine_journaled_it_as_an_orphan
     read = await read_journal(g2, "resp")
     h2 = await g2.adopt("resp", [1, 2], SAMPLING, read.single()[1], read.outputs)
     assert [m for m in await sent(g2, "s0") if isinstance(m, SyncRequest)] == [SyncRequest("resp", "g2", 2)]
-    await dispatch_steps(g2, decode(router.adopt(request, "resp", "g2", 2).data))  # the resend
+    await dispatch_steps(g2, decode(router.adopt(request, "resp", "g2", 2)[-1].data))  # the resend
     for t in (12, 13):
         await dispatch_steps(g2, decode((await step(t))[0].data))
     delivered_by_g2 = [e.token_ids for e in drain(h2)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.codec import unpack_logprobs
-from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, Names, StepOutputs, decode
+from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, TAKEN_OVER, Names, StepOutputs, decode
 from common.sampling_params import SamplingParams
 from common.transport import Outgoing
 from scheduler.outputs import OutputRouter
@@ -132,7 +132,7 @@ def test_adopt_reroutes_and_resends_from_index() -> None:
     router.add("b", "g1", "resp-b")
     router.gateway_died("g1", now=0.0)
     request = held_request("b", [10, 11, 12, 13], [None, {11: -0.5}, None, None])
-    send = router.adopt(request, "b", "g2", 2)
+    [send] = router.adopt(request, "b", "g2", 2)  # (an orphan: no gateway to tell)
     assert send.stream == NAMES.outputs("g2") and send.ttl_ms == OUTPUTS_TTL_MS
     msg = decode(send.data, (StepOutputs,))
     assert entries(msg) == [("b", 2, [12, 13], False, None, None)]
@@ -141,16 +141,20 @@ def test_adopt_reroutes_and_resends_from_index() -> None:
     assert router.gateways() == ({"g2"}, set()) and router.orphans_of("g1") == []
     assert [s.stream for s in router.route([out("b", [14], 5)])] == [NAMES.outputs("g2")]
     # from_index is clamped to what exists.
-    assert entries(decode(router.adopt(request, "b", "g3", 99).data)) == [("b", 4, [], False, None, None)]
-    assert entries(decode(router.adopt(request, "b", "g3", -5).data)) == [("b", 0, [10, 11, 12, 13], False, None, None)]
-    lp = decode(router.adopt(request, "b", "g3", 1).data)
+    assert entries(decode(router.adopt(request, "b", "g3", 99)[-1].data)) == [("b", 4, [], False, None, None)]
+    assert entries(decode(router.adopt(request, "b", "g3", -5)[-1].data)) == [("b", 0, [10, 11, 12, 13], False, None, None)]
+    lp = decode(router.adopt(request, "b", "g3", 1)[-1].data)
     assert unpack_logprobs(lp.lp_counts, lp.lp_token_ids, lp.lp_values) == [{11: -0.5}, None, None]
 
 
-def test_adopt_of_a_live_owners_request_moves_it() -> None:
+def test_adopt_of_a_live_owners_request_moves_it_and_tells_the_owner() -> None:
     router = make_router()
     router.add("a", "g1", "")
-    router.adopt(held_request("a", [1, 2]), "a", "g2", 0)
+    notice, answer = router.adopt(held_request("a", [1, 2]), "a", "g2", 0)
+    assert notice.stream == NAMES.outputs("g1") and answer.stream == NAMES.outputs("g2")
+    [(rid, index, tokens, finished, reason, error)] = entries(decode(notice.data, (StepOutputs,)))
+    assert (rid, index, tokens, finished, reason) == ("a", 0, [], True, TAKEN_OVER) and "g2" in (error or "")
+    assert [s.stream for s in router.adopt(held_request("a", [1, 2]), "a", "g2", 0)] == [NAMES.outputs("g2")]  # its own
     assert router.gateways() == ({"g2"}, set())
     assert [s.stream for s in router.route([out("a", [3], 3)])] == [NAMES.outputs("g2")]
 
@@ -171,7 +175,7 @@ def test_adopt_unknown(held: bool) -> None:
     """Not held by the engine, or held but not routed (e.g. already forgotten): answered "unknown"."""
     router = make_router()
     request = held_request("x", [1, 2]) if held else None
-    send = router.adopt(request, "x", "g2", 1)
+    [send] = router.adopt(request, "x", "g2", 1)
     assert send.stream == NAMES.outputs("g2")
     [(rid, index, tokens, finished, reason, error)] = entries(decode(send.data, (StepOutputs,)))
     assert (rid, index, tokens, finished, reason) == ("x", 0, [], True, "unknown")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.logs import log_event
@@ -20,7 +20,7 @@ from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.json_input import ApiError
 from gateway.metrics import RequestMetrics
-from gateway.request_handle import EngineUnavailable, RequestHandle, RequestIdInUse
+from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 from gateway.router import EngineClient
 from gateway.stop import StopMatcher
 
@@ -172,16 +172,15 @@ class Generation:
                     raise ApiError(503, event.error, "server_error", code="engine_error")
                 if self.log is not None and self.log.first_token_at is None and event.token_ids and not event.replayed:
                     self.log.first_token_at = time.monotonic()
+                out, stopped, used = self._text(event)
+                if used < len(event.token_ids):  # a stop string ended it: the tokens after are not the client's
+                    event = replace(event, token_ids=event.token_ids[:used], logprobs=event.logprobs[:used])
                 self.num_completion_tokens += len(event.token_ids)
                 if self.metrics is not None:
                     self.metrics.on_event(event)
                 prompt_lps = None
                 if event.prompt_logprobs is not None and not self.got_prompt_logprobs:  # once: a migrated request resends them
                     prompt_lps, self.got_prompt_logprobs = event.prompt_logprobs, True
-                text = self.detokenizer.add(event.token_ids)
-                if event.finished:
-                    text += self.detokenizer.finish()
-                out, stopped = self.stop.feed(text)
                 if stopped:
                     if not event.finished:
                         self.client.abort(self.request_id)  # the engine would go on generating
@@ -210,6 +209,29 @@ class Generation:
             else:  # the consumer went away (client disconnect) or something raised
                 self.client.abort(self.request_id)
                 self._finish("abort")
+
+    def _text(self, event: EngineEvent) -> tuple[str, bool, int]:
+        """The text of ``event`` up to a stop string; whether one ended it; how many of its tokens
+        that text used. With stop strings, the tokens of a merged event (several engine steps read
+        together) are checked one by one, so that where the request stops, and its token count,
+        do not depend on how its steps were merged."""
+        tokens = event.token_ids
+        if not self.stop.stops or len(tokens) <= 1:
+            text = self.detokenizer.add(tokens)
+            if event.finished:
+                text += self.detokenizer.finish()
+            out, stopped = self.stop.feed(text)
+            return out, stopped, len(tokens)
+        out = ""
+        for k, token in enumerate(tokens):
+            text = self.detokenizer.add([token])
+            if event.finished and k == len(tokens) - 1:
+                text += self.detokenizer.finish()
+            piece, stopped = self.stop.feed(text)
+            out += piece
+            if stopped:
+                return out, True, k + 1
+        return out, False, len(tokens)
 
     def _finish(self, reason: str) -> None:
         """The request ended: counted (unless the engine rejected it: it never ran, as in vLLM) and logged."""

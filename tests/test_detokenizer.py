@@ -146,3 +146,54 @@ def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes(clean_up: bo
         # "\x19" went out before the bytes after it made it U+FFFD; all the rest streams as it
         # comes (it used to be held back for good, and dropped at the end)
         assert streamed == "the quick\x19" + 2 * REPLACEMENT + " brown fox is a test" and detok.finish() == ""
+
+
+class _Client:
+    """What `Generation` asks of its engine client once submitted."""
+
+    gateway_id = "g"
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[str, int, list[int]]:  # type: ignore[no-untyped-def]
+    """(text, completion tokens, tokens of the pieces) of a request stopped by "stop", its tokens
+    arriving ``steps_per_event`` engine steps at a time."""
+    import asyncio
+
+    from common.sampling_params import SamplingParams
+    from gateway.generation import Generation
+    from gateway.request_handle import EngineEvent, RequestHandle
+
+    async def run() -> tuple[str, int, list[int]]:
+        client = _Client()
+        gen = Generation(client, tokenizer, "r", [1], SamplingParams(max_tokens=100), ["stop"], False, True)  # type: ignore[arg-type]
+        gen.handle = RequestHandle("r", [1], {})
+        for i in range(0, len(token_ids), steps_per_event):
+            chunk = token_ids[i : i + steps_per_event]
+            gen.handle.events.put_nowait(EngineEvent(chunk, [None] * len(chunk), num_steps=len(chunk)))
+        text, tokens = "", []
+        async for piece in gen.pieces():
+            text += piece.text
+            tokens += piece.token_ids
+        assert client.aborted == ["r"]  # the engine is told to stop generating
+        return text, gen.num_completion_tokens, tokens
+
+    return asyncio.run(run())
+
+
+def test_where_a_stop_string_ends_a_request_does_not_depend_on_merged_steps(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A gateway that falls behind reads several engine steps as one event; the stop string must
+    end the request at the same token (same text, same `usage.completion_tokens`) either way."""
+    token_ids = tokenizer.encode("one two three stop four five six seven", add_special_tokens=False)
+    one_by_one = _stopped_at(tokenizer, token_ids, 1)
+    assert one_by_one[0] == "one two three " and one_by_one[1] < len(token_ids)
+    for merged in (2, 3, len(token_ids)):
+        assert _stopped_at(tokenizer, token_ids, merged) == one_by_one, merged

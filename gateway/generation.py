@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.logs import log_event
+from common.protocol import TAKEN_OVER
 from common.sampling_params import SamplingParams, sampling_to_dict
 from common.transport import TRANSIENT_ERRORS, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
@@ -168,7 +169,8 @@ class Generation:
                     if event.finish_reason == "rejected":  # never ran (bad parameters): not a served request
                         self._finish("rejected")
                         raise ApiError(400, event.error, param="max_tokens" if "max_tokens" in event.error else None)
-                    self._finish("error")
+                    # Taken over: the stream goes on (and is counted) on the gateway that resumed it.
+                    self._finish("abort" if event.finish_reason == TAKEN_OVER else "error")
                     raise ApiError(503, event.error, "server_error", code="engine_error")
                 if self.log is not None and self.log.first_token_at is None and event.token_ids and not event.replayed:
                     self.log.first_token_at = time.monotonic()

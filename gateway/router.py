@@ -39,6 +39,7 @@ from common.heartbeat import Heartbeat
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
     OUTPUTS_MAXLEN,
+    TAKEN_OVER,
     AbortRequests,
     EngineStatus,
     GenerateRequest,
@@ -351,7 +352,7 @@ class EngineClient:
         for handle, why in routed.taken:  # the stream goes on elsewhere: nothing is journaled
             if not handle.done:
                 logger.warning("request %s: %s; this copy ends", handle.request_id, why)
-                self._deliver(handle, EngineEvent([], [], True, "error", why))
+                self._deliver(handle, EngineEvent([], [], True, TAKEN_OVER, why))
         for handle in routed.syncs:
             await self._sync(handle)
         for handle in routed.migrate:

@@ -345,6 +345,11 @@ def test_stream_resumed_elsewhere_while_served_ends_the_first_copy(stack: Stack)
                         ended.append(line)
         ended.append("closed")
 
+    def finished_on_gateway0() -> float:  # requests counted as finished there, whatever the reason
+        metrics = httpx.get(f"{stack.urls[0]}/metrics", timeout=10).text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics if line.startswith("vllm:request_success_total{"))
+
+    counted = finished_on_gateway0()
     reader = threading.Thread(target=read_first)
     reader.start()
     assert started.wait(30)
@@ -356,6 +361,7 @@ def test_stream_resumed_elsewhere_while_served_ends_the_first_copy(stack: Stack)
     assert not reader.is_alive(), "gateway0's copy of the stream waited on after the takeover"
     assert ended[-1] == "closed" and any("resumed on gateway" in line for line in ended), ended
     assert second.finished == {0: "length"}
+    assert finished_on_gateway0() == counted  # the copy that ended is no finished request: gateway1 counts it
     want = httpx.post(f"{stack.urls[1]}/v1/completions", json={**body, "stream": False}, timeout=60).json()
     assert second.texts[0] == want["choices"][0]["text"]
     with httpx.stream("GET", f"{stack.urls[0]}/v1/streams/{rid[0]}", headers={"Last-Event-ID": "0"}, timeout=60) as r:

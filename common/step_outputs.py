@@ -133,16 +133,17 @@ class StepOutputs:
             == rows
         ):
             raise ValueError(f"per-request columns disagree with the {rows} requests")
-        if any(n < 0 for n in self.num_tokens) or sum(self.num_tokens) != len(self.token_ids):
+        # (min(), not a generator: this runs on every decode, over every token of a step)
+        if min(self.num_tokens, default=0) < 0 or sum(self.num_tokens) != len(self.token_ids):
             raise ValueError("num_tokens disagrees with token_ids")
-        if any(i < 0 for i in self.token_index) or any(t < 0 for t in self.token_ids):
+        if min(self.token_index, default=0) < 0 or min(self.token_ids, default=0) < 0:
             raise ValueError("token indices and token ids must not be negative")
-        if self.lp_counts and len(self.lp_counts) != len(self.token_ids):
-            raise ValueError("lp_counts disagrees with token_ids")
         for name in ("queue_time_s", "stop_reason_ids", "plp_num"):
             if len(getattr(self, name)) > rows:
                 raise ValueError(f"{name} has more entries than requests")
         if self.lp_counts:
+            if len(self.lp_counts) != len(self.token_ids):
+                raise ValueError("lp_counts disagrees with token_ids")
             unpack_logprobs(self.lp_counts, self.lp_token_ids, self.lp_values)  # ProtocolError if they disagree
         if self.plp_num:
             self.prompt_logprobs()

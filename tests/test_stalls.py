@@ -57,8 +57,9 @@ def reference(stack: Stack) -> list[str]:
     return reference_run(stack)
 
 
-def _hang_and_restart(stack: Stack, name: str) -> None:
-    """Make process ``name`` hang, wait for its watchdog to end it, check how, start a new one."""
+def _hang_and_restart(stack: Stack, kind: str, index: int) -> None:
+    """Make process ``<kind><index>`` hang, wait for its watchdog to end it, check how, start a new one."""
+    name = f"{kind}{index}"
     proc = stack.procs[name]
     flag = hang_flag(stack.workdir, proc.pid)
     flag.touch()
@@ -77,15 +78,13 @@ def _hang_and_restart(stack: Stack, name: str) -> None:
     assert "has not turned for" in log and "time.sleep(3600)" in log, log[-3000:]  # the stuck thread's stack
     # (the last tick may precede the hang by one bounded wait of the loop: up to a second)
     assert took >= STALL_TIMEOUT_S - 1.0, f"{name} ended {took:.1f} s after it hung"
-    kind, index = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")) :])
     {"scheduler": stack.spawn_scheduler, "executor": stack.spawn_executor, "gateway": stack.spawn_gateway}[kind](index)
 
 
 @pytest.mark.parametrize("role", ["scheduler", "executor", "gateway"])
 def test_stuck_thread_ends_its_process_and_its_work_is_recovered(stack: Stack, reference: list[str], role: str) -> None:
     def fault() -> None:
-        target = f"{role}0" if role == "gateway" else f"{role}{_busiest_engine(stack)}"
-        _hang_and_restart(stack, target)
+        _hang_and_restart(stack, role, 0 if role == "gateway" else int(_busiest_engine(stack)))
 
     results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
     _check(stack, results, reference, f"{role} stuck (watchdog)")

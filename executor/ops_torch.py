@@ -63,12 +63,13 @@ def _make_group(seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_
     s_lens = [meta.seq_lens_list[i] for i in seqs]
     num, max_q, kv_len = len(seqs), max(q_lens), max(s_lens)
     nblocks = -(-kv_len // block_size)
-    sel = torch.tensor(seqs, dtype=torch.long)
-    block_index = meta.block_tables.index_select(0, sel.to(meta.block_tables.device))[:, :nblocks]
-    block_index = block_index.reshape(-1).to(device=device, dtype=torch.long)
-
     starts = [qsl[i] for i in seqs]
     contiguous = max_q == 1 and starts == list(range(starts[0], starts[0] + num))
+    if seqs == list(range(seqs[0], seqs[0] + num)):  # a run of the batch: a slice, no index tensor
+        tables = meta.block_tables[seqs[0] : seqs[0] + num]
+    else:
+        tables = meta.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=meta.block_tables.device))
+    block_index = tables[:, :nblocks].reshape(-1).to(device=device, dtype=torch.long)
     if max_q == 1:
         q_index = out_valid = out_rows = None
         if not contiguous:
@@ -90,7 +91,9 @@ def _make_group(seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_
     # Whole prompts of one length need no explicit mask: plain causal attention.
     causal = max_q > 1 and all(ql == max_q for ql in q_lens) and all(sl == max_q for sl in s_lens)
     mask = None
-    if not causal and not (max_q == 1 and min(s_lens) == kv_len):
+    if max_q == 1 and min(s_lens) < kv_len:  # decodes: each sees its own keys, all but the padding
+        mask = (torch.arange(kv_len, device=device) < torch.tensor(s_lens, device=device)[:, None]).view(num, 1, 1, kv_len)
+    elif not causal and max_q > 1:
         seq_len = torch.tensor(s_lens, device=device)
         prefix = seq_len - torch.tensor(q_lens, device=device)
         key_pos = torch.arange(kv_len, device=device)
@@ -107,7 +110,9 @@ def _pack(seqs: list[int], meta: AttentionMetadata, row_elements: int) -> list[l
     at most ``_PAD_WASTE`` x, or by the cost of one more call (``row_elements``: a cached key's
     elements, KV heads x head size).
 
-    Sequences are taken longest first, so each group spans similar lengths.
+    Sequences are taken longest query first, then longest sequence, so each group spans similar
+    lengths and its first member sets its padded query length. (Runs once a step, on every decode:
+    kept to plain arithmetic.)
     """
     call_cost = _CALL_COST_ELEMENTS / row_elements
     ql, sl = meta.query_lens_list, meta.seq_lens_list
@@ -116,14 +121,15 @@ def _pack(seqs: list[int], meta: AttentionMetadata, row_elements: int) -> list[l
     current: list[int] = []
     real = max_q = max_kv = 0
     for i in order:
-        work = ql[i] * sl[i]
-        new_q, new_kv = max(max_q, ql[i]), max(max_kv, sl[i])
-        padding = (len(current) + 1) * new_q * new_kv - (real + work)
-        if current and padding > max((_PAD_WASTE - 1) * (real + work), call_cost):
+        q, s = ql[i], sl[i]
+        if current:
+            total, kv = real + q * s, s if s > max_kv else max_kv
+            if (len(current) + 1) * max_q * kv - total <= max((_PAD_WASTE - 1) * total, call_cost):
+                current.append(i)
+                real, max_kv = total, kv
+                continue
             groups.append(current)
-            current, real, new_q, new_kv = [], 0, ql[i], sl[i]
-        current.append(i)
-        real, max_q, max_kv = real + work, new_q, new_kv
+        current, real, max_q, max_kv = [i], q * s, q, s
     if current:
         groups.append(current)
     return groups

@@ -266,6 +266,38 @@ def test_paged_attention_random_mixed_batches(seed: int, split: bool, monkeypatc
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_staggered_decodes_share_one_masked_call() -> None:
+    """A decode batch whose requests started at different steps (every server's case) is planned
+    as one call over the batch's rows, masked past each sequence's length; in lockstep, unmasked."""
+    from executor.attention_metadata import AttentionMetadata
+    from executor.ops_torch import _build_plan
+
+    def plan(s_lens: list[int]):  # type: ignore[no-untyped-def]
+        n, bs = len(s_lens), 16
+        tables = torch.arange(n * 8, dtype=torch.int32).view(n, 8)
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(s_lens, dtype=torch.int32),
+            block_tables=tables,
+            slot_mapping=torch.zeros(n, dtype=torch.int64),
+            max_query_len=1,
+            max_seq_len=max(s_lens),
+            query_lens_list=[1] * n,
+            seq_lens_list=s_lens,
+        )
+        return _build_plan(meta, bs, 2 * 16, torch.device("cpu")), tables
+
+    s_lens = [100, 93, 107, 98, 101, 95, 104, 99]
+    p, tables = plan(s_lens)
+    assert p.identity and len(p.groups) == 1
+    g = p.groups[0]
+    assert g.kv_len == 107 and g.q_index is None and g.out_rows is None
+    assert torch.equal(g.block_index, tables[:, :7].reshape(-1).long())
+    assert g.mask is not None and g.mask.shape == (8, 1, 1, 107)
+    assert g.mask[:, 0, 0].sum(1).tolist() == s_lens
+    assert plan([100] * 8)[0].groups[0].mask is None
+
+
 def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
     ex = make_executor(tiny_model("llama"))
     eos = ex.info.eos_token_ids

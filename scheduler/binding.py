@@ -4,8 +4,10 @@ With a fixed ``--scheduler-id`` the executor is whichever announces itself (`Exe
 this scheduler's results stream: the executor started with the same id. With ``auto``
 (`common.pairing`) the scheduler first claims an announced, unpaired executor; the executor then
 announces itself on this scheduler's streams, and is bound like any other. A thread keeps the
-claim alive while the scheduler lives; losing it (taken by another scheduler after this one
-stalled past its TTL) sets ``claim_lost``, which the step loop treats as the executor being lost.
+claim alive while the scheduler lives; losing it sets ``claim_lost``, which the step loop treats as
+the executor being lost: whether another scheduler took it or it lapsed (this one stalled, or was
+frozen, past its TTL) and was re-taken, the executor may have dropped this scheduler's requests
+meanwhile, and the steps in flight with them.
 """
 
 from __future__ import annotations
@@ -99,7 +101,11 @@ class ExecutorBinding:
                 candidates.append(msg)
         logger.info("waiting for an executor on %s", results)
         while not stopping.is_set():
-            self._claim()
+            if self._claim():
+                # A new claim: the executor starts serving it by reading the steps sent after it
+                # has seen the claim, and says so with a hello; any hello before that may be of a
+                # session it has since dropped, and a binding sent then would be skipped.
+                cursor, candidates = t.last_id(results), []
             for hello in candidates:  # the last bound, then newest first
                 if self._mine(hello.executor_id) and t.alive("executor", hello.executor_id):
                     return self._bind(hello, cursor)
@@ -115,15 +121,16 @@ class ExecutorBinding:
     def _mine(self, executor_id: str) -> bool:
         return self.pairing is None or executor_id == self.claimed
 
-    def _claim(self) -> None:
-        """Auto pairing: hold a claim on a live executor (keep a live one; else take an offered one)."""
+    def _claim(self) -> bool:
+        """Auto pairing: hold a claim on a live executor (keep a live one; else take an offered one).
+        True when it took a new claim."""
         pairing, t = self.pairing, self.transport
         if pairing is None:
-            return
+            return False
         if self.claimed is not None:
             if t.alive("executor", self.claimed) and not self.claim_lost.is_set():
-                return
-            logger.info("giving up executor %s (stopped, or claimed by another scheduler)", self.claimed)
+                return False
+            logger.info("giving up executor %s (stopped, or its claim was lost)", self.claimed)
             t.call(pairing.release, self.claimed, self.sid)
             self.claimed = None
         self.claim_lost.clear()
@@ -131,19 +138,24 @@ class ExecutorBinding:
             if t.alive("executor", executor_id) and t.call(pairing.try_claim, executor_id, self.sid):
                 logger.info("claimed executor %s", executor_id)
                 self.claimed = executor_id
-                return
+                return True
+        return False
 
     def _keep_claim(self) -> None:
-        """Refresh the claim every heartbeat interval; re-take it if Redis lost it (restart)."""
+        """Refresh the claim every heartbeat interval. A claim found gone (this process stalled past
+        its TTL, or Redis lost it) is re-taken if it can be, but ends the binding either way
+        (``claim_lost``): its executor may have dropped this scheduler meanwhile."""
         assert self.pairing is not None
         while not self._stop.wait(self._interval_s):
             claimed = self.claimed
             if claimed is None:
                 continue
             try:
-                if not self.pairing.refresh(claimed, self.sid) and not self.pairing.try_claim(claimed, self.sid):
+                if not self.pairing.refresh(claimed, self.sid):
+                    retaken = self.pairing.try_claim(claimed, self.sid)
                     if claimed == self.claimed:
-                        logger.error("executor %s was claimed by another scheduler", claimed)
+                        how = "lapsed (re-taken)" if retaken else "was taken by another scheduler"
+                        logger.error("the claim on executor %s %s; binding it again", claimed, how)
                         self.claim_lost.set()
             except Exception as exc:  # keep refreshing whatever happens; a miss or two is within the TTL
                 logger.warning("claim refresh of %s failed: %s", claimed, exc)

@@ -3,6 +3,7 @@ started without ids pairing up, and a dead scheduler's executor claimed again.""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -126,6 +128,60 @@ def test_engines_pair_without_ids_and_reclaim(tiny_model: Any, tmp_path: Path) -
         raise
     finally:
         stack.stop()
+
+
+def test_scheduler_frozen_past_its_claim_goes_on_without_waiting_for_a_lost_step(tiny_model: Any, tmp_path: Path) -> None:
+    """A scheduler frozen (SIGSTOP, a paused VM) for longer than its claim's TTL lets its claim
+    lapse: its executor drops the scheduler's requests and offers itself again, so the steps that
+    were in flight are never run. Once the scheduler runs again and re-takes the claim, it must
+    rebind at once and recompute, not wait out ``--result-timeout`` for results that cannot come;
+    the stream ends as without the fault."""
+    stack = Stack(
+        tiny_model(),
+        tmp_path,
+        auto_pairing=True,
+        executor_args=("--num-blocks", "256"),
+        scheduler_args=("--result-timeout", "60"),
+    )
+    body = {"prompt": "def frozen(x):", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    try:
+        stack.start()
+        _wait(lambda: len(_executors(stack)) == 1, 60)
+        url = f"{stack.urls[0]}/v1/completions"
+        want = "".join(_stream_texts(url, body))
+        texts: list[str] = []
+        gaps: list[float] = []
+        last = time.monotonic()
+        for text in _stream_texts(url, body):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            texts.append(text)
+            if len(texts) == 20:  # mid-stream: freeze the scheduler past its claim's TTL
+                proc = stack.procs["scheduler0"]
+                proc.send_signal(signal.SIGSTOP)
+                time.sleep(3 * stack.heartbeat_ttl_ms / 1000)
+                proc.send_signal(signal.SIGCONT)
+                last = time.monotonic()
+        assert "".join(texts) == want
+        # After the freeze: a rebind and a recomputation of 20-odd tokens, not the 60 s result timeout.
+        assert max(gaps[20:]) < 20, f"the stream paused {max(gaps[20:]):.1f} s after the scheduler ran again"
+        assert "lapsed (re-taken)" in stack.logs(200)
+    except BaseException:
+        print(stack.logs(), file=sys.stderr)
+        raise
+    finally:
+        stack.stop()
+
+
+def _stream_texts(url: str, body: dict[str, Any]) -> Iterator[str]:
+    with httpx.stream("POST", url, json=body, timeout=httpx.Timeout(120, connect=5)) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                payload = json.loads(line[6:])
+                assert "error" not in payload, payload
+                yield payload["choices"][0]["text"]
 
 
 def _health(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:

@@ -284,9 +284,10 @@ class Transport(TransportCore[aioredis.Redis]):
             pipe: Any = self.redis.pipeline(transaction=False)
             pipe.xadd(**self._xadd(first.stream, first.data, first.maxlen), id=FIRST_ENTRY_ID)
             if first.ttl_ms is not None:
-                # Run even when the XADD was refused: it then refreshes the existing stream's TTL to
-                # the same value, which is harmless, where a second round trip would not be.
-                pipe.pexpire(first.stream, first.ttl_ms)
+                # In the same round trip, so that a created stream never lacks its TTL; NX (only a
+                # key without one): a refused claim must not extend the stream it lost to, or a client
+                # retrying an id whose owner died would keep that id locked for good.
+                pipe.pexpire(first.stream, first.ttl_ms, nx=True)
             return pipe.execute(raise_on_error=False)
 
         added = (await self.call(attempt, deadline_s=deadline_s))[0]

@@ -355,10 +355,13 @@ async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
     assert h.journal_id == "mine" and h.engine_request_id == "mine-0a1b2c3d"
     assert await journal(g1, "mine") == [header, Route("mine-0a1b2c3d", "s0")]
     assert 0 < await g1.transport.redis.pttl(NAMES.journal("mine")) <= g1.journal_ttl_ms
+    await g1.transport.redis.pexpire(NAMES.journal("mine"), 5_000)  # as if its owner had died a while ago
     for gateway in (g1, g2):
         with pytest.raises(RequestIdInUse):
             await gateway.submit("mine-ffffffff", [1], SAMPLING, "mine", claim=first)
         assert "mine-ffffffff" not in gateway.requests
+    # A refused claim leaves the journal's TTL alone: retrying clients cannot keep a dead one alive.
+    assert 0 < await g1.transport.redis.pttl(NAMES.journal("mine")) <= 5_000 < g1.journal_ttl_ms
     assert [m.request_id for m in await sent(g1, "s0") if isinstance(m, GenerateRequest)] == ["mine-0a1b2c3d"]
     assert await journal(g1, "mine") == [header, Route("mine-0a1b2c3d", "s0")]  # untouched
     # Two resumes of the stream on one gateway would split its outputs: the second is refused.

@@ -115,13 +115,24 @@ class ExecutorService:
         try:
             if pairing is None:
                 self._serve(self.config.scheduler_id, None)
+            left: tuple[str, bytes | str] | None = None  # the scheduler last served, and its last step run
             while pairing is not None and not self.stopping.is_set():
                 scheduler_id = self._wait_for_claim(pairing)
-                if scheduler_id is not None:
-                    self._serve(scheduler_id, pairing)
-                    logger.info("no longer claimed by scheduler %s; offering this executor again", scheduler_id)
+                if scheduler_id is None:
+                    break
+                start = None
+                if left is not None and left[0] == scheduler_id:
+                    # Claimed again by the scheduler it served: its claim had lapsed (it stalled, or
+                    # was frozen, past the TTL) and it took it back. Its requests' state and epoch
+                    # still hold, and it waits for the steps it sent meanwhile: go on after the last
+                    # one run.
+                    logger.info("claimed again by scheduler %s; resuming after its step entry %s", scheduler_id, left[1])
+                    start = left[1]
+                elif left is not None:
                     self.epoch = None
                     self.model.reset()  # type: ignore[attr-defined]
+                left = (scheduler_id, self._serve(scheduler_id, pairing, start))
+                logger.info("no longer claimed by scheduler %s; offering this executor again", scheduler_id)
         finally:
             if pairing is not None:
                 try:
@@ -146,9 +157,10 @@ class ExecutorService:
             self.stopping.wait(ANNOUNCE_INTERVAL_S)
         return None
 
-    def _serve(self, scheduler_id: str, pairing: Pairing | None) -> None:
-        """Execute the steps of ``scheduler_id`` until stopped, or (``pairing``) until its claim on
-        this executor ends.
+    def _serve(self, scheduler_id: str, pairing: Pairing | None, start: bytes | str | None = None) -> bytes | str:
+        """Execute the steps of ``scheduler_id`` (those after entry ``start``; by default those sent
+        from now on) until stopped, or (``pairing``) until its claim on this executor ends; returns
+        the id of the last entry it ran (or ``start``), where serving the same scheduler goes on.
 
         The read of the steps stream leaves before the step at hand runs, and a result leaves without
         waiting for Redis's answer (`common.overlap`), so a step the scheduler sent meanwhile is
@@ -156,11 +168,12 @@ class ExecutorService:
         """
         t = self.transport
         steps, results = self.names.steps(scheduler_id), self.names.results(scheduler_id)
-        cursors: dict[str, bytes | str] = {steps: t.last_id(steps)}
-        trimmed = cursors[steps]
+        done = start if start is not None else t.last_id(steps)  # the last entry run (or skipped)
+        cursors: dict[str, bytes | str] = {steps: done}
+        trimmed = done
         hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS)
         sends: list[Outgoing] = [hello]
-        queue: deque[SchedulerOutput | BindExecutor] = deque()  # read, not yet run
+        queue: deque[tuple[bytes, SchedulerOutput | BindExecutor]] = deque()  # read, not yet run
         writes = WriteBehind(t)
         read: PendingRead | None = None
         last_activity = last_claim_check = time.monotonic()
@@ -172,19 +185,18 @@ class ExecutorService:
                 if pairing is not None and time.monotonic() - last_claim_check > CLAIM_CHECK_S:
                     last_claim_check = time.monotonic()
                     if t.call(pairing.owner, self.eid) != scheduler_id:
-                        return
+                        return done
                 got: list[Any] | None = None  # None: nothing read this turn
                 try:
-                    if sends:  # steps read ride along as a trim (this process is the stream's only reader)
-                        taken = cursors[steps]
-                        writes.send(sends, trim={steps: taken} if taken != trimmed else None)
-                        sends, trimmed = [], taken
+                    if sends:  # steps run ride along as a trim (this process is the stream's only reader)
+                        writes.send(sends, trim={steps: done} if done != trimmed else None)
+                        sends, trimmed = [], done
                     if read is None:  # sent before the queued step runs, which it then overlaps
                         read = PendingRead(t, cursors, count=16, block_ms=1000, expected=(BindExecutor, SchedulerOutput))
                     elif not queue or read.ready():
                         if not read.ready():
                             writes.settle()  # about to wait: a result that did not land is redone first
-                        got, read = [msg for _, _, msg in read.take()], None
+                        got, read = [(entry_id, msg) for _, entry_id, msg in read.take()], None
                 except TRANSIENT_ERRORS as exc:
                     logger.warning("Redis: %s; retrying", exc)
                     if read is not None:
@@ -204,7 +216,8 @@ class ExecutorService:
                             last_activity = time.monotonic()
                 if queue and read is not None:  # a step runs only with the read for the next one out
                     last_activity = time.monotonic()
-                    self._handle(queue.popleft(), results, sends)
+                    done, msg = queue.popleft()
+                    self._handle(msg, results, sends)
         finally:
             if read is not None:
                 read.close()
@@ -214,6 +227,7 @@ class ExecutorService:
             except Exception as exc:  # whoever serves the scheduler next is rebound, and recomputes
                 logger.warning("could not send the last results: %s", exc)
             writes.close()
+        return done
 
     def _handle(self, msg: SchedulerOutput | BindExecutor, results: str, sends: list[Outgoing]) -> None:
         """Apply a binding, or run a step of the bound epoch (its result appended to ``sends``)."""

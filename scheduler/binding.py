@@ -4,10 +4,10 @@ With a fixed ``--scheduler-id`` the executor is whichever announces itself (`Exe
 this scheduler's results stream: the executor started with the same id. With ``auto``
 (`common.pairing`) the scheduler first claims an announced, unpaired executor; the executor then
 announces itself on this scheduler's streams, and is bound like any other. A thread keeps the
-claim alive while the scheduler lives; losing it sets ``claim_lost``, which the step loop treats as
-the executor being lost: whether another scheduler took it or it lapsed (this one stalled, or was
-frozen, past its TTL) and was re-taken, the executor may have dropped this scheduler's requests
-meanwhile, and the steps in flight with them.
+claim alive while the scheduler lives; losing it (taken by another scheduler after this one
+stalled past its TTL) sets ``claim_lost``, which the step loop treats as the executor being lost. A
+claim that lapsed and is taken back by the same scheduler costs nothing: the executor, claimed
+again by the scheduler it served, goes on after the last step it ran (`executor.service`).
 """
 
 from __future__ import annotations
@@ -142,9 +142,8 @@ class ExecutorBinding:
         return False
 
     def _keep_claim(self) -> None:
-        """Refresh the claim every heartbeat interval. A claim found gone (this process stalled past
-        its TTL, or Redis lost it) is re-taken if it can be, but ends the binding either way
-        (``claim_lost``): its executor may have dropped this scheduler meanwhile."""
+        """Refresh the claim every heartbeat interval; re-take it if it lapsed (this process stalled
+        past its TTL, or Redis lost it) and nobody else took it meanwhile."""
         assert self.pairing is not None
         while not self._stop.wait(self._interval_s):
             claimed = self.claimed
@@ -152,10 +151,10 @@ class ExecutorBinding:
                 continue
             try:
                 if not self.pairing.refresh(claimed, self.sid):
-                    retaken = self.pairing.try_claim(claimed, self.sid)
-                    if claimed == self.claimed:
-                        how = "lapsed (re-taken)" if retaken else "was taken by another scheduler"
-                        logger.error("the claim on executor %s %s; binding it again", claimed, how)
+                    if self.pairing.try_claim(claimed, self.sid):
+                        logger.warning("the claim on executor %s had lapsed; taken back", claimed)
+                    elif claimed == self.claimed:
+                        logger.error("executor %s was claimed by another scheduler", claimed)
                         self.claim_lost.set()
             except Exception as exc:  # keep refreshing whatever happens; a miss or two is within the TTL
                 logger.warning("claim refresh of %s failed: %s", claimed, exc)

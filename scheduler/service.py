@@ -315,7 +315,7 @@ class SchedulerService:
                 if not woke and not self.transport.alive("executor", executor.executor_id):
                     raise ExecutorLost(f"executor {executor.executor_id} stopped (its heartbeat expired)")
                 if self.binding.claim_lost.is_set():
-                    raise ExecutorLost(f"executor {executor.executor_id} lost its claim (taken by another scheduler, or lapsed)")
+                    raise ExecutorLost(f"executor {executor.executor_id} was claimed by another scheduler")
             self._serve_inbox()
             if not core.has_work():
                 continue

@@ -71,7 +71,7 @@ class StreamExecutor:
         self.result_timeout_s = result_timeout_s
         self.liveness_check_s = liveness_check_s
         self.redis_restarted = redis_restarted or threading.Event()
-        self.claim_lost = claim_lost or threading.Event()  # auto pairing: the claim on it lapsed or was taken
+        self.claim_lost = claim_lost or threading.Event()  # auto pairing: another scheduler took it
         self.watchdog = watchdog  # ticked while waiting for a result: a wait is no stall
         self.last_forward_s = 0.0
         self.outbox: list[Outgoing] = []  # messages that ride with the next round trip
@@ -159,7 +159,7 @@ class StreamExecutor:
                     if not self.transport.alive("executor", self.executor_id):
                         raise ExecutorLost(f"executor {self.executor_id} stopped (its heartbeat expired)")
                     if self.claim_lost.is_set():
-                        raise ExecutorLost(f"executor {self.executor_id} lost its claim (taken by another scheduler, or lapsed)")
+                        raise ExecutorLost(f"executor {self.executor_id} was claimed by another scheduler")
                 got = self.transport.read(cursors, count=64, block_ms=block_ms)
         finally:
             self.results_cursor = cursors[self._results_stream]  # type: ignore[assignment]

@@ -290,8 +290,13 @@ class Transport(TransportCore[aioredis.Redis]):
                 pipe.pexpire(first.stream, first.ttl_ms, nx=True)
             return pipe.execute(raise_on_error=False)
 
-        added = (await self.call(attempt, deadline_s=deadline_s))[0]
-        return not isinstance(added, redis.ResponseError)
+        replies = await self.call(attempt, deadline_s=deadline_s)
+        created = not isinstance(replies[0], redis.ResponseError)
+        if created and first.ttl_ms is not None and isinstance(replies[1], redis.ResponseError):
+            # A server older than Redis 7 refuses NX: the stream just created gets its TTL now.
+            logger.warning("Redis refused PEXPIRE NX (%s): Redis 7 or newer is expected", replies[1])
+            await self.call(self.redis.pexpire, first.stream, first.ttl_ms, deadline_s=deadline_s)
+        return created
 
     async def trim_through(self, stream: str, entry_id: bytes | str) -> None:
         """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""

@@ -378,6 +378,18 @@ async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
     assert await g1.transport.redis.exists(NAMES.journal("free")) == 0 and not g1.requests.get("free-00000000")
 
 
+@async_test
+async def test_a_claimed_stream_gets_its_ttl_on_a_server_older_than_redis_7() -> None:
+    """Redis 6 refuses ``PEXPIRE ... NX``: the stream a claim creates still gets its TTL at once
+    (not only with the route the gateway journals next, which a gateway that dies first never writes)."""
+    g = make_client("g1", fakeredis.FakeServer(version=6))
+    header = JournalHeader("old", "completion", "{}", "tiny", 1, 10, [1], None)
+    first = Outgoing(NAMES.journal("old"), encode(header), None, g.journal_ttl_ms)
+    assert await g.transport.create_stream(first)
+    assert 0 < await g.transport.redis.pttl(NAMES.journal("old")) <= g.journal_ttl_ms
+    assert not await g.transport.create_stream(first)
+
+
 # -- migration ---------------------------------------------------------------------------------------
 @async_test
 async def test_unknown_request_migrates_to_least_loaded_engine() -> None:

@@ -61,6 +61,9 @@ class ExecutorBinding:
         self.pairing = Pairing(transport.redis, transport.names, ttl_ms) if auto else None
         self.claimed: str | None = None  # the executor this scheduler holds a claim on (auto)
         self.claim_lost = threading.Event()
+        # Held by the claim thread's refresh and the engine thread's `_claim`: a refresh that ran
+        # between a release and the claim after it would take back the claim just given up.
+        self._claim_lock = threading.Lock()
         self._stop = threading.Event()
         self._interval_s = ServiceDefaults.heartbeat_interval_s(ttl_ms)
 
@@ -127,33 +130,39 @@ class ExecutorBinding:
         pairing, t = self.pairing, self.transport
         if pairing is None:
             return False
-        if self.claimed is not None:
-            if t.alive("executor", self.claimed) and not self.claim_lost.is_set():
-                return False
-            logger.info("giving up executor %s (stopped, or its claim was lost)", self.claimed)
-            t.call(pairing.release, self.claimed, self.sid)
-            self.claimed = None
-        self.claim_lost.clear()
-        for executor_id in t.call(pairing.offered):
-            if t.alive("executor", executor_id) and t.call(pairing.try_claim, executor_id, self.sid):
-                logger.info("claimed executor %s", executor_id)
-                self.claimed = executor_id
-                return True
-        return False
+        with self._claim_lock:
+            if self.claimed is not None:
+                if t.alive("executor", self.claimed) and not self.claim_lost.is_set():
+                    return False
+                logger.info("giving up executor %s (stopped, or its claim was lost)", self.claimed)
+                t.call(pairing.release, self.claimed, self.sid)
+                self.claimed = None
+            self.claim_lost.clear()
+            for executor_id in t.call(pairing.offered):
+                if t.alive("executor", executor_id) and t.call(pairing.try_claim, executor_id, self.sid):
+                    logger.info("claimed executor %s", executor_id)
+                    self.claimed = executor_id
+                    return True
+            return False
 
     def _keep_claim(self) -> None:
         """Refresh the claim every heartbeat interval; re-take it if it lapsed (this process stalled
         past its TTL, or Redis lost it) and nobody else took it meanwhile."""
-        assert self.pairing is not None
         while not self._stop.wait(self._interval_s):
+            self._refresh_claim()
+
+    def _refresh_claim(self) -> None:
+        """One refresh of `_keep_claim`."""
+        assert self.pairing is not None
+        with self._claim_lock:
             claimed = self.claimed
             if claimed is None:
-                continue
+                return
             try:
                 if not self.pairing.refresh(claimed, self.sid):
                     if self.pairing.try_claim(claimed, self.sid):
                         logger.warning("the claim on executor %s had lapsed; taken back", claimed)
-                    elif claimed == self.claimed:
+                    else:
                         logger.error("executor %s was claimed by another scheduler", claimed)
                         self.claim_lost.set()
             except Exception as exc:  # keep refreshing whatever happens; a miss or two is within the TTL

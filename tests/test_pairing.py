@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,8 +21,10 @@ import redis
 
 from common.pairing import Pairing
 from common.protocol import Names
+from common.transport import SyncTransport
 from infra.launcher import free_port, stop_all
 from infra.stack import REPO, Stack, find_redis
+from scheduler.binding import ExecutorBinding
 
 
 @pytest.fixture()
@@ -182,6 +185,45 @@ def _stream_texts(url: str, body: dict[str, Any]) -> Iterator[str]:
                 payload = json.loads(line[6:])
                 assert "error" not in payload, payload
                 yield payload["choices"][0]["text"]
+
+
+def test_a_refresh_during_a_release_does_not_take_the_claim_back(tmp_path: Path) -> None:
+    """The engine thread gives its executor up and claims one again (`_claim`) while the claim
+    thread refreshes. A refresh between the release and the new claim used to take the released
+    claim back for nobody (the binding no longer named it, so nobody refreshed it and the new
+    claim failed): the executor waited out that claim's TTL. Now the two take turns."""
+    url, proc = find_redis(tmp_path)
+    names = Names(f"test-pairing-{uuid.uuid4().hex[:8]}")
+    transport = SyncTransport(url, names, owner="test")
+    binding = ExecutorBinding(transport, "s-a", auto=True, ttl_ms=60_000, result_timeout_s=30, redis_restarted=threading.Event())
+    pairing = binding.pairing
+    assert pairing is not None
+    try:
+        transport.redis.set(names.heartbeat("executor", "e"), "1", px=60_000)  # a live executor
+        pairing.announce("e")  # it let this scheduler go and offers itself again
+        assert pairing.try_claim("e", "s-a")
+        binding.claimed = "e"
+        binding.claim_lost.set()  # the step loop is to give it up and claim again
+        release = pairing.release
+        refresh = threading.Thread(target=binding._refresh_claim)
+
+        def release_while_refreshing(executor_id: str, scheduler_id: str) -> bool:
+            released = release(executor_id, scheduler_id)
+            refresh.start()  # the claim thread's turn comes now
+            refresh.join(0.3)
+            return released
+
+        pairing.release = release_while_refreshing  # type: ignore[method-assign]
+        assert binding._claim()  # given up, and claimed again at once
+        refresh.join(5)
+        assert binding.claimed == "e" and pairing.owner("e") == "s-a" and not binding.claim_lost.is_set()
+    finally:
+        keys = list(transport.redis.scan_iter(match=f"{names.namespace}:*"))
+        if keys:
+            transport.redis.delete(*keys)
+        transport.close()
+        if proc is not None:
+            proc.kill()
 
 
 def _health(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:

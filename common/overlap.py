@@ -91,8 +91,15 @@ class WriteBehind:
         self.unconfirmed: tuple[list[Outgoing], Cursors | None] | None = None
 
     def send(self, sends: list[Outgoing], trim: Cursors | None = None) -> None:
-        """Send now; a transient error if this or the previous send failed (then `redo`)."""
-        self.settle()
+        """Send now; a transient error if this or the previous send failed (then `redo`, which
+        sends both)."""
+        try:
+            self.settle()
+        except BaseException:
+            if self.unconfirmed is not None and (sends or trim):  # never sent: redone with the previous
+                old_sends, old_trim = self.unconfirmed
+                self.unconfirmed = (old_sends + sends, {**(old_trim or {}), **(trim or {})} or None)
+            raise
         if not sends and not trim:
             return
         self.pipe = self.transport._pipeline(sends, trim, None)

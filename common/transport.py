@@ -225,6 +225,7 @@ class Transport(TransportCore[aioredis.Redis]):
     def __init__(self, url: str, names: Names, *, max_message_bytes: int = MAX_MESSAGE_BYTES, owner: str = "?") -> None:
         super().__init__(url, names, max_message_bytes=max_message_bytes, owner=owner)
         self._append_script: AsyncScript | bool | None = None  # None: not tried yet; False: refused
+        self._nx_refused = False  # the server is older than Redis 7 (`create_stream`), said once
 
     def _connect(self, url: str) -> aioredis.Redis:
         return async_client(url, pool_timeout_s=POOL_WAIT_S, **CLIENT_OPTIONS)
@@ -294,7 +295,9 @@ class Transport(TransportCore[aioredis.Redis]):
         created = not isinstance(replies[0], redis.ResponseError)
         if created and first.ttl_ms is not None and isinstance(replies[1], redis.ResponseError):
             # A server older than Redis 7 refuses NX: the stream just created gets its TTL now.
-            logger.warning("Redis refused PEXPIRE NX (%s): Redis 7 or newer is expected", replies[1])
+            if not self._nx_refused:
+                self._nx_refused = True
+                logger.warning("Redis refused PEXPIRE NX (%s): with Redis < 7 a claimed stream costs a second call", replies[1])
             await self.call(self.redis.pexpire, first.stream, first.ttl_ms, deadline_s=deadline_s)
         return created
 

@@ -49,6 +49,15 @@ CLAIM_CHECK_S = 0.5  # auto pairing: how often a claimed executor checks that th
 
 
 @dataclass(slots=True)
+class Served:
+    """Where serving one scheduler ended: the last steps entry run (or skipped), and the results
+    Redis had not confirmed."""
+
+    done: bytes | str
+    unsent: list[Outgoing]
+
+
+@dataclass(slots=True)
 class ExecutorServiceConfig:
     redis_url: str
     model: str
@@ -115,23 +124,23 @@ class ExecutorService:
         try:
             if pairing is None:
                 self._serve(self.config.scheduler_id, None)
-            left: tuple[str, bytes | str] | None = None  # the scheduler last served, and its last step run
+            left: tuple[str, Served] | None = None  # the scheduler last served, and where that ended
             while pairing is not None and not self.stopping.is_set():
                 scheduler_id = self._wait_for_claim(pairing)
                 if scheduler_id is None:
                     break
-                start = None
+                resume = None
                 if left is not None and left[0] == scheduler_id:
                     # Claimed again by the scheduler it served: its claim had lapsed (it stalled, or
                     # was frozen, past the TTL) and it took it back. Its requests' state and epoch
                     # still hold, and it waits for the steps it sent meanwhile: go on after the last
                     # one run.
-                    logger.info("claimed again by scheduler %s; resuming after its step entry %s", scheduler_id, left[1])
-                    start = left[1]
+                    resume = left[1]
+                    logger.info("claimed again by scheduler %s; resuming after its step entry %s", scheduler_id, resume.done)
                 elif left is not None:
                     self.epoch = None
                     self.model.reset()  # type: ignore[attr-defined]
-                left = (scheduler_id, self._serve(scheduler_id, pairing, start))
+                left = (scheduler_id, self._serve(scheduler_id, pairing, resume))
                 logger.info("no longer claimed by scheduler %s; offering this executor again", scheduler_id)
         finally:
             if pairing is not None:
@@ -157,10 +166,10 @@ class ExecutorService:
             self.stopping.wait(ANNOUNCE_INTERVAL_S)
         return None
 
-    def _serve(self, scheduler_id: str, pairing: Pairing | None, start: bytes | str | None = None) -> bytes | str:
-        """Execute the steps of ``scheduler_id`` (those after entry ``start``; by default those sent
-        from now on) until stopped, or (``pairing``) until its claim on this executor ends; returns
-        the id of the last entry it ran (or ``start``), where serving the same scheduler goes on.
+    def _serve(self, scheduler_id: str, pairing: Pairing | None, resume: Served | None = None) -> Served:
+        """Execute the steps of ``scheduler_id`` (by default those sent from now on; those after
+        where ``resume`` ended, its unconfirmed results sent first) until stopped, or (``pairing``)
+        until its claim on this executor ends; returns where serving the same scheduler goes on.
 
         The read of the steps stream leaves before the step at hand runs, and a result leaves without
         waiting for Redis's answer (`common.overlap`), so a step the scheduler sent meanwhile is
@@ -168,11 +177,11 @@ class ExecutorService:
         """
         t = self.transport
         steps, results = self.names.steps(scheduler_id), self.names.results(scheduler_id)
-        done = start if start is not None else t.last_id(steps)  # the last entry run (or skipped)
+        done = resume.done if resume is not None else t.last_id(steps)  # the last entry run (or skipped)
         cursors: dict[str, bytes | str] = {steps: done}
         trimmed = done
         hello = Outgoing(results, t.encode(self._hello()), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS)
-        sends: list[Outgoing] = [hello]
+        sends: list[Outgoing] = [hello, *(resume.unsent if resume is not None else [])]
         queue: deque[tuple[bytes, SchedulerOutput | BindExecutor]] = deque()  # read, not yet run
         writes = WriteBehind(t)
         read: PendingRead | None = None
@@ -185,7 +194,7 @@ class ExecutorService:
                 if pairing is not None and time.monotonic() - last_claim_check > CLAIM_CHECK_S:
                     last_claim_check = time.monotonic()
                     if t.call(pairing.owner, self.eid) != scheduler_id:
-                        return done
+                        break
                 got: list[Any] | None = None  # None: nothing read this turn
                 try:
                     if sends:  # steps run ride along as a trim (this process is the stream's only reader)
@@ -224,10 +233,11 @@ class ExecutorService:
             try:
                 writes.send(sends)  # a last result, and the answers of the one before
                 writes.settle()
-            except Exception as exc:  # whoever serves the scheduler next is rebound, and recomputes
+            except Exception as exc:  # kept for a resume; whoever else serves the scheduler is rebound
                 logger.warning("could not send the last results: %s", exc)
+            unsent = list(writes.unconfirmed[0]) if writes.unconfirmed is not None else []
             writes.close()
-        return done
+        return Served(done, unsent)
 
     def _handle(self, msg: SchedulerOutput | BindExecutor, results: str, sends: list[Outgoing]) -> None:
         """Apply a binding, or run a step of the bound epoch (its result appended to ``sends``)."""

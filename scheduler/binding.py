@@ -6,7 +6,7 @@ this scheduler's results stream: the executor started with the same id. With ``a
 announces itself on this scheduler's streams, and is bound like any other. A thread keeps the
 claim alive while the scheduler lives; losing it (taken by another scheduler after this one
 stalled past its TTL) sets ``claim_lost``, which the step loop treats as the executor being lost. A
-claim that lapsed and is taken back by the same scheduler costs nothing: the executor, claimed
+claim that lapsed and is taken back by the same scheduler needs no rebinding: the executor, claimed
 again by the scheduler it served, goes on after the last step it ran (`executor.service`).
 """
 
@@ -76,7 +76,8 @@ class ExecutorBinding:
     def close(self) -> None:
         """Stop refreshing and give the claimed executor up at once, for another scheduler."""
         self._stop.set()
-        claimed = self.claimed
+        with self._claim_lock:  # a refresh under way would take the claim back after the release
+            claimed, self.claimed = self.claimed, None
         if self.pairing is not None and claimed is not None:
             try:
                 self.pairing.release(claimed, self.sid)
@@ -104,11 +105,13 @@ class ExecutorBinding:
                 candidates.append(msg)
         logger.info("waiting for an executor on %s", results)
         while not stopping.is_set():
+            # (auto) Where the results stream ends before a claim: the executor starts serving a new
+            # claim by reading the steps sent after it has seen it, and says so with a hello, which
+            # may come at once; a hello from before may be of a session it has left since (to serve
+            # another scheduler), and a binding sent on that one would be skipped.
+            before = t.last_id(results) if self.pairing is not None else cursor
             if self._claim():
-                # A new claim: the executor starts serving it by reading the steps sent after it
-                # has seen the claim, and says so with a hello; any hello before that may be of a
-                # session it has since dropped, and a binding sent then would be skipped.
-                cursor, candidates = t.last_id(results), []
+                cursor, candidates = before, []
             for hello in candidates:  # the last bound, then newest first
                 if self._mine(hello.executor_id) and t.alive("executor", hello.executor_id):
                     return self._bind(hello, cursor)

@@ -270,9 +270,9 @@ def test_staggered_decodes_share_one_masked_call() -> None:
     """A decode batch whose requests started at different steps (every server's case) is planned
     as one call over the batch's rows, masked past each sequence's length; in lockstep, unmasked."""
     from executor.attention_metadata import AttentionMetadata
-    from executor.ops_torch import _build_plan
+    from executor.ops_torch import _build_plan, _Plan
 
-    def plan(s_lens: list[int]):  # type: ignore[no-untyped-def]
+    def plan(s_lens: list[int]) -> tuple[_Plan, torch.Tensor]:
         n, bs = len(s_lens), 16
         tables = torch.arange(n * 8, dtype=torch.int32).view(n, 8)
         meta = AttentionMetadata(

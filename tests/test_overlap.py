@@ -109,6 +109,27 @@ def test_a_killed_connection_is_redone_without_a_loss(env: tuple[redis.Redis, Na
     assert [m.step for _, _, m in PendingRead(t, cursors, count=16, block_ms=1000, expected=(StepResult,)).take()] == [3]
 
 
+def test_a_send_whose_previous_answers_are_lost_is_redone_with_them(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    """`send` reads the previous send's answers first; when those are lost (its connection died),
+    what this send carries was never sent: `redo` sends it too, rather than the executor losing a
+    step's result (its scheduler then waited out its result timeout)."""
+    r, names, t = env
+    stream = names.results("0")
+    writes = WriteBehind(t)
+    writes.send([Outgoing(stream, result(1), None, None)])
+    writes.settle()
+    writes.send([Outgoing(stream, result(2), None, None)])
+
+    def lost(*_: Any, **__: Any) -> Any:
+        raise redis.ConnectionError("connection lost")
+
+    writes.pipe.parse_response = lost  # the answers of step 2's send never come
+    with pytest.raises(TRANSIENT_ERRORS):
+        writes.send([Outgoing(stream, result(3), None, None)])
+    writes.redo()
+    assert steps_in(r, stream)[-2:] == [2, 3]  # step 2 again (it may have landed), then step 3
+
+
 class _Probe:
     """A model whose every step records how many of the executor's connections sit blocked in an
     XREAD at Redis while it runs (found by their local addresses in CLIENT LIST)."""

@@ -93,6 +93,7 @@ class EngineClient:
         self.redis_rtt_s: float | None = None  # the last engine refresh's first round trip (a metric's source)
         # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
         self.settle_until = 0.0
+        self.unbound_since: dict[str, float] = {}  # engines with no executor bound, since when (monotonic)
         self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
         self._outputs_cursors: dict[str, bytes | str] = {}
         self._abort_event = asyncio.Event()
@@ -391,6 +392,8 @@ class EngineClient:
             if status is not None and status.model_name:
                 engines[sid] = status
         self.engines, self.sent_since_refresh = engines, {}
+        now = time.monotonic()
+        self.unbound_since = {sid: self.unbound_since.get(sid, now) for sid, e in engines.items() if not e.executor_id}
         if engines:
             self.model_info = next(iter(engines.values()))
         self.down_reason = None if engines else "no engine is running (no scheduler with an executor is alive)"
@@ -406,6 +409,28 @@ class EngineClient:
             if not handle.done and handle.unrouted_since is None:
                 await self._sync(handle)
 
+    async def _check_routes(self) -> None:
+        """Move each request whose engine is gone, restarted, or has had no executor for two
+        heartbeat TTLs while another engine has one (it would wait for a new executor up to the
+        recovery timeout; an executor's restart and model load can take as long)."""
+        now = time.monotonic()
+        stranded_after_s = 2 * self.heartbeat_ttl_ms / 1000
+        bound_elsewhere = {sid for sid, e in self.engines.items() if e.executor_id}
+        for handle in list(self.requests.values()):
+            if handle.done:
+                continue
+            sid = handle.scheduler_id
+            status = self.engines.get(sid)
+            unbound_s = now - self.unbound_since.get(sid, now)
+            if handle.unrouted_since is not None:
+                await self._migrate(handle, "waiting for a live engine")
+            elif status is None and now > self.settle_until:
+                await self._migrate(handle, f"engine {sid} is gone")
+            elif status is not None and status.incarnation != handle.incarnation:
+                await self._migrate(handle, f"engine {sid} restarted")
+            elif unbound_s > stranded_after_s and bound_elsewhere - {sid}:
+                await self._migrate(handle, f"engine {sid} has had no executor for {unbound_s:.0f}s")
+
     async def _watch(self) -> None:
         overslept = 0.0
         while True:
@@ -419,16 +444,7 @@ class EngineClient:
                 read = self._outputs_cursors.get(self.outputs_stream)
                 if read is not None:  # this gateway is the stream's only reader
                     await self.transport.trim_through(self.outputs_stream, read)
-                for handle in list(self.requests.values()):
-                    if handle.done:
-                        continue
-                    status = self.engines.get(handle.scheduler_id)
-                    if handle.unrouted_since is not None:
-                        await self._migrate(handle, "waiting for a live engine")
-                    elif status is None and time.monotonic() > self.settle_until:
-                        await self._migrate(handle, f"engine {handle.scheduler_id} is gone")
-                    elif status is not None and status.incarnation != handle.incarnation:
-                        await self._migrate(handle, f"engine {handle.scheduler_id} restarted")
+                await self._check_routes()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -400,4 +400,8 @@ def test_executor_frozen_for_10s(stack: Stack, reference: list[str]) -> None:
 
     results = run_load(stack, fault, after_events=NUM_STREAMS * 4)
     _check(stack, results, reference, "executor SIGSTOP 10 s")
-    assert max(r.max_gap_s for r in results) > 5.0, "no stream paused: the fault missed every request"
+    longest = max(r.max_gap_s for r in results)
+    assert longest > 2.0, "no stream paused: the fault missed every request"
+    # The other engine has an executor: the frozen one's requests move there after two TTLs
+    # without one (about 5 s here), rather than waiting out the freeze.
+    assert longest < 10.0, f"a stream waited {longest:.1f} s for the frozen executor"

@@ -392,6 +392,34 @@ async def test_a_claimed_stream_gets_its_ttl_on_a_server_older_than_redis_7() ->
 
 # -- migration ---------------------------------------------------------------------------------------
 @async_test
+async def test_requests_leave_an_engine_left_without_an_executor_for_one_that_has_one() -> None:
+    """An engine whose executor died (and is not back) keeps its requests for a new one up to the
+    recovery timeout; with another engine able to run them, they move there after two heartbeat
+    TTLs instead (before: they waited, and failed after 60 s, found by a fault hunt)."""
+    client = make_client(heartbeat_ttl_ms=1000)
+    await publish(client, engine("s0", free=200), engine("s1"))
+    h = await client.submit("resp", [1, 2, 3], SAMPLING, "resp")
+    assert h.scheduler_id == "s0"
+    await dispatch_steps(client, outputs(("resp", 0, [5])))
+    await publish(client, engine("s0", executor=""), engine("s1"))  # s0 lost its executor
+    await client._check_routes()
+    assert h.scheduler_id == "s0", "moved before the engine had a chance to get a new executor"
+    client.unbound_since["s0"] -= 2.5  # two TTLs (and a half) without one
+    await client._check_routes()
+    assert (h.scheduler_id, h.engine_request_id, client.num_migrations) == ("s1", "resp~1", 1)
+    [moved] = await sent(client, "s1")
+    assert isinstance(moved, GenerateRequest) and moved.output_token_ids == [5]
+    # With no engine able to run it, a request stays and waits for an executor.
+    alone = make_client(heartbeat_ttl_ms=1000)
+    await publish(alone, engine("s0"))
+    h2 = await alone.submit("solo", [1], SAMPLING, "solo")
+    await publish(alone, engine("s0", executor=""))
+    alone.unbound_since["s0"] -= 60
+    await alone._check_routes()
+    assert h2.scheduler_id == "s0" and alone.num_migrations == 0
+
+
+@async_test
 async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     client = make_client()
     await publish(client, engine("s0"), engine("s1", running=1))

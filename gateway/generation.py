@@ -176,7 +176,9 @@ class Generation:
                     self.log.first_token_at = time.monotonic()
                 out, stopped, used = self._text(event)
                 if used < len(event.token_ids):  # a stop string ended it: the tokens after are not the client's
-                    event = replace(event, token_ids=event.token_ids[:used], logprobs=event.logprobs[:used])
+                    # (nor the engine steps they came from: one token a step, as the metrics count them)
+                    steps = max(1, min(event.num_steps, used))
+                    event = replace(event, token_ids=event.token_ids[:used], logprobs=event.logprobs[:used], num_steps=steps)
                 self.num_completion_tokens += len(event.token_ids)
                 if self.metrics is not None:
                     self.metrics.on_event(event)

@@ -148,6 +148,21 @@ def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes(clean_up: bo
         assert streamed == "the quick\x19" + 2 * REPLACEMENT + " brown fox is a test" and detok.finish() == ""
 
 
+class _Metrics:
+    """What `Generation` reports to its request's metrics: the engine steps it counts (one
+    inter-token interval each, after the first) and the tokens."""
+
+    def __init__(self) -> None:
+        self.steps = self.tokens = 0
+
+    def on_event(self, event) -> None:  # type: ignore[no-untyped-def]
+        self.steps += event.num_steps
+        self.tokens += len(event.token_ids)
+
+    def finish(self, reason: str) -> None:
+        pass
+
+
 class _Client:
     """What `Generation` asks of its engine client once submitted."""
 
@@ -163,18 +178,18 @@ class _Client:
         pass
 
 
-def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[str, int, list[int]]:  # type: ignore[no-untyped-def]
-    """(text, completion tokens, tokens of the pieces) of a request stopped by "stop", its tokens
-    arriving ``steps_per_event`` engine steps at a time."""
+def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[str, int, list[int], int, int]:  # type: ignore[no-untyped-def]
+    """(text, completion tokens, tokens of the pieces, engine steps and tokens the metrics counted)
+    of a request stopped by "stop", its tokens arriving ``steps_per_event`` engine steps at a time."""
     import asyncio
 
     from common.sampling_params import SamplingParams
     from gateway.generation import Generation
     from gateway.request_handle import EngineEvent, RequestHandle
 
-    async def run() -> tuple[str, int, list[int]]:
-        client = _Client()
-        gen = Generation(client, tokenizer, "r", [1], SamplingParams(max_tokens=100), ["stop"], False, True)  # type: ignore[arg-type]
+    async def run() -> tuple[str, int, list[int], int, int]:
+        client, metrics = _Client(), _Metrics()
+        gen = Generation(client, tokenizer, "r", [1], SamplingParams(max_tokens=100), ["stop"], False, True, metrics)  # type: ignore[arg-type]
         gen.handle = RequestHandle("r", [1], {})
         for i in range(0, len(token_ids), steps_per_event):
             chunk = token_ids[i : i + steps_per_event]
@@ -184,14 +199,15 @@ def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[
             text += piece.text
             tokens += piece.token_ids
         assert client.aborted == ["r"]  # the engine is told to stop generating
-        return text, gen.num_completion_tokens, tokens
+        return text, gen.num_completion_tokens, tokens, metrics.steps, metrics.tokens
 
     return asyncio.run(run())
 
 
 def test_where_a_stop_string_ends_a_request_does_not_depend_on_merged_steps(tokenizer) -> None:  # type: ignore[no-untyped-def]
     """A gateway that falls behind reads several engine steps as one event; the stop string must
-    end the request at the same token (same text, same `usage.completion_tokens`) either way."""
+    end the request at the same token (same text, same `usage.completion_tokens`, and the same
+    engine steps in the metrics: `vllm:inter_token_latency_seconds` counted one a step) either way."""
     token_ids = tokenizer.encode("one two three stop four five six seven", add_special_tokens=False)
     one_by_one = _stopped_at(tokenizer, token_ids, 1)
     assert one_by_one[0] == "one two three " and one_by_one[1] < len(token_ids)

@@ -1,4 +1,5 @@
-"""Which engine a new request goes to: prompt affinity (rendezvous hashing), bounded by load."""
+"""Which engine a new request goes to (prompt affinity by rendezvous hashing, bounded by load),
+and when a request must leave the engine it is on."""
 
 from __future__ import annotations
 
@@ -39,3 +40,28 @@ def choose_engine(
     first_block = array("i", prompt_token_ids[:block]).tobytes()
     preferred = max(candidates, key=lambda e: hashlib.blake2b(first_block + e.scheduler_id.encode(), digest_size=8).digest())
     return preferred if load_of(preferred) <= load_of(least) + AFFINITY_SLACK else least
+
+
+def reason_to_leave(
+    scheduler_id: str,
+    incarnation: str,
+    engines: dict[str, EngineStatus],
+    unbound_for_s: float,
+    *,
+    gone: bool,
+    stranded_after_s: float,
+) -> str | None:
+    """Why a request routed to ``scheduler_id`` (in its ``incarnation``) must be migrated, or None.
+
+    Its engine is gone (``gone``: no status, past any settling time), restarted, or has had no
+    executor for ``stranded_after_s`` (``unbound_for_s`` so far) while another engine has one: it
+    would wait for a new executor up to the recovery timeout, and an executor's restart and model
+    load can take as long."""
+    status = engines.get(scheduler_id)
+    if status is None:
+        return f"engine {scheduler_id} is gone" if gone else None
+    if status.incarnation != incarnation:
+        return f"engine {scheduler_id} restarted"
+    if unbound_for_s > stranded_after_s and any(e.executor_id for sid, e in engines.items() if sid != scheduler_id):
+        return f"engine {scheduler_id} has had no executor for {unbound_for_s:.0f}s"
+    return None

@@ -14,6 +14,7 @@ prompt, sampling parameters and the tokens already streamed to the client):
   tokens so far + the rest of its budget, under a new attempt id (``<id>~<n>``), at most
   ``migration_limit`` times. Seeded sampling depends only on (seed, position), so a seeded or
   greedy stream continues exactly as it would have.
+- The engine has had no executor for two heartbeat TTLs while another one has: migrated too.
 - Redis restarted (its ``run_id`` changed): every request asks its engine to resend what this
   gateway has not seen; an engine that lost the request answers ``unknown`` and it migrates.
 - No engine at all: the request waits up to ``recovery_timeout_s`` for one, then fails.
@@ -40,7 +41,6 @@ from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
     OUTPUTS_MAXLEN,
     TAKEN_OVER,
-    AbortRequests,
     EngineStatus,
     GenerateRequest,
     Names,
@@ -51,7 +51,8 @@ from common.protocol import (
 )
 from common.transport import TRANSIENT_ERRORS, Outgoing, Transport
 from common.watchdog import Watchdog
-from gateway.engine_choice import AFFINITY_SLACK, choose_engine
+from gateway.aborts import AbortQueue
+from gateway.engine_choice import AFFINITY_SLACK, choose_engine, reason_to_leave
 from gateway.outputs import journal_entry, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
 
@@ -94,15 +95,14 @@ class EngineClient:
         # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
         self.settle_until = 0.0
         self.unbound_since: dict[str, float] = {}  # engines with no executor bound, since when (monotonic)
-        self._aborts: dict[str, list[str]] = {}  # scheduler id -> engine request ids
         self._outputs_cursors: dict[str, bytes | str] = {}
-        self._abort_event = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat: Heartbeat | None = None
         # Ticked by a task of the event loop: a loop blocked that long ends the process (`common.watchdog`).
         self.watchdog = Watchdog("the event loop", stall_timeout_s)
         self.redis_url = redis_url
         self.outputs_stream = names.outputs(gateway_id)
+        self.aborts = AbortQueue(self.transport, gateway_id, self._to_engine)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -128,7 +128,7 @@ class EngineClient:
         self._tasks = [
             asyncio.create_task(self._tick()),
             asyncio.create_task(self._read_outputs()),
-            asyncio.create_task(self._send_aborts()),
+            asyncio.create_task(self.aborts.run()),
             asyncio.create_task(self._watch()),
         ]
 
@@ -141,7 +141,7 @@ class EngineClient:
         try:
             for handle in list(self.requests.values()):
                 self.abort(handle.request_id)
-            await self._flush_aborts("gateway stopped", deadline_s=2)
+            await self.aborts.flush("gateway stopped", deadline_s=2)
             await self.transport.call(
                 self.transport.redis.delete, self.outputs_stream, self.names.heartbeat("gateway", self.gateway_id), deadline_s=2
             )
@@ -193,8 +193,7 @@ class EngineClient:
             self._forget(handle)
             if not handle.done:
                 handle.done = True
-                self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
-                self._abort_event.set()
+                self.aborts.add(handle.scheduler_id, handle.engine_request_id)
 
     def release(self, request_id: str) -> None:
         """Forget a request that finished normally."""
@@ -258,8 +257,7 @@ class EngineClient:
             return
         if handle.unrouted_since is None:  # first try for this move: stop the old attempt, count it
             logger.warning("request %s: %s; migrating (attempt %d)", handle.request_id, why, handle.attempts + 1)
-            self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
-            self._abort_event.set()
+            self.aborts.add(handle.scheduler_id, handle.engine_request_id)
             handle.unrouted_since = time.monotonic()
             self.num_migrations += 1
         if handle.attempts > self.migration_limit:
@@ -303,20 +301,6 @@ class EngineClient:
         while True:
             self.watchdog.tick()
             await asyncio.sleep(ServiceDefaults.liveness_check_s)
-
-    async def _send_aborts(self) -> None:
-        while True:
-            await self._abort_event.wait()
-            self._abort_event.clear()
-            await self._flush_aborts("client")
-
-    async def _flush_aborts(self, reason: str, deadline_s: float | None = None) -> None:
-        aborts, self._aborts = self._aborts, {}
-        sends = [self._to_engine(sid, AbortRequests(ids, reason, self.gateway_id)) for sid, ids in aborts.items() if sid]
-        try:
-            await self.transport.send_many(sends, deadline_s=deadline_s)
-        except Exception:
-            logger.exception("could not send aborts")
 
     async def _read_outputs(self) -> None:
         cursors: dict[str, bytes | str] = {self.outputs_stream: await self.transport.last_id(self.outputs_stream)}
@@ -373,8 +357,7 @@ class EngineClient:
     def _fail(self, handle: RequestHandle, error: str) -> None:
         logger.error("request %s failed: %s", handle.request_id, error)
         self._deliver(handle, EngineEvent([], [], True, "error", error))
-        self._aborts.setdefault(handle.scheduler_id, []).append(handle.engine_request_id)
-        self._abort_event.set()
+        self.aborts.add(handle.scheduler_id, handle.engine_request_id)
 
     async def _refresh(self) -> None:
         """Re-read the live engines and decide whether this gateway can serve (``down_reason``)."""
@@ -410,26 +393,24 @@ class EngineClient:
                 await self._sync(handle)
 
     async def _check_routes(self) -> None:
-        """Move each request whose engine is gone, restarted, or has had no executor for two
-        heartbeat TTLs while another engine has one (it would wait for a new executor up to the
-        recovery timeout; an executor's restart and model load can take as long)."""
+        """Migrate each request that must leave its engine (`reason_to_leave`)."""
         now = time.monotonic()
-        stranded_after_s = 2 * self.heartbeat_ttl_ms / 1000
-        bound_elsewhere = {sid for sid, e in self.engines.items() if e.executor_id}
         for handle in list(self.requests.values()):
-            if handle.done:
-                continue
             sid = handle.scheduler_id
-            status = self.engines.get(sid)
-            unbound_s = now - self.unbound_since.get(sid, now)
-            if handle.unrouted_since is not None:
-                await self._migrate(handle, "waiting for a live engine")
-            elif status is None and now > self.settle_until:
-                await self._migrate(handle, f"engine {sid} is gone")
-            elif status is not None and status.incarnation != handle.incarnation:
-                await self._migrate(handle, f"engine {sid} restarted")
-            elif unbound_s > stranded_after_s and bound_elsewhere - {sid}:
-                await self._migrate(handle, f"engine {sid} has had no executor for {unbound_s:.0f}s")
+            why = (
+                "waiting for a live engine"
+                if handle.unrouted_since is not None
+                else reason_to_leave(
+                    sid,
+                    handle.incarnation,
+                    self.engines,
+                    now - self.unbound_since.get(sid, now),
+                    gone=now > self.settle_until,
+                    stranded_after_s=2 * self.heartbeat_ttl_ms / 1000,
+                )
+            )
+            if why is not None and not handle.done:
+                await self._migrate(handle, why)
 
     async def _watch(self) -> None:
         overslept = 0.0

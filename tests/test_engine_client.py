@@ -445,7 +445,7 @@ async def test_unknown_request_migrates_to_least_loaded_engine() -> None:
     assert moved == GenerateRequest("resp~1", "g1", "s2", "inc-s2", [1, 2, 3], [5, 6], SAMPLING, moved.arrival_time, "resp")
     assert (await journal(client, "resp"))[-1] == Route("resp~1", "s2")
     # The old attempt is stopped on the old engine.
-    await client._flush_aborts("client")
+    await client.aborts.flush("client")
     assert [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)] == [AbortRequests(["resp"], "client", "g1")]
     assert await sent(client, "s1") == []
     # Late outputs of the old attempt are ignored; the new attempt continues at index 2.
@@ -470,7 +470,7 @@ async def test_migration_limit_fails_the_request() -> None:
     assert last.finished and last.finish_reason == "error" and "giving up" in (last.error or "") and h.done
     reqs = [m for m in await sent(client, "s0") if isinstance(m, GenerateRequest)]
     assert [m.request_id for m in reqs] == ["r", "r~1"]  # no third attempt
-    await client._flush_aborts("client")
+    await client.aborts.flush("client")
     aborts = [m for m in await sent(client, "s0") if isinstance(m, AbortRequests)]
     assert len(aborts) == 1 and set(aborts[0].request_ids) == {"r", "r~1"}
     # Nothing more happens for it.

@@ -1,0 +1,51 @@
+"""`AbortQueue`: the engine requests this gateway wants stopped, sent in batches.
+
+Aborts are queued without an await (a cancelled task, a client that went away, may queue one) and
+leave together, one `AbortRequests` per engine, from one background task: a burst of disconnects
+costs one Redis round trip, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from common.protocol import AbortRequests
+from common.transport import Outgoing, Transport
+
+logger = logging.getLogger("conveyor.gateway")
+
+
+class AbortQueue:
+    """Engine request ids to stop, by scheduler id; ``to_engine`` makes a message for an engine's
+    requests stream."""
+
+    def __init__(self, transport: Transport, gateway_id: str, to_engine: Callable[[str, Any], Outgoing]) -> None:
+        self.transport = transport
+        self.gateway_id = gateway_id
+        self.to_engine = to_engine
+        self.pending: dict[str, list[str]] = {}
+        self._event = asyncio.Event()
+
+    def add(self, scheduler_id: str, engine_request_id: str) -> None:
+        """Queue one (no await); it leaves with the next batch."""
+        self.pending.setdefault(scheduler_id, []).append(engine_request_id)
+        self._event.set()
+
+    async def run(self) -> None:
+        """Send batches as aborts are queued (a background task)."""
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            await self.flush("client")
+
+    async def flush(self, reason: str, deadline_s: float | None = None) -> None:
+        """Send what is queued now; a failure is logged (the engine ends such requests by itself)."""
+        aborts, self.pending = self.pending, {}
+        sends = [self.to_engine(sid, AbortRequests(ids, reason, self.gateway_id)) for sid, ids in aborts.items() if sid]
+        try:
+            await self.transport.send_many(sends, deadline_s=deadline_s)
+        except Exception:
+            logger.exception("could not send aborts")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gateway.generation import Generation, Piece
 from gateway.json_input import ApiError
-from gateway.responses import ResponseFormatter, sse
+from gateway.responses import ResponseFormatter, done_event, sse
 
 MAX_COUNT_DIGITS = 9
 
@@ -91,11 +91,13 @@ async def stream_choices(
             await queue.put((i, exc))
 
     tasks = [asyncio.create_task(run(i)) for i in range(len(gens))]
+    tail = ""  # the closing event leaves with [DONE], in one write (`EventStreamResponse`)
     try:
-        for i, fmt in enumerate(formatters):
-            for chunk in fmt.stream_start():
-                if new(i):
-                    yield sse(chunk, cursor.event_id())
+        # The events that are ready together (a piece's chunks) are yielded as one item: one write.
+        if start := "".join(
+            sse(chunk, cursor.event_id()) for i, f in enumerate(formatters) for chunk in f.stream_start() if new(i)
+        ):
+            yield start
         remaining = len(gens)
         while remaining:
             i, item = await queue.get()
@@ -105,20 +107,24 @@ async def stream_choices(
             if isinstance(item, BaseException):
                 body = item.body() if isinstance(item, ApiError) else ApiError(500, "internal error", "server_error").body()
                 if not have.closed:
-                    yield sse(body, cursor.event_id("end"))
+                    tail = sse(body, cursor.event_id("end"))
                 break
-            for j, piece in echoes.ready(i, item):
-                for chunk in formatters[j].stream_piece(piece, gens[j].num_completion_tokens):
-                    if new(j):
-                        yield sse(chunk, cursor.event_id())
+            events = [
+                sse(chunk, cursor.event_id())
+                for j, piece in echoes.ready(i, item)
+                for chunk in formatters[j].stream_piece(piece, gens[j].num_completion_tokens)
+                if new(j)
+            ]
+            if events:
+                yield "".join(events)
         else:
             if envelope.spec.include_usage and not have.closed:
-                yield sse(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)), cursor.event_id("end"))
+                tail = sse(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)), cursor.event_id("end"))
     finally:
         for t in tasks:
             if not t.done():
                 t.cancel()
-    yield f"id: {cursor.event_id('done')}\ndata: [DONE]\n\n"
+    yield tail + done_event(cursor.event_id("done"))
 
 
 class SharedPromptLogprobs:

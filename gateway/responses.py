@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.generation import Piece
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from gateway.generation import Generation, Piece
+from gateway.json_input import ApiError
 from gateway.openai_schema import GenerationSpec
 from gateway.structured import ToolCallMode
 from gateway.tool_calls import stream_tool_calls, tool_calls
@@ -271,3 +276,62 @@ _SSE_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 def sse(payload: dict[str, Any], number: int | str) -> str:
     """One server-sent event numbered ``number`` (its ``id:``, for ``Last-Event-ID``)."""
     return f"id: {number}\ndata: {_SSE_JSON.encode(payload)}\n\n"
+
+
+DONE_DATA = b"data: [DONE]\n\n"
+
+
+def done_event(number: int | str) -> str:
+    """The stream's last event, ``[DONE]``, numbered ``number``."""
+    return f"id: {number}\n{DONE_DATA.decode()}"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE body, one write per item of its iterator (the streams yield the events that are ready
+    together as one item). The item that ends with ``[DONE]`` also ends the body, so the last
+    events, ``[DONE]`` and the body's end take one write (and one wakeup of the client) instead of
+    four: 320 one-token streams took 1,307 writes instead of 1,947 (docs/performance.md)."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for item in self.body_iterator:
+            if ended:  # nothing follows [DONE]; the iterator is drained so that it can clean up
+                continue
+            data = item if isinstance(item, bytes) else bytes(item) if isinstance(item, memoryview) else item.encode()
+            ended = data.endswith(DONE_DATA)
+            await send({"type": "http.response.body", "body": data, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def stream_events(gen: Generation, fmt: ResponseFormatter, skip_through: int) -> AsyncIterator[str]:
+    """SSE events numbered from 1; those up to ``skip_through`` (the client has them) are not sent."""
+    number = 0
+
+    def events(chunks: list[dict[str, Any]]) -> str:  # one write for the events that are ready together
+        nonlocal number
+        out = []
+        for chunk in chunks:
+            number += 1
+            if number > skip_through:
+                out.append(sse(chunk, number))
+        return "".join(out)
+
+    tail = ""  # the last piece's events: they leave with [DONE]
+    try:
+        if start := events(fmt.stream_start()):
+            yield start
+        async for piece in gen.pieces():
+            if tail:  # not the last piece after all
+                yield tail
+            text = events(fmt.stream_piece(piece, gen.num_completion_tokens))
+            if piece.finish_reason is None:
+                if text:
+                    yield text
+                tail = ""
+            else:
+                tail = text
+    except ApiError as exc:
+        tail += events([exc.body()])
+    yield tail + done_event(number + 1)

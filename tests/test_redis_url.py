@@ -17,13 +17,14 @@ from common.redis_url import (
     PASSWORD_ENV,
     PASSWORD_FILE_ENV,
     SENTINEL_PORT,
+    DriverInfo,
     RedisUrlError,
     async_client,
     parse_redis_url,
     redis_password,
     sync_client,
 )
-from infra.stack import REPO
+from infra.stack import REPO, find_redis
 from scheduler.cli import build_parser
 
 SECRET = "s3cr3t-in-url"
@@ -101,6 +102,30 @@ def test_clients_take_the_environment_password_unless_the_url_has_one() -> None:
     assert pool.connection_kwargs["password"] == "from-env" and pool.connection_kwargs["db"] == 1
     pool = sync_client(f"redis+sentinel://:{SECRET}@s1/mymaster", environ=env).connection_pool
     assert isinstance(pool, sentinel.SentinelConnectionPool) and pool.connection_kwargs["password"] == SECRET
+
+
+@pytest.mark.skipif(DriverInfo is None, reason="redis-py < 7 reads its version once, at import")
+def test_new_connections_do_not_read_the_package_metadata(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """redis-py >= 7 reads its version from the package metadata for each new connection (0.7 ms:
+    a gateway's first burst opens dozens) unless the client gives it: ours give it once."""
+    import redis
+    import redis.utils
+
+    url, proc = find_redis(tmp_path)
+    reads: list[int] = []
+    monkeypatch.setattr(redis.utils, "get_lib_version", lambda: reads.append(1) or redis.__version__)
+    try:
+        client = sync_client(url)
+        conns = [client.connection_pool.get_connection() for _ in range(3)]  # three new connections
+        for conn in conns:
+            client.connection_pool.release(conn)
+        assert client.ping() and reads == []
+        info = client.client_info()
+        assert info.get("lib-ver", redis.__version__) == redis.__version__  # CLIENT SETINFO still says it (Redis >= 7.2)
+        client.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
 
 
 def test_redaction_of_sentinel_urls() -> None:

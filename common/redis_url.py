@@ -33,7 +33,7 @@ from redis.connection import parse_url
 
 from common.redact import redact_url
 
-try:  # redis-py >= 7: each new connection reads the package's metadata for CLIENT SETINFO unless given this
+try:  # redis-py >= 7.2: each new connection reads the package's metadata for CLIENT SETINFO unless given this
     from redis.driver_info import DriverInfo
 except ImportError:  # older redis-py reads it once, at import
     DriverInfo = None  # type: ignore[assignment,misc]

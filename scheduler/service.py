@@ -358,7 +358,9 @@ class SchedulerService:
             return
         sends: list[Outgoing] = []
         aborted: list[str] = []
-        aborts: list[tuple[str, str]] = []  # (request, from gateway): checked once every sync is applied
+        # (request, from gateway), checked once every sync is applied: a gateway whose client hung up
+        # may not abort a stream that another gateway adopts in the same batch.
+        aborts: list[tuple[str, str]] = []
         while self.inbox:
             msg = self.inbox.popleft()
             if isinstance(msg, GenerateRequest):
@@ -371,6 +373,9 @@ class SchedulerService:
             elif not msg.gateway_id:  # would route the request's outputs to no gateway's stream
                 logger.warning("sync for %s names no gateway; ignored", msg.request_id)
             else:
+                # An abort from the same gateway before its sync is stale: its client hung up, then
+                # resumed there (`gateway.aborts`). Left in, it would end the stream just adopted.
+                aborts = [(r, g) for r, g in aborts if (r, g) != (msg.request_id, msg.gateway_id)]
                 sends.extend(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
                 )

@@ -371,6 +371,34 @@ def test_stream_resumed_elsewhere_while_served_ends_the_first_copy(stack: Stack)
     assert again.texts[0] == want["choices"][0]["text"]
 
 
+def test_a_stream_resumed_at_once_where_its_client_hung_up_goes_on(stack: Stack) -> None:
+    """The client hangs up mid-stream and at once resumes on the same gateway. That gateway's abort
+    of the first copy must not end the resumed one (it did in most tries: the resumed stream then
+    waited forever); each resumed stream ends with the uninterrupted text."""
+    url = stack.urls[0]
+    for i in range(8):
+        body = {"prompt": f"def hang_up_{i}(x):", "max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream": True}
+        first = ""
+        with httpx.Client(timeout=httpx.Timeout(30, connect=5)) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                rid, last, seen = r.headers["x-request-id"], "0", 0
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        last = line[4:]
+                    elif line.startswith("data: "):
+                        first += json.loads(line[6:])["choices"][0]["text"]
+                        seen += 1
+                        if seen == 4:
+                            break  # hang up
+            with http.stream("GET", f"{url}/v1/streams/{rid}", headers={"Last-Event-ID": last}) as r:
+                assert r.status_code == 200
+                rest = ChoicesRead()
+                rest.read(r)
+            want = http.post(f"{url}/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
+        assert rest.finished == {0: "length"}, f"try {i}: {rest.finished}"
+        assert first + rest.texts[0] == want, f"try {i}"
+
+
 def test_redis_restarted(stack: Stack, reference: list[str]) -> None:
     first_success: list[float] = []
 

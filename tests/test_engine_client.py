@@ -515,6 +515,42 @@ async def test_adopt_replays_journal_in_order_up_to_a_gap_and_syncs() -> None:
 
 
 @async_test
+async def test_a_stream_resumed_where_its_client_hung_up_sends_no_abort_after_its_sync() -> None:
+    """The client hung up on this gateway (its abort queued) and resumes here at once. The engine
+    cannot tell that abort from a later one by its gateway, so it must not follow the sync: a
+    queued one is dropped, and the sync waits for one already on its way."""
+    client = make_client("g1")
+    await publish(client, engine("s1"))
+    journaled = [outputs(("resp", 0, [5]))]
+    client.aborts.add("s1", "resp")  # the hang-up; not sent yet
+    client.aborts.add("s1", "other")
+    await client.adopt("resp", [1, 2], SAMPLING, Route("resp", "s1"), journaled)
+    await client.aborts.flush("client")
+    assert await sent(client, "s1") == [SyncRequest("resp", "g1", 1), AbortRequests(["other"], "client", "g1")]
+    client.release("resp")
+
+    # An abort already on its way when the client resumes: the sync leaves after it.
+    slow, real = asyncio.Event(), client.transport.send_many
+
+    async def send_many(sends: list[Outgoing], deadline_s: float | None = None) -> None:
+        if any(isinstance(decode(out.data), AbortRequests) for out in sends):
+            await slow.wait()
+        await real(sends, deadline_s)
+
+    client.transport.send_many = send_many  # type: ignore[method-assign]
+    client.aborts.add("s1", "resp")
+    flushing = asyncio.create_task(client.aborts.flush("client"))
+    await asyncio.sleep(0)
+    adopting = asyncio.create_task(client.adopt("resp", [1, 2], SAMPLING, Route("resp", "s1"), journaled))
+    await asyncio.sleep(0.05)
+    assert not adopting.done()  # waiting for the abort to be in the engine's stream
+    slow.set()
+    await flushing
+    await adopting
+    assert (await sent(client, "s1"))[2:] == [AbortRequests(["resp"], "client", "g1"), SyncRequest("resp", "g1", 1)]
+
+
+@async_test
 async def test_adopt_a_finished_journal_without_registering() -> None:
     client = make_client("g2")
     await publish(client, engine("s0"))

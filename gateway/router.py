@@ -261,12 +261,12 @@ class EngineClient:
             handle.unrouted_since = time.monotonic()
             self.num_migrations += 1
         if handle.attempts > self.migration_limit:
-            self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
+            await self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
         elif len(handle.output_token_ids) >= int(handle.sampling.get("max_tokens", 0)):
             self._deliver(handle, EngineEvent([], [], True, "length"))  # only its last output was lost
         elif not await self._route(handle, []):
             if time.monotonic() - handle.unrouted_since > self.recovery_timeout_s:
-                self._fail(handle, f"no live engine for {self.recovery_timeout_s:.0f}s ({why})")
+                await self._fail(handle, f"no live engine for {self.recovery_timeout_s:.0f}s ({why})")
 
     # -- resuming a stream another gateway served ------------------------------------------------
     async def adopt(
@@ -321,16 +321,7 @@ class EngineClient:
         """Deliver the outputs of consecutive steps (one event per request: `route_outputs`);
         resumable streams are journaled before their clients see them."""
         routed = route_outputs(msgs, self.attempts)
-        journal = [
-            Outgoing(
-                self.names.journal(handle.journal_id),
-                encode(journal_entry(handle.engine_request_id, start, event)),
-                OUTPUTS_MAXLEN,
-                self.journal_ttl_ms,
-            )
-            for handle, event, start in routed.events
-            if handle.journal_id
-        ]
+        journal = [self._journaled(handle, event, start) for handle, event, start in routed.events if handle.journal_id]
         if journal:  # write-ahead: no client sees an event that another gateway could not replay
             await self.transport.send_many(journal)
         for handle, event, _ in routed.events:
@@ -344,6 +335,11 @@ class EngineClient:
         for handle in routed.migrate:
             await self._migrate(handle, "its engine does not hold it")
 
+    def _journaled(self, handle: RequestHandle, event: EngineEvent, start: int) -> Outgoing:
+        """The journal entry of ``event`` (its first token at output index ``start``)."""
+        entry = encode(journal_entry(handle.engine_request_id, start, event))
+        return Outgoing(self.names.journal(handle.journal_id), entry, OUTPUTS_MAXLEN, self.journal_ttl_ms)
+
     def _deliver(self, handle: RequestHandle, event: EngineEvent) -> None:
         if event.finished:
             handle.done = True
@@ -355,9 +351,16 @@ class EngineClient:
         msg = SyncRequest(handle.engine_request_id, self.gateway_id, handle.next_index)
         await self.transport.send_many([self._to_engine(handle.scheduler_id, msg)], deadline_s=5)
 
-    def _fail(self, handle: RequestHandle, error: str) -> None:
+    async def _fail(self, handle: RequestHandle, error: str) -> None:
         logger.error("request %s failed: %s", handle.request_id, error)
-        self._deliver(handle, EngineEvent([], [], True, "error", error))
+        handle.done = True  # at once: nothing else is delivered to it, nor fails it again, while this awaits
+        event = EngineEvent([], [], True, "error", error)
+        if handle.journal_id:  # journaled as the engine's events are: a client resuming later gets the error, not a 404
+            try:
+                await self.transport.send_many([self._journaled(handle, event, handle.next_index)], deadline_s=2)
+            except Exception as exc:  # Redis may be why it failed: the client here still gets the error
+                logger.warning("request %s: could not journal its failure: %s", handle.request_id, exc)
+        self._deliver(handle, event)
         self.aborts.add(handle.scheduler_id, handle.engine_request_id)
 
     async def _refresh(self) -> None:

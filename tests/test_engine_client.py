@@ -479,6 +479,23 @@ async def test_migration_limit_fails_the_request() -> None:
 
 
 @async_test
+async def test_a_resumable_stream_that_fails_here_journals_its_error() -> None:
+    """The gateway's own verdict (here: moved too often) ends the journal as an engine's error would:
+    a client that lost its connection meanwhile and resumes gets the error, not a 404."""
+    client = make_client(migration_limit=0)
+    await publish(client, engine("s0"))
+    header = Outgoing(NAMES.journal("resp"), encode(JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1])))
+    h = await client.submit("resp", [1], SAMPLING, "resp", journal=[header])
+    await dispatch_steps(client, outputs(("resp", 0, [4])))
+    await dispatch_steps(client, outputs(("resp", 0, [], True, "unknown")))
+    assert h.done and drain(h)[-1].finish_reason == "error"
+    journaled = await read_journal(client, "resp")
+    again = RequestHandle("resp", [1], SAMPLING, journal_id="resp")
+    events = replay(again, journaled.outputs)
+    assert tokens_of(events) == [4] and events[-1].finished and "giving up" in (events[-1].error or "")
+
+
+@async_test
 async def test_unknown_request_with_all_tokens_finishes_with_length() -> None:
     client = make_client()
     await publish(client, engine("s0"))

@@ -305,6 +305,17 @@ class Transport(TransportCore[aioredis.Redis]):
         """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""
         await self.call(self.redis.xtrim, **self._xtrim_through(stream, entry_id))
 
+    async def refresh_ttl(self, keys: list[str], ttl_ms: int, deadline_s: float | None = None) -> None:
+        """Give each of ``keys`` that exists ``ttl_ms`` to live from now (one round trip)."""
+
+        def attempt() -> Any:  # a new pipeline per try
+            pipe: Any = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.pexpire(key, ttl_ms)
+            return pipe.execute()
+
+        await self.call(attempt, deadline_s=deadline_s)
+
     async def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""
         try:

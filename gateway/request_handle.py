@@ -45,6 +45,7 @@ class RequestHandle:
     sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
     group_id: str = ""  # shared by one prompt's ``n`` sibling requests (`GenerateRequest.group_id`)
     prefer_engine: str = ""  # a sibling's engine: the first attempt goes there if it is live
+    journaled_at: float = 0.0  # time.monotonic() of this gateway's last write to the journal (0: none yet)
 
     @property
     def next_index(self) -> int:

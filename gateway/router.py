@@ -39,7 +39,6 @@ from common.config import ServiceDefaults
 from common.heartbeat import Heartbeat
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
-    OUTPUTS_MAXLEN,
     TAKEN_OVER,
     EngineStatus,
     GenerateRequest,
@@ -53,7 +52,7 @@ from common.transport import TRANSIENT_ERRORS, Outgoing, Transport
 from common.watchdog import Watchdog
 from gateway.aborts import AbortQueue
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine, reason_to_leave
-from gateway.outputs import journal_entry, replay, route_outputs
+from gateway.outputs import journal_write, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
@@ -249,6 +248,8 @@ class EngineClient:
         # Counted before the await: requests routed concurrently must see each other's choice.
         self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
         await self.transport.send_many(sends, deadline_s=5)
+        if handle.journal_id:
+            handle.journaled_at = time.monotonic()
         return True
 
     async def _migrate(self, handle: RequestHandle, why: str) -> None:
@@ -321,9 +322,13 @@ class EngineClient:
         """Deliver the outputs of consecutive steps (one event per request: `route_outputs`);
         resumable streams are journaled before their clients see them."""
         routed = route_outputs(msgs, self.attempts)
-        journal = [self._journaled(handle, event, start) for handle, event, start in routed.events if handle.journal_id]
+        ttl = self.journal_ttl_ms
+        journal = [journal_write(self.names, h, event, start, ttl) for h, event, start in routed.events if h.journal_id]
         if journal:  # write-ahead: no client sees an event that another gateway could not replay
             await self.transport.send_many(journal)
+            now = time.monotonic()
+            for handle, _, _ in routed.events:
+                handle.journaled_at = now
         for handle, event, _ in routed.events:
             self._deliver(handle, event)
         for handle, why in routed.taken:  # the stream goes on elsewhere: nothing is journaled
@@ -334,11 +339,6 @@ class EngineClient:
             await self._sync(handle)
         for handle in routed.migrate:
             await self._migrate(handle, "its engine does not hold it")
-
-    def _journaled(self, handle: RequestHandle, event: EngineEvent, start: int) -> Outgoing:
-        """The journal entry of ``event`` (its first token at output index ``start``)."""
-        entry = encode(journal_entry(handle.engine_request_id, start, event))
-        return Outgoing(self.names.journal(handle.journal_id), entry, OUTPUTS_MAXLEN, self.journal_ttl_ms)
 
     def _deliver(self, handle: RequestHandle, event: EngineEvent) -> None:
         if event.finished:
@@ -357,7 +357,8 @@ class EngineClient:
         event = EngineEvent([], [], True, "error", error)
         if handle.journal_id:  # journaled as the engine's events are: a client resuming later gets the error, not a 404
             try:
-                await self.transport.send_many([self._journaled(handle, event, handle.next_index)], deadline_s=2)
+                journal = journal_write(self.names, handle, event, handle.next_index, self.journal_ttl_ms)
+                await self.transport.send_many([journal], deadline_s=2)
             except Exception as exc:  # Redis may be why it failed: the client here still gets the error
                 logger.warning("request %s: could not journal its failure: %s", handle.request_id, exc)
         self._deliver(handle, event)
@@ -416,6 +417,17 @@ class EngineClient:
             if why is not None and not handle.done:
                 await self._migrate(handle, why)
 
+    async def _keep_journals(self) -> None:
+        """A journal lives the resume window past its last write. One this gateway still serves but
+        has not written to for a quarter of that (a stream waiting for an engine, or in a long
+        queue) gets its TTL refreshed: it must not expire under a live stream."""
+        now, idle_s = time.monotonic(), self.journal_ttl_ms / 4000
+        idle = [h for h in self.requests.values() if h.journal_id and not h.done and now - h.journaled_at > idle_s]
+        if idle:
+            await self.transport.refresh_ttl(sorted({self.names.journal(h.journal_id) for h in idle}), self.journal_ttl_ms, 2)
+            for handle in idle:
+                handle.journaled_at = now
+
     async def _watch(self) -> None:
         overslept = 0.0
         while True:
@@ -430,6 +442,7 @@ class EngineClient:
                 if read is not None:  # this gateway is the stream's only reader
                     await self.transport.trim_through(self.outputs_stream, read)
                 await self._check_routes()
+                await self._keep_journals()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

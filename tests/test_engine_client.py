@@ -496,6 +496,30 @@ async def test_a_resumable_stream_that_fails_here_journals_its_error() -> None:
 
 
 @async_test
+async def test_a_journal_outlives_a_stream_that_waits_long_for_an_engine() -> None:
+    """A journal lives the resume window past its last write. A stream this gateway still serves
+    but has not written to for a quarter of the window (waiting for an engine, a long queue) gets
+    its journal's TTL refreshed: it must not expire under a live stream. A finished one's is not."""
+    client = make_client(resume_window_s=8.0)
+    await publish(client, engine("s0"))
+    key, r = NAMES.journal("resp"), client.transport.redis
+    header = Outgoing(key, encode(JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1])), None, client.journal_ttl_ms)
+    h = await client.submit("resp", [1], SAMPLING, "resp", journal=[header])
+    await r.pexpire(key, 500)  # as if its last write were nearly a window ago
+    await client._keep_journals()
+    assert 0 < await r.pttl(key) <= 500  # written less than a quarter window ago: left alone
+    h.journaled_at -= 2.5  # idle for more than 8 s / 4
+    await client._keep_journals()
+    assert await r.pttl(key) > 7_000
+    await r.pexpire(key, 500)
+    await client._keep_journals()
+    assert await r.pttl(key) <= 500  # just refreshed: not again at every tick
+    h.done, h.journaled_at = True, h.journaled_at - 2.5
+    await client._keep_journals()
+    assert await r.pttl(key) <= 500
+
+
+@async_test
 async def test_unknown_request_with_all_tokens_finishes_with_length() -> None:
     client = make_client()
     await publish(client, engine("s0"))

@@ -354,7 +354,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header, route = journal.single()
         if header is None or route is None:
             raise stream_not_found(response_id)
-        info = ready_info()
+        # The journal holds what was streamed: a stream that ended resumes without a live engine
+        # (one that did not waits for an engine, as any request whose engine is gone).
+        info = client.model_info or ready_info()
         tokenizer = await tokenizers.get(info)
         if header.choice_ids:  # several choices, one journal (`gateway.fanout`)
             ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)

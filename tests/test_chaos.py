@@ -433,3 +433,36 @@ def test_executor_frozen_for_10s(stack: Stack, reference: list[str]) -> None:
     # The other engine has an executor: the frozen one's requests move there after two TTLs
     # without one (about 5 s here), rather than waiting out the freeze.
     assert longest < 10.0, f"a stream waited {longest:.1f} s for the frozen executor"
+
+
+def test_a_stream_failed_for_want_of_an_engine_can_be_resumed_to_its_error(
+    tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The only engine's scheduler dies for good: the stream waits for an engine for the recovery
+    timeout (5 s), longer than the resume window (3 s) after its last event, then fails. A client
+    that lost the connection meanwhile resumes and gets the error; it used to get a 404, the
+    journal having expired under the waiting stream."""
+    s = Stack(
+        tiny_model(),
+        Path(tmp_path_factory.mktemp("no-engine")),
+        executor_args=("--num-blocks", "256"),
+        gateway_args=("--recovery-timeout", "5", "--resume-window", "3"),
+    )
+    s.start()
+    try:
+        body = {"prompt": "def wait(x):", "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http:
+            with http.stream("POST", f"{s.urls[0]}/v1/completions", json=body) as r:
+                rid, seen, lines = r.headers["x-request-id"], 0, []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    seen += line.startswith("data: ")
+                    if seen == 3:
+                        _kill(s, "scheduler0")
+            assert any("no live engine" in line for line in lines), lines[-3:]
+            with http.stream("GET", f"{s.urls[0]}/v1/streams/{rid}", headers={"Last-Event-ID": "1"}) as r:
+                assert r.status_code == 200, r.read()
+                resumed = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert "no live engine" in resumed[-2] and resumed[-1] == "data: [DONE]", resumed[-3:]
+    finally:
+        s.stop()

@@ -349,7 +349,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def resume_stream(request: Request, response_id: str) -> Response:
         """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
         check_key(request)
-        last = request.headers.get("last-event-id", "0").strip()
+        last = request.headers.get("last-event-id", "").strip() or "0"  # empty: nothing yet, as for n > 1
         journal = await read_journal(client, response_id)
         header, route = journal.single()
         if header is None or route is None:

@@ -260,7 +260,7 @@ def _prompt_list(prompts: list[Any]) -> list[str | list[int]]:
         if not (isinstance(item, str) or isinstance(item, list)) or not item:
             raise bad(
                 f"'prompt' must be a string, an array of token ids, or an array of non-empty strings or token-id "
-                f"arrays; prompt[{i}] is {typename(item)} {preview(item)}",
+                f"arrays; prompt[{i}] is {typename(item)}" + ("" if item is None else f" {preview(item)}"),
                 "prompt",
             )
     return prompts

@@ -210,6 +210,7 @@ def test_resumed_streamed_echo_replays_the_prompt_logprobs(stack: Stack) -> None
         echo = json.loads(events[0].split("data: ", 1)[1])["choices"][0]
         assert echo["logprobs"]["token_logprobs"][0] is None and len(echo["logprobs"]["tokens"]) == len(request["prompt"])
         assert http.get(f"/v1/streams/{rid}").text == first.text
+        assert http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": ""}).text == first.text  # as n > 1 streams read it
         later = http.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": "1"})
         assert [e for e in later.text.split("\n\n") if e] == events[1:]
 

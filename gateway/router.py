@@ -294,7 +294,7 @@ class EngineClient:
         status = self.engines.get(route.scheduler_id)
         handle.incarnation = status.incarnation if status is not None else ""  # else: the watcher migrates it
         self.requests[request_id] = self.attempts[route.request_id] = handle
-        await self.aborts.withdraw(route.scheduler_id, route.request_id)  # its client may have hung up here
+        await self.aborts.withdraw(route.scheduler_id, route.request_id, deadline_s=5)  # its client may have hung up here
         await self._sync(handle)
         return handle
 

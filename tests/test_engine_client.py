@@ -590,6 +590,17 @@ async def test_a_stream_resumed_where_its_client_hung_up_sends_no_abort_after_it
     await adopting
     assert (await sent(client, "s1"))[2:] == [AbortRequests(["resp"], "client", "g1"), SyncRequest("resp", "g1", 1)]
 
+    # One that does not get through (Redis away): the resume fails after the deadline, as its sync would.
+    slow.clear()
+    client.aborts.add("s1", "next")
+    flushing = asyncio.create_task(client.aborts.flush("client"))
+    await asyncio.sleep(0)
+    with pytest.raises(asyncio.TimeoutError):
+        await client.aborts.withdraw("s1", "next", deadline_s=0.05)
+    flushing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flushing
+
 
 @async_test
 async def test_adopt_a_finished_journal_without_registering() -> None:

@@ -356,11 +356,9 @@ class EngineClient:
         handle.done = True  # at once: nothing else is delivered to it, nor fails it again, while this awaits
         event = EngineEvent([], [], True, "error", error)
         if handle.journal_id:  # journaled as the engine's events are: a client resuming later gets the error, not a 404
-            try:
-                journal = journal_write(self.names, handle, event, handle.next_index, self.journal_ttl_ms)
-                await self.transport.send_many([journal], deadline_s=2)
-            except Exception as exc:  # Redis may be why it failed: the client here still gets the error
-                logger.warning("request %s: could not journal its failure: %s", handle.request_id, exc)
+            entry = journal_write(self.names, handle, event, handle.next_index, self.journal_ttl_ms)
+            with contextlib.suppress(*TRANSIENT_ERRORS):  # Redis may be why it failed: the client here still gets it
+                await self.transport.send_many([entry], deadline_s=2)
         self._deliver(handle, event)
         self.aborts.add(handle.scheduler_id, handle.engine_request_id)
 
@@ -418,9 +416,8 @@ class EngineClient:
                 await self._migrate(handle, why)
 
     async def _keep_journals(self) -> None:
-        """A journal lives the resume window past its last write. One this gateway still serves but
-        has not written to for a quarter of that (a stream waiting for an engine, or in a long
-        queue) gets its TTL refreshed: it must not expire under a live stream."""
+        """A journal lives the resume window past its last write: one this gateway serves but has not
+        written for a quarter of that (waiting for an engine, a long queue) must not expire under it."""
         now, idle_s = time.monotonic(), self.journal_ttl_ms / 4000
         idle = [h for h in self.requests.values() if h.journal_id and not h.done and now - h.journaled_at > idle_s]
         if idle:

@@ -358,9 +358,7 @@ class SchedulerService:
             return
         sends: list[Outgoing] = []
         aborted: list[str] = []
-        # (request, from gateway), checked once every sync is applied: a gateway whose client hung up
-        # may not abort a stream that another gateway adopts in the same batch.
-        aborts: list[tuple[str, str]] = []
+        aborts: list[tuple[str, str]] = []  # (request, from gateway): checked once the syncs are applied (`may_abort`)
         while self.inbox:
             msg = self.inbox.popleft()
             if isinstance(msg, GenerateRequest):
@@ -372,10 +370,8 @@ class SchedulerService:
                 aborts.extend((r, msg.gateway_id) for r in msg.request_ids)
             elif not msg.gateway_id:  # would route the request's outputs to no gateway's stream
                 logger.warning("sync for %s names no gateway; ignored", msg.request_id)
-            else:
-                # An abort from the same gateway before its sync is stale: its client hung up, then
-                # resumed there (`gateway.aborts`). Left in, it would end the stream just adopted.
-                aborts = [(r, g) for r, g in aborts if (r, g) != (msg.request_id, msg.gateway_id)]
+            else:  # it makes an earlier abort from its own gateway stale: the client resumed there (`gateway.aborts`)
+                aborts = [a for a in aborts if a != (msg.request_id, msg.gateway_id)]
                 sends.extend(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)
                 )
@@ -428,13 +424,8 @@ class SchedulerService:
         except (TypeError, ValueError, RecursionError) as exc:  # refused alone, whatever the stream carried
             return str(exc)
         self.router.add(msg.request_id, msg.gateway_id, msg.journal_id)
-        logger.debug(
-            "request %s admitted from gateway %s: %d prompt tokens, %d already generated",
-            msg.request_id,
-            msg.gateway_id,
-            len(msg.prompt_token_ids),
-            len(msg.output_token_ids),
-        )
+        sizes = len(msg.prompt_token_ids), len(msg.output_token_ids)
+        logger.debug("request %s admitted from gateway %s: %d prompt, %d output tokens", msg.request_id, msg.gateway_id, *sizes)
         return None
 
     def _send(self, sends: list[Outgoing]) -> None:

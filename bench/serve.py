@@ -171,8 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "off"),
         default="off",
         help="with --start, as `conveyor up --cpu-placement`: auto runs the executor on CPUs of its own and the rest of the "
-        "stack and this load client on the others where the host has enough, and --offline's in-process engine on the "
-        "executor's CPUs; off (default): the OS places every process",
+        "stack (its own Redis included) and this load client on the others where the host has enough, and --offline's "
+        "in-process engine on the executor's CPUs; off (default): the OS places every process",
     )
     g.add_argument("--offline", action="store_true", help="also run the same requests in-process (LLM of --model DIR)")
     g.add_argument(
@@ -246,6 +246,8 @@ def run_round(
             )
         before = read_stats(redis_url, namespace) if redis_url and namespace else None
         pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
+        if stack is not None and stack.redis_proc is not None:  # the stack's own (a placed one's is)
+            pids["redis"] = stack.redis_proc.pid
         cpu0 = cpu_seconds(pids)
         # The load client stays off the executor's CPUs, as if it ran on another machine.
         with pinned(stack.placement.control if stack is not None and stack.placement is not None else None):

@@ -3,9 +3,10 @@
 Engines (scheduler + executor pairs) publish `EngineStatus` keys; every 0.5 s this gateway reads
 them and sends each new request to the engine whose prefix cache most likely holds its prompt's
 start, unless that engine is much busier than the least-loaded one (`EngineClient.pick_engine`;
-load: 4 x waiting + running, plus what this gateway sent it since). Each gateway has its own outputs stream with a single reader,
-so outputs of other gateways never reach it; the token index in every output lets it drop
-duplicates and ask for a resend (`SyncRequest`) when some were lost.
+load: 4 x waiting + running, plus what this gateway sent it since); a burst of them leaves in one
+Redis call (`SendBatch`). Each gateway has its own outputs stream with a single reader, so outputs
+of other gateways never reach it; the token index in every output lets it drop duplicates and ask
+for a resend (`SyncRequest`) when some were lost.
 
 Recovery, all driven from here because the gateway holds what a request needs to continue (its
 prompt, sampling parameters and the tokens already streamed to the client):
@@ -54,6 +55,7 @@ from gateway.aborts import AbortQueue
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine, reason_to_leave
 from gateway.outputs import journal_write, replay, route_outputs
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
+from gateway.send_batch import SendBatch
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
@@ -102,6 +104,7 @@ class EngineClient:
         self.redis_url = redis_url
         self.outputs_stream = names.outputs(gateway_id)
         self.aborts = AbortQueue(self.transport, gateway_id, self._to_engine)
+        self.submits = SendBatch(self.transport, deadline_s=5)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -247,7 +250,7 @@ class EngineClient:
         sends.append(self._to_engine(engine.scheduler_id, msg))
         # Counted before the await: requests routed concurrently must see each other's choice.
         self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
-        await self.transport.send_many(sends, deadline_s=5)
+        await self.submits.send(sends)
         if handle.journal_id:
             handle.journaled_at = time.monotonic()
         return True
@@ -335,8 +338,7 @@ class EngineClient:
             if not handle.done:
                 logger.warning("request %s: %s; this copy ends", handle.request_id, why)
                 self._deliver(handle, EngineEvent([], [], True, TAKEN_OVER, why))
-        for handle in routed.syncs:
-            await self._sync(handle)
+        await asyncio.gather(*(self._sync(handle) for handle in routed.syncs))  # one Redis call
         for handle in routed.migrate:
             await self._migrate(handle, "its engine does not hold it")
 
@@ -349,7 +351,7 @@ class EngineClient:
         """Ask the engine to resend from what this gateway has (outputs were lost)."""
         handle.sync_from = handle.next_index
         msg = SyncRequest(handle.engine_request_id, self.gateway_id, handle.next_index)
-        await self.transport.send_many([self._to_engine(handle.scheduler_id, msg)], deadline_s=5)
+        await self.submits.send([self._to_engine(handle.scheduler_id, msg)])
 
     async def _fail(self, handle: RequestHandle, error: str) -> None:
         logger.error("request %s failed: %s", handle.request_id, error)
@@ -391,9 +393,7 @@ class EngineClient:
         """Ask the engines to resend what every request in flight is missing; one an engine no
         longer holds is answered ``unknown`` and migrated."""
         logger.warning("%s: asking the engines to resend what %d requests are missing", why, len(self.requests))
-        for handle in list(self.requests.values()):
-            if not handle.done and handle.unrouted_since is None:
-                await self._sync(handle)
+        await asyncio.gather(*(self._sync(h) for h in list(self.requests.values()) if not h.done and h.unrouted_since is None))
 
     async def _check_routes(self) -> None:
         """Migrate each request that must leave its engine (`reason_to_leave`)."""

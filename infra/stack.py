@@ -1,7 +1,8 @@
 """Start a real service stack for tests and benchmarks: Redis, N engines, N gateways.
 
 Redis comes from the ``redis_url`` given, else ``CONVEYOR_REDIS_URL``, else 127.0.0.1:6379 when
-reachable, else a private ``redis-server`` on a free port. Every stack gets its own namespace, so
+reachable, else a private ``redis-server`` on a free port (always, for a stack with a CPU placement:
+its Redis then runs on the control CPUs). Every stack gets its own namespace, so
 parallel runs sharing one Redis never see each other's streams. Process logs go to files; `Stack.logs()` shows their tails.
 """
 
@@ -65,12 +66,22 @@ class Stack:
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
         self.names = Names(self.namespace)
-        # A private redis-server when the test restarts it (never the shared one); ``redis_url``: one
-        # the test runs itself (TLS, Sentinel), its password, if not in the URL, in the environment.
+        # Executors on CPUs of their own, the rest of the stack on the others (`infra.cpu_placement`);
+        # off by default: tests run many stacks beside pytest itself.
+        self.placement: Placement | None = (
+            plan_placement(allowed_cpus(), engines, tensor_parallel_size(executor_args)) if cpu_placement else None
+        )
+        # A private redis-server when the test restarts it (never the shared one), or when the stack is
+        # placed: its Redis then runs on the control CPUs as `conveyor up --cpu-placement auto` puts it
+        # (the machine's would take turns on the executor's); ``redis_url``: one the test runs itself
+        # (TLS, Sentinel), its password, if not in the URL, in the environment.
         if redis_url is not None:
             self.redis_url, self.redis_proc = redis_url, None
+        elif private_redis or self.placement is not None:
+            self.redis_url, self.redis_proc = start_redis(workdir)
+            self._place_redis()
         else:
-            self.redis_url, self.redis_proc = start_redis(workdir) if private_redis else find_redis(workdir)
+            self.redis_url, self.redis_proc = find_redis(workdir)
         self.redis = sync_client(self.redis_url)
         self.num_gateways = gateways
         self.num_engines = engines
@@ -80,11 +91,10 @@ class Stack:
         self.auto_pairing = auto_pairing
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: list[int] = []
-        # Executors on CPUs of their own, the rest of the stack on the others (`infra.cpu_placement`);
-        # off by default: tests run many stacks beside pytest itself.
-        self.placement: Placement | None = (
-            plan_placement(allowed_cpus(), engines, tensor_parallel_size(executor_args)) if cpu_placement else None
-        )
+
+    def _place_redis(self) -> None:
+        if self.placement is not None and self.redis_proc is not None:
+            os.sched_setaffinity(self.redis_proc.pid, self.placement.control)
 
     def _env(self) -> dict[str, str]:
         return {
@@ -138,6 +148,7 @@ class Stack:
         self.redis_proc.wait()
         time.sleep(down_s)
         self.redis_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        self._place_redis()
         port = int(cmd[cmd.index("--port") + 1])
         wait_for_port("127.0.0.1", port, 15, self.redis_proc)
 

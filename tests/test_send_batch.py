@@ -1,0 +1,81 @@
+"""`SendBatch`: a burst of submissions is one Redis call, in order; errors and cancellations."""
+
+from __future__ import annotations
+
+import asyncio
+
+import fakeredis
+import redis
+
+from common.protocol import ENTRY_FIELD, Names, decode
+from common.transport import Outgoing, Transport
+from gateway.send_batch import SendBatch
+from tests.test_engine_client import SAMPLING, async_test, engine, make_client, publish, sent
+
+NAMES = Names("t-batch")
+
+
+def transport() -> Transport:
+    t = Transport("redis://unused", NAMES)
+    t.redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+    return t
+
+
+def append(stream: str, value: int) -> Outgoing:
+    return Outgoing(stream, str(value).encode(), None, None)
+
+
+async def entries(t: Transport, stream: str) -> list[int]:
+    return [int(f[ENTRY_FIELD]) for _, f in await t.redis.xrange(stream)]
+
+
+@async_test
+async def test_calls_made_together_leave_as_one_call_in_their_order() -> None:
+    t = transport()
+    batch = SendBatch(t, deadline_s=1)
+    # Two appends per caller: a caller's own appends stay in order too.
+    await asyncio.gather(*(batch.send([append("s", 2 * i), append("s", 2 * i + 1)]) for i in range(20)))
+    assert batch.num_calls == 1
+    assert await entries(t, "s") == list(range(40))
+    await batch.send([append("s", 40)])  # a later call starts a batch of its own
+    assert batch.num_calls == 2
+    assert (await entries(t, "s"))[-1] == 40
+
+
+@async_test
+async def test_every_caller_gets_the_batchs_error() -> None:
+    t = transport()
+    batch = SendBatch(t, deadline_s=0)  # no retry: the first failure is the batch's
+
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise redis.ConnectionError("Redis is away")
+
+    t.send_many = refused  # type: ignore[method-assign]
+    results = await asyncio.gather(*(batch.send([append("s", i)]) for i in range(5)), return_exceptions=True)
+    assert [type(r) for r in results] == [redis.ConnectionError] * 5
+    assert batch.num_calls == 1
+
+
+@async_test
+async def test_a_caller_cancelled_before_its_batch_leaves_sends_nothing() -> None:
+    t = transport()
+    batch = SendBatch(t, deadline_s=1)
+    kept = asyncio.ensure_future(batch.send([append("s", 1)]))
+    gone = asyncio.ensure_future(batch.send([append("s", 2)]))
+    await asyncio.sleep(0)  # both have joined the batch; it has not left yet
+    gone.cancel()
+    await kept
+    assert gone.cancelled()
+    assert await entries(t, "s") == [1]
+
+
+@async_test
+async def test_a_burst_of_submissions_is_one_round_trip_with_each_requests_journal_first() -> None:
+    client = make_client()
+    await publish(client, engine("a"))
+    handles = await asyncio.gather(*(client.submit(f"r{i}", [1, 2], SAMPLING, journal_id=f"j{i}") for i in range(8)))
+    assert client.submits.num_calls == 1
+    assert [m.request_id for m in await sent(client, "a")] == [h.engine_request_id for h in handles]
+    for i in range(8):  # the route to the engine is journaled with the request, in the same call
+        route = [decode(f[ENTRY_FIELD]) for _, f in await client.transport.redis.xrange(client.names.journal(f"j{i}"))]
+        assert [r.scheduler_id for r in route] == ["a"]

@@ -3,10 +3,9 @@
 Engines (scheduler + executor pairs) publish `EngineStatus` keys; every 0.5 s this gateway reads
 them and sends each new request to the engine whose prefix cache most likely holds its prompt's
 start, unless that engine is much busier than the least-loaded one (`EngineClient.pick_engine`;
-load: 4 x waiting + running, plus what this gateway sent it since); a burst of them leaves in one
-Redis call (`SendBatch`). Each gateway has its own outputs stream with a single reader, so outputs
-of other gateways never reach it; the token index in every output lets it drop duplicates and ask
-for a resend (`SyncRequest`) when some were lost.
+load: 4 x waiting + running, plus what this gateway sent it since; a burst leaves in one call: `SendBatch`).
+Each gateway has its own outputs stream with a single reader, so outputs of other gateways never reach it;
+the token index in every output lets it drop duplicates and ask for a resend (`SyncRequest`) when some were lost.
 
 Recovery, all driven from here because the gateway holds what a request needs to continue (its
 prompt, sampling parameters and the tokens already streamed to the client):
@@ -190,8 +189,7 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Stop ``request_id`` in the engine (no await: safe from a cancelled task)."""
-        handle = self.requests.get(request_id)
-        if handle is not None:
+        if (handle := self.requests.get(request_id)) is not None:
             self._forget(handle)
             if not handle.done:
                 handle.done = True
@@ -199,8 +197,7 @@ class EngineClient:
 
     def release(self, request_id: str) -> None:
         """Forget a request that finished normally."""
-        handle = self.requests.get(request_id)
-        if handle is not None:
+        if (handle := self.requests.get(request_id)) is not None:
             self._forget(handle)
 
     def _forget(self, handle: RequestHandle) -> None:
@@ -349,9 +346,13 @@ class EngineClient:
 
     async def _sync(self, handle: RequestHandle) -> None:
         """Ask the engine to resend from what this gateway has (outputs were lost)."""
-        handle.sync_from = handle.next_index
+        before, handle.sync_from = handle.sync_from, handle.next_index
         msg = SyncRequest(handle.engine_request_id, self.gateway_id, handle.next_index)
-        await self.submits.send([self._to_engine(handle.scheduler_id, msg)])
+        try:
+            await self.submits.send([self._to_engine(handle.scheduler_id, msg)])
+        except BaseException:
+            handle.sync_from = before  # not asked: the next gap asks again
+            raise
 
     async def _fail(self, handle: RequestHandle, error: str) -> None:
         logger.error("request %s failed: %s", handle.request_id, error)
@@ -390,8 +391,7 @@ class EngineClient:
             await self._sync_all("Redis restarted")
 
     async def _sync_all(self, why: str) -> None:
-        """Ask the engines to resend what every request in flight is missing; one an engine no
-        longer holds is answered ``unknown`` and migrated."""
+        """Ask the engines to resend what each request in flight misses (``unknown``: it migrates)."""
         logger.warning("%s: asking the engines to resend what %d requests are missing", why, len(self.requests))
         await asyncio.gather(*(self._sync(h) for h in list(self.requests.values()) if not h.done and h.unrouted_since is None))
 

@@ -1,14 +1,16 @@
 """Start a real service stack for tests and benchmarks: Redis, N engines, N gateways.
 
 Redis comes from the ``redis_url`` given, else ``CONVEYOR_REDIS_URL``, else 127.0.0.1:6379 when
-reachable, else a private ``redis-server`` on a free port (always, for a stack with a CPU placement:
-its Redis then runs on the control CPUs). Every stack gets its own namespace, so
-parallel runs sharing one Redis never see each other's streams. Process logs go to files; `Stack.logs()` shows their tails.
+reachable, else a private ``redis-server`` on a free port (always, where installed, for a stack with
+a CPU placement and no ``CONVEYOR_REDIS_URL``: its Redis then runs on the control CPUs). Every stack
+gets its own namespace, so parallel runs sharing one Redis never see each other's streams. Process
+logs go to files; `Stack.logs()` shows their tails.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ import redis
 
 from common.pairing import AUTO
 from common.protocol import EngineStatus, Names, decode
-from common.redis_url import sync_client
+from common.redis_url import PASSWORD_ENV, PASSWORD_FILE_ENV, sync_client
 from infra.cpu_placement import Placement, allowed_cpus, plan_placement, tensor_parallel_size
 from infra.launcher import free_port, proc_argv, start_redis, stop_all, wait_for_port, wait_healthy
 
@@ -72,17 +74,23 @@ class Stack:
             plan_placement(allowed_cpus(), engines, tensor_parallel_size(executor_args)) if cpu_placement else None
         )
         # A private redis-server when the test restarts it (never the shared one), or when the stack is
-        # placed: its Redis then runs on the control CPUs as `conveyor up --cpu-placement auto` puts it
-        # (the machine's would take turns on the executor's); ``redis_url``: one the test runs itself
-        # (TLS, Sentinel), its password, if not in the URL, in the environment.
+        # placed and no Redis is named: it then runs on the control CPUs as `conveyor up --cpu-placement
+        # auto` puts it (the machine's would take turns on the executor's); ``redis_url``: one the test
+        # runs itself (TLS, Sentinel), its password, if not in the URL, in the environment.
+        placed_redis = self.placement is not None and not os.environ.get("CONVEYOR_REDIS_URL") and shutil.which("redis-server")
         if redis_url is not None:
             self.redis_url, self.redis_proc = redis_url, None
-        elif private_redis or self.placement is not None:
+        elif private_redis or placed_redis:
             self.redis_url, self.redis_proc = start_redis(workdir)
-            self._place_redis()
         else:
             self.redis_url, self.redis_proc = find_redis(workdir)
-        self.redis = sync_client(self.redis_url)
+        try:
+            self._place_redis()
+            self.redis = sync_client(self.redis_url)
+        except BaseException:
+            if self.redis_proc is not None:
+                stop_all([self.redis_proc])
+            raise
         self.num_gateways = gateways
         self.num_engines = engines
         self.executor_args, self.scheduler_args, self.gateway_args = executor_args, scheduler_args, gateway_args
@@ -93,12 +101,16 @@ class Stack:
         self.ports: list[int] = []
 
     def _place_redis(self) -> None:
-        if self.placement is not None and self.redis_proc is not None:
-            os.sched_setaffinity(self.redis_proc.pid, self.placement.control)
+        if self.placement is None or self.redis_proc is None:
+            return
+        for tid in os.listdir(f"/proc/{self.redis_proc.pid}/task"):  # its background threads too
+            os.sched_setaffinity(int(tid), self.placement.control)
 
     def _env(self) -> dict[str, str]:
+        # A private Redis has no password: one in the environment is not for it (as `conveyor up`).
+        inherited = {k: v for k, v in os.environ.items() if self.redis_proc is None or k not in (PASSWORD_ENV, PASSWORD_FILE_ENV)}
         return {
-            **os.environ,
+            **inherited,
             "CONVEYOR_REDIS_URL": self.redis_url,
             "CONVEYOR_NAMESPACE": self.namespace,
             "CONVEYOR_MODEL": self.model,

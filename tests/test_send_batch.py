@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import fakeredis
+import pytest
 import redis
 
 from common.protocol import ENTRY_FIELD, Names, decode
 from common.transport import Outgoing, Transport
-from gateway.send_batch import SendBatch
+from gateway.send_batch import MAX_BATCH_BYTES, SendBatch
 from tests.test_engine_client import SAMPLING, async_test, engine, make_client, publish, sent
 
 NAMES = Names("t-batch")
@@ -79,3 +80,46 @@ async def test_a_burst_of_submissions_is_one_round_trip_with_each_requests_journ
     for i in range(8):  # the route to the engine is journaled with the request, in the same call
         route = [decode(f[ENTRY_FIELD]) for _, f in await client.transport.redis.xrange(client.names.journal(f"j{i}"))]
         assert [r.scheduler_id for r in route] == ["a"]
+
+
+@async_test
+async def test_a_burst_past_the_byte_cap_leaves_in_several_calls_in_order() -> None:
+    t = transport()
+    batch = SendBatch(t, deadline_s=1)
+    big = MAX_BATCH_BYTES // 3 + 1  # three of them overflow one batch
+
+    def padded(i: int) -> Outgoing:
+        return Outgoing("s", str(i).encode().ljust(big), None, None)
+
+    await asyncio.gather(*(batch.send([padded(i)]) for i in range(6)))
+    assert batch.num_calls == 3
+    assert [int(f[ENTRY_FIELD]) for _, f in await t.redis.xrange("s")] == list(range(6))
+
+
+@async_test
+async def test_a_batch_that_never_leaves_fails_its_callers_and_the_next_call_goes_on() -> None:
+    t = transport()
+    batch = SendBatch(t, deadline_s=1)
+    caller = asyncio.ensure_future(batch.send([append("s", 1)]))
+    await asyncio.sleep(0)  # the caller joined; its batch's task has not run
+    for task in list(batch._leaving):
+        task.cancel()  # as at the loop's teardown
+    with pytest.raises(ConnectionError, match="stopped"):
+        await caller
+    await asyncio.wait_for(batch.send([append("s", 2)]), 2)
+    assert await entries(t, "s") == [2]
+
+
+@async_test
+async def test_a_resend_request_that_fails_is_asked_again_at_the_next_gap() -> None:
+    client = make_client()
+    await publish(client, engine("a"))
+    handles = await asyncio.gather(*(client.submit(f"r{i}", [1], SAMPLING) for i in range(3)))
+
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise redis.ConnectionError("Redis is away")
+
+    client.transport.send_many = refused  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        await client._sync_all("test")
+    assert [h.sync_from for h in handles] == [-1, -1, -1]  # none counts as asked

@@ -90,6 +90,7 @@ class EngineClient:
         self.model_info: EngineStatus | None = None
         self.down_reason: str | None = "no engine has registered yet"
         self.run_id: str | None = None
+        self.resync_why: str | None = None  # every stream must ask for a resend, why; kept until that is sent
         self.num_migrations = 0  # requests moved to another engine (a metric's source)
         self.redis_rtt_s: float | None = None  # the last engine refresh's first round trip (a metric's source)
         # After a Redis restart, engines need a beat to re-register: none is "gone" before this.
@@ -367,11 +368,11 @@ class EngineClient:
 
     async def _refresh(self) -> None:
         """Re-read the live engines and decide whether this gateway can serve (``down_reason``)."""
-        t = self.transport
-        t0 = time.perf_counter()
+        t, t0 = self.transport, time.perf_counter()
         run_id = await t.run_id(deadline_s=2)
         self.redis_rtt_s = time.perf_counter() - t0  # one round trip (plus retries, if Redis is slow to answer)
-        restarted = self.run_id is not None and run_id != self.run_id
+        if self.run_id is not None and run_id != self.run_id:  # engines need a beat to re-register
+            self.settle_until, self.resync_why = time.monotonic() + self.heartbeat_ttl_ms / 1000, "Redis restarted"
         self.run_id = run_id
         ids = [sid.decode() for sid in await t.call(t.redis.zrange, self.names.engines, 0, -1, deadline_s=2)]
         values = await t.call(t.redis.mget, [self.names.engine(sid) for sid in ids], deadline_s=2) if ids else []
@@ -386,9 +387,9 @@ class EngineClient:
         if engines:
             self.model_info = next(iter(engines.values()))
         self.down_reason = None if engines else "no engine is running (no scheduler with an executor is alive)"
-        if restarted:
-            self.settle_until = time.monotonic() + self.heartbeat_ttl_ms / 1000
-            await self._sync_all("Redis restarted")
+        if self.resync_why is not None:  # after the reads above: a failed refresh leaves it for the next
+            await self._sync_all(self.resync_why)
+            self.resync_why = None
 
     async def _sync_all(self, why: str) -> None:
         """Ask the engines to resend what each request in flight misses (``unknown``: it migrates)."""
@@ -430,10 +431,9 @@ class EngineClient:
         while True:
             try:
                 if overslept > self.heartbeat_ttl_ms / 1000:
-                    # Frozen (SIGSTOP, a paused VM) for as long as a heartbeat lives: schedulers may
-                    # have declared this gateway gone, aborted its non-resumable requests and ended
-                    # orphans, telling it nothing. A sync finds every such request (and migrates it).
-                    await self._sync_all(f"this gateway did not run for {overslept:.1f} s")
+                    # Frozen (SIGSTOP, a paused VM) for a heartbeat's life: schedulers may have aborted its
+                    # requests or ended orphans, telling it nothing. A sync (in `_refresh`) finds each.
+                    self.resync_why = f"this gateway did not run for {overslept:.1f} s"
                 await self._refresh()
                 read = self._outputs_cursors.get(self.outputs_stream)
                 if read is not None:  # this gateway is the stream's only reader

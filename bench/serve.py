@@ -246,7 +246,7 @@ def run_round(
             )
         before = read_stats(redis_url, namespace) if redis_url and namespace else None
         pids = {name: proc.pid for name, proc in stack.procs.items()} if stack is not None else {}
-        if stack is not None and stack.redis_proc is not None:  # the stack's own (a placed one's is)
+        if stack is not None and stack.redis_proc is not None:  # the stack's own Redis (a placed stack has one)
             pids["redis"] = stack.redis_proc.pid
         cpu0 = cpu_seconds(pids)
         # The load client stays off the executor's CPUs, as if it ran on another machine.

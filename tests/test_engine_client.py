@@ -11,6 +11,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+import redis
 
 from common.codec import unpack_logprobs
 from common.protocol import (
@@ -600,6 +601,29 @@ async def test_a_stream_resumed_where_its_client_hung_up_sends_no_abort_after_it
     flushing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await flushing
+
+
+@async_test
+async def test_a_redis_restart_seen_by_a_refresh_that_fails_is_synced_by_the_next_one() -> None:
+    client = make_client()
+    await publish(client, engine("a"))
+    handle = await client.submit("r0", [1], SAMPLING)
+    send_many = client.transport.send_many
+    before = [m.request_id for m in await sent(client, "a")]
+
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise redis.ConnectionError("Redis is loading")
+
+    client.run_id = "the run before the restart"
+    client.transport.send_many = refused  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        await client._refresh()  # sees the restart, cannot send the resend requests
+    assert client.resync_why == "Redis restarted" and handle.sync_from == -1
+    client.transport.send_many = send_many  # type: ignore[method-assign]
+    await client._refresh()  # the same run id now: the restart is not news, but the resend is still owed
+    syncs = (await sent(client, "a"))[len(before) :]
+    assert [(type(m).__name__, m.request_id) for m in syncs] == [("SyncRequest", handle.engine_request_id)]
+    assert client.resync_why is None
 
 
 @async_test

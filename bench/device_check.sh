@@ -9,7 +9,8 @@
 # Needs only torch, triton, transformers, tokenizers, safetensors, msgpack, pytest (no redis,
 # fastapi or uvicorn: nothing on these paths imports them). Run from the source tree:
 #   bash bench/device_check.sh            (logs in $OUT, else /tmp/device_check; a summary prints last)
-#   CPU_SMOKE=1 bash bench/device_check.sh  (no GPU: the CPU parts of 1, a tiny model for 3; checks the script)
+#   CPU_SMOKE=1 bash bench/device_check.sh  (no GPU: the CPU parts of 1, 2 on small shapes, a tiny model for 3;
+#                                            checks the script, never the speed; tests/test_device_check.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -63,7 +64,7 @@ MAKE_PID=$!
 
 if [[ $CPU_SMOKE == 1 ]]; then
   section tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
-  echo "(kernel timings need CUDA: skipped)"
+  section kernels 90 $PY -m bench.kernels --smoke --json "$LOG/kernels.json"
 else
   section tests 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py
   section kernels 90 $PY -m bench.kernels --json "$LOG/kernels.json"
@@ -92,11 +93,12 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 print(f"| copy (read+write) | {r['copy_gbps']:.0f} GB/s |")
 best = max(r["decode_gbps"], key=r["decode_gbps"].get)
-print(f"| paged decode 64x4k, dispatch | {r['decode_gbps']['dispatch']:.0f} GB/s = "
+d, pf = r["decode_shape"], r["prefill_shape"]
+print(f"| paged decode {d}, dispatch | {r['decode_gbps']['dispatch']:.0f} GB/s = "
       f"{r['decode_dispatch_share_of_copy']:.0%} of copy (target >= 70%) |")
-print(f"| paged decode 64x4k, best ({best}) | {r['decode_share_of_copy']:.0%} of copy |")
+print(f"| paged decode {d}, best ({best}) | {r['decode_share_of_copy']:.0%} of copy |")
 p = r["prefill_tflops"]
-print(f"| prefill 4x4k | {p['triton']:.0f} vs SDPA {p['sdpa']:.0f} TFLOP/s = "
+print(f"| prefill {pf} | {p['triton']:.0f} vs SDPA {p['sdpa']:.0f} TFLOP/s = "
       f"{r['prefill_share_of_sdpa']:.0%} (target >= 50%) |")
 PYEOF
 else

@@ -8,7 +8,9 @@
   ``torch.nn.functional.scaled_dot_product_attention`` on the same shapes.
 
 Timing: CUDA events around each call, warm-up first, median of the repeats.
-Also ``python -m bench.kernels --make-model DIR``: a ~0.5B-parameter random llama for bench.offline.
+``--smoke`` runs the same code on the CPU under Triton's interpreter, on shapes small enough for a
+test (fp32, since the interpreter gets bf16 wrong): it checks the script, its answers and its JSON,
+never the speed (bench/device_check.sh's CPU_SMOKE and tests/test_device_check.py use it).
 """
 
 from __future__ import annotations
@@ -17,35 +19,68 @@ import argparse
 import functools
 import json
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from executor.attention_metadata import AttentionMetadata
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` calls, each bracketed by CUDA events."""
-    for _ in range(warmup):
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    """What one run measures: the GPU's real shapes, or a CPU smoke run's small ones."""
+
+    device: str
+    dtype: torch.dtype
+    copy_bytes: int
+    decode_seqs: int
+    decode_ctx: int
+    prefill_seqs: int
+    prefill_len: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    block_size: int = 16
+    warmup: int = 5
+    iters: int = 30
+
+
+GPU = Shapes("cuda", torch.bfloat16, 2 << 30, 64, 4096, 4, 4096, 32, 8, 128)
+# Head size 16 and contexts of a few blocks: tl.dot's smallest tile, and seconds under the interpreter.
+SMOKE = Shapes("cpu", torch.float32, 1 << 20, 3, 80, 1, 40, 4, 2, 16, warmup=1, iters=2)
+
+
+def time_ms(fn: Callable[[], object], shapes: Shapes) -> float:
+    """Median milliseconds of ``fn`` over ``shapes.iters`` calls (CUDA events on a GPU, else the wall clock)."""
+    for _ in range(shapes.warmup):
         fn()
-    torch.cuda.synchronize()
+    cuda = shapes.device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    for _ in range(shapes.iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def copy_gbps(nbytes: int = 2 << 30) -> float:
+def copy_gbps(shapes: Shapes) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(shapes.copy_bytes, dtype=torch.uint8, device=shapes.device)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * nbytes / ms / 1e6
+    ms = time_ms(lambda: dst.copy_(src), shapes)
+    return 2 * shapes.copy_bytes / ms / 1e6
 
 
 def paged_batch(
@@ -56,9 +91,9 @@ def paged_batch(
     head_size: int,
     block_size: int,
     dtype: torch.dtype,
+    dev: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random q and a paged cache whose blocks are scattered (a shuffled pool, like a busy engine)."""
-    dev = "cuda"
     nblk = [(s + block_size - 1) // block_size for s in seq_lens]
     total = sum(nblk)
     perm = torch.randperm(total, device=dev).to(torch.int32)
@@ -88,18 +123,16 @@ def paged_batch(
     return q, k_cache, v_cache, meta
 
 
-def bench_decode(
-    seqs: int = 64, ctx: int = 4096, heads: int = 32, kv_heads: int = 8, head_size: int = 128, block_size: int = 16
-) -> dict[str, float]:
+def bench_decode(s: Shapes) -> dict[str, float]:
     """GB/s of K/V read by each decode path (dispatch, 2D, split-KV 2/4/8)."""
     from executor.kernels import dispatch_attention
     from executor.kernels.decode_split import decode_split
     from executor.kernels.paged_attention import paged_attention_2d
 
-    dtype = torch.bfloat16
-    q, kc, vc, meta = paged_batch([ctx] * seqs, [1] * seqs, heads, kv_heads, head_size, block_size, dtype)
-    scale = head_size**-0.5
-    kv_bytes = 2 * seqs * ctx * kv_heads * head_size * kc.element_size()
+    seqs, ctx = s.decode_seqs, s.decode_ctx
+    q, kc, vc, meta = paged_batch([ctx] * seqs, [1] * seqs, s.heads, s.kv_heads, s.head_size, s.block_size, s.dtype, s.device)
+    scale = s.head_size**-0.5
+    kv_bytes = 2 * seqs * ctx * s.kv_heads * s.head_size * kc.element_size()
     ref = paged_attention_2d(q, kc, vc, meta, scale)
     variants: dict[str, Callable[[], object]] = {
         "dispatch": lambda: dispatch_attention(q, kc, vc, meta, scale),
@@ -110,18 +143,16 @@ def bench_decode(
     result: dict[str, float] = {}
     for name, fn in variants.items():
         torch.testing.assert_close(fn(), ref, atol=1.5e-2, rtol=1e-2)  # same answer on every path
-        result[name] = kv_bytes / time_ms(fn) / 1e6
+        result[name] = kv_bytes / time_ms(fn, s) / 1e6
     return result
 
 
-def bench_prefill(
-    seqs: int = 4, length: int = 4096, heads: int = 32, kv_heads: int = 8, head_size: int = 128, block_size: int = 16
-) -> dict[str, float]:
+def bench_prefill(s: Shapes) -> dict[str, float]:
     """TFLOP/s of causal prefill: the paged kernel and SDPA on the same shapes."""
     from executor.kernels.paged_attention import paged_attention_2d
 
-    dtype = torch.bfloat16
-    q, kc, vc, meta = paged_batch([length] * seqs, [length] * seqs, heads, kv_heads, head_size, block_size, dtype)
+    seqs, length, heads, kv_heads, head_size = s.prefill_seqs, s.prefill_len, s.heads, s.kv_heads, s.head_size
+    q, kc, vc, meta = paged_batch([length] * seqs, [length] * seqs, heads, kv_heads, head_size, s.block_size, s.dtype, s.device)
     scale = head_size**-0.5
     # SDPA inputs: the same K/V, gathered into contiguous [B, H, L, D] once (untimed).
     k = kc[meta.block_tables.long()].reshape(seqs, -1, kv_heads, head_size)[:, :length]
@@ -136,50 +167,40 @@ def bench_prefill(
     want = sdpa().transpose(1, 2).reshape_as(ours)
     torch.testing.assert_close(ours, want, atol=1.5e-2, rtol=1e-2)
     return {
-        "triton": flops / time_ms(lambda: paged_attention_2d(q, kc, vc, meta, scale)) / 1e9,
-        "sdpa": flops / time_ms(sdpa) / 1e9,
+        "triton": flops / time_ms(lambda: paged_attention_2d(q, kc, vc, meta, scale), s) / 1e9,
+        "sdpa": flops / time_ms(sdpa, s) / 1e9,
     }
-
-
-def make_half_b_model(out: str) -> str:
-    """A ~0.5B-parameter random llama (hidden 1536, 20 layers, 12/4 heads of 128)."""
-    from executor import make_model as mm
-
-    # Not one of make_model's named sizes yet: register the geometry for this call.
-    mm.GEOMETRY.setdefault(
-        "bench_0.5b", dict(vocab=8192, hidden=1536, layers=20, heads=12, kv_heads=4, head_dim=128, inter=4096, max_pos=4096)
-    )
-    if "bench_0.5b" not in mm.SIZES:
-        mm.SIZES = (*mm.SIZES, "bench_0.5b")
-    return str(mm.make_model("llama", "bench_0.5b", 0, out))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--make-model", default=None, metavar="DIR", help="only write the ~0.5B benchmark checkpoint into DIR")
+    ap.add_argument("--smoke", action="store_true", help="small shapes on the CPU (Triton's interpreter): checks, not timings")
     args = ap.parse_args(argv)
-    if args.make_model:
-        print(f"wrote {make_half_b_model(args.make_model)}")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench.kernels needs a CUDA device")
+    shapes = SMOKE if args.smoke else GPU
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench.kernels needs a CUDA device (or --smoke)")
         return 2
-    copy = copy_gbps()
-    decode = bench_decode()
-    prefill = bench_prefill()
+    copy = copy_gbps(shapes)
+    decode = bench_decode(shapes)
+    prefill = bench_prefill(shapes)
     best_decode = max(decode.values())
-    print(f"device {torch.cuda.get_device_name()}  copy {copy:.0f} GB/s (read+write)")
+    name = torch.cuda.get_device_name() if shapes.device == "cuda" else "cpu (smoke: the numbers mean nothing)"
+    print(f"device {name}  copy {copy:.0f} GB/s (read+write)")
+    decode_shape, prefill_shape = f"{shapes.decode_seqs}x{shapes.decode_ctx}", f"{shapes.prefill_seqs}x{shapes.prefill_len}"
     print("| kernel | variant | achieved | ceiling | share | target |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, gbps in decode.items():
-        print(f"| decode 64x4k | {name} | {gbps:.0f} GB/s | {copy:.0f} GB/s | {gbps / copy:.0%} | >= 70% |")
+    for variant, gbps in decode.items():
+        print(f"| decode {decode_shape} | {variant} | {gbps:.0f} GB/s | {copy:.0f} GB/s | {gbps / copy:.0%} | >= 70% |")
     print(
-        f"| prefill 4x4k | triton | {prefill['triton']:.0f} TFLOP/s | "
+        f"| prefill {prefill_shape} | triton | {prefill['triton']:.0f} TFLOP/s | "
         f"{prefill['sdpa']:.0f} TFLOP/s (SDPA) | {prefill['triton'] / prefill['sdpa']:.0%} | "
         f">= 50% |"
     )
     summary = {
+        "device": name,
+        "decode_shape": decode_shape,
+        "prefill_shape": prefill_shape,
         "copy_gbps": copy,
         "decode_gbps": decode,
         "decode_share_of_copy": best_decode / copy,

@@ -1,0 +1,40 @@
+"""bench/device_check.sh, the one-shot GPU check, run end to end on the CPU (CPU_SMOKE=1).
+
+No session has had a GPU yet, and a lent one gives minutes, not hours: the script, its sections,
+the JSON each benchmark writes and the summary that reads it must work the first time. Only the
+speed is left for the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_cpu_smoke_run_passes_every_section_and_prints_the_whole_summary(tmp_path: Path) -> None:
+    env = {**os.environ, "CPU_SMOKE": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "bench/device_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    summary = out[out.index("== summary") :]
+    assert "| tests (kernels vs torch, graphs vs eager) | rc=0 " in summary
+    assert "| copy (read+write) |" in summary
+    assert "| paged decode 3x80, dispatch |" in summary and "| prefill 1x40 |" in summary
+    assert "| e2e (tiny llama, float32) | rc=0 (make-model rc=0) |" in summary
+    assert "| greedy tokens equal to transformers | 16/16, 16/16, 16/16, 16/16 |" in summary
+    assert "| decode batch 8 | eager " in summary
+    assert "unreadable" not in summary
+
+    kernels = json.loads((tmp_path / "kernels.json").read_text())
+    assert set(kernels["decode_gbps"]) == {"dispatch", "2d", "split2", "split4", "split8"}
+    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    assert all(same == n for same, n in e2e["parity"])
+    assert set(e2e["decode_tok_s"]["eager"]) == {"1", "8"}

@@ -99,6 +99,9 @@ class Names:
         return f"{self.namespace}:outputs:{gateway_id}"
 
     def journal(self, response_id: str) -> str:
+        """A resumable stream's journal. Never trimmed: a resume needs its first entries (the
+        header and the routes). Bounded by its request (at most ``SamplingParams.MAX_N`` choices of
+        at most the model's context each, a route per move) and by its TTL, the resume window."""
         return f"{self.namespace}:journal:{response_id}"
 
     def heartbeat(self, kind: str, process_id: str) -> str:

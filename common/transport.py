@@ -50,6 +50,14 @@ logger = logging.getLogger(__name__)
 MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
 FIRST_ENTRY_ID = "0-1"  # the lowest stream entry id: `Transport.create_stream`
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# Redis could not do what was asked: out of reach (TRANSIENT_ERRORS, retried until a deadline) or
+# refusing writes (out of memory, a read-only replica, a failing disk, still loading). A caller that
+# cannot go on without Redis answers these as 503, never as its own fault.
+REDIS_FAILURES = (redis.RedisError, ConnectionError, OSError)
+# Refusals that say what state the server is in, not that it cannot run a script: the same
+# appends pipelined would be refused the same way.
+_SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError)
+_SERVER_STATE_CODES = ("MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN")
 CLIENT_OPTIONS: dict[str, Any] = dict(
     socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
     socket_connect_timeout=5.0,
@@ -271,6 +279,8 @@ class Transport(TransportCore[aioredis.Redis]):
                     await self.call(self._append_script, keys=keys, args=args, deadline_s=deadline_s)
                     return
                 except redis.ResponseError as exc:  # e.g. a stand-in without Lua's cmsgpack: it fails before any append
+                    if isinstance(exc, _SERVER_STATE_ERRORS) or str(exc).startswith(_SERVER_STATE_CODES):
+                        raise  # scripts work; the server refuses writes for now
                     logger.warning("%s: the append script failed (%s); appends go pipelined", self.owner, exc)
                     self._append_script = False
         if sends:  # a new pipeline per try: a failed execute() leaves its own empty

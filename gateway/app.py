@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.protocol import EngineStatus, JournalHeader, Names, encode
 from common.sampling_params import sampling_to_dict
-from common.transport import Outgoing
+from common.transport import REDIS_FAILURES, Outgoing
 from gateway.config import GatewayConfig
 from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
@@ -135,6 +135,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, REDIS_FAILURES):  # e.g. reading a journal to resume a stream: Redis's fault, not ours
+            logger.warning("Redis failed: %s", exc)
+            body = ApiError(503, f"the engine's Redis failed ({type(exc).__name__}); retry shortly", "server_error").body()
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         logger.error("unhandled error", exc_info=exc)
         # Not the exception's text: it is for the log, not for clients.
         return JSONResponse(

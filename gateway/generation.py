@@ -17,7 +17,7 @@ from typing import Any
 from common.logs import log_event
 from common.protocol import TAKEN_OVER
 from common.sampling_params import SamplingParams, sampling_to_dict
-from common.transport import TRANSIENT_ERRORS, Outgoing
+from common.transport import REDIS_FAILURES, Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.json_input import ApiError
 from gateway.metrics import RequestMetrics
@@ -156,8 +156,8 @@ class Generation:
             ) from None
         except EngineUnavailable as exc:
             raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
-        except TRANSIENT_ERRORS as exc:
-            raise ApiError(503, f"cannot reach the engine's Redis: {exc}", "server_error") from None
+        except REDIS_FAILURES as exc:  # out of reach, or refusing writes (out of memory, read-only)
+            raise ApiError(503, f"the engine's Redis failed: {exc}", "server_error") from None
 
     async def pieces(self) -> AsyncIterator[Piece]:
         assert self.handle is not None, "start() first"

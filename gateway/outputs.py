@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from common.codec import unpack_logprobs
-from common.protocol import OUTPUTS_MAXLEN, TAKEN_OVER, Names, StepOutputs, encode
+from common.protocol import TAKEN_OVER, Names, StepOutputs, encode
 from common.transport import Outgoing
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 
@@ -116,7 +116,7 @@ def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> Ste
 def journal_write(names: Names, handle: RequestHandle, event: EngineEvent, start: int, ttl_ms: int) -> Outgoing:
     """The append of ``event`` (its first token at output index ``start``) to ``handle``'s journal."""
     entry = encode(journal_entry(handle.engine_request_id, start, event))
-    return Outgoing(names.journal(handle.journal_id), entry, OUTPUTS_MAXLEN, ttl_ms)
+    return Outgoing(names.journal(handle.journal_id), entry, None, ttl_ms)  # never trimmed (`Names.journal`)
 
 
 def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEvent]:

@@ -43,6 +43,7 @@ class RequestHandle:
     done: bool = False
     unrouted_since: float | None = None  # waiting for a live engine to migrate to
     sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
+    resend_owed: bool = False  # outputs were lost and asking for them failed: ask again
     group_id: str = ""  # shared by one prompt's ``n`` sibling requests (`GenerateRequest.group_id`)
     prefer_engine: str = ""  # a sibling's engine: the first attempt goes there if it is live
     journaled_at: float = 0.0  # time.monotonic() of this gateway's last write to the journal (0: none yet)

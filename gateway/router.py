@@ -48,7 +48,7 @@ from common.protocol import (
     SyncRequest,
     encode,
 )
-from common.transport import TRANSIENT_ERRORS, Outgoing, Transport
+from common.transport import REDIS_FAILURES, TRANSIENT_ERRORS, Outgoing, Transport
 from common.watchdog import Watchdog
 from gateway.aborts import AbortQueue
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine, reason_to_leave
@@ -180,7 +180,7 @@ class EngineClient:
         try:
             if not await self._route(handle, journal or []):
                 raise EngineUnavailable("no live engine")
-        except Exception:
+        except BaseException:  # cancelled too: a handle left here would be resent, kept and counted for good
             self._forget(handle)
             if claim is not None:  # the stream never started: its id is free again
                 with contextlib.suppress(Exception):
@@ -227,7 +227,7 @@ class EngineClient:
         handle.engine_request_id = handle.request_id if handle.attempts == 0 else f"{handle.request_id}~{handle.attempts}"
         handle.attempts += 1
         handle.scheduler_id, handle.incarnation = engine.scheduler_id, engine.incarnation
-        handle.unrouted_since, handle.sync_from = None, -1
+        unrouted_since, handle.unrouted_since, handle.sync_from = handle.unrouted_since, None, -1
         self.attempts[handle.engine_request_id] = handle
         msg = GenerateRequest(
             handle.engine_request_id,
@@ -248,7 +248,14 @@ class EngineClient:
         sends.append(self._to_engine(engine.scheduler_id, msg))
         # Counted before the await: requests routed concurrently must see each other's choice.
         self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
-        await self.submits.send(sends)
+        try:
+            await self.submits.send(sends)
+        except BaseException:
+            # Not sent, or sent and its reply lost: an abort after it (same stream) stops the attempt
+            # if it landed; and a move that failed is still one to make (`_check_routes` retries it).
+            self.aborts.add(engine.scheduler_id, handle.engine_request_id)
+            handle.unrouted_since = unrouted_since
+            raise
         if handle.journal_id:
             handle.journaled_at = time.monotonic()
         return True
@@ -266,9 +273,17 @@ class EngineClient:
             await self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
         elif len(handle.output_token_ids) >= int(handle.sampling.get("max_tokens", 0)):
             self._deliver(handle, EngineEvent([], [], True, "length"))  # only its last output was lost
-        elif not await self._route(handle, []):
+        elif not await self._try_route(handle):
             if time.monotonic() - handle.unrouted_since > self.recovery_timeout_s:
                 await self._fail(handle, f"no live engine for {self.recovery_timeout_s:.0f}s ({why})")
+
+    async def _try_route(self, handle: RequestHandle) -> bool:
+        """`_route` for a move: a send that fails leaves the move to retry (False)."""
+        try:
+            return await self._route(handle, [])
+        except REDIS_FAILURES as exc:
+            logger.warning("request %s: could not move it (%s); trying again", handle.request_id, exc)
+            return False
 
     # -- resuming a stream another gateway served ------------------------------------------------
     async def adopt(
@@ -295,8 +310,12 @@ class EngineClient:
         status = self.engines.get(route.scheduler_id)
         handle.incarnation = status.incarnation if status is not None else ""  # else: the watcher migrates it
         self.requests[request_id] = self.attempts[route.request_id] = handle
-        await self.aborts.withdraw(route.scheduler_id, route.request_id, deadline_s=5)  # its client may have hung up here
-        await self._sync(handle)
+        try:
+            await self.aborts.withdraw(route.scheduler_id, route.request_id, deadline_s=5)  # its client may have hung up here
+            await self._sync(handle)
+        except BaseException:  # not adopted: a retry (here or elsewhere) must find the stream free
+            self._forget(handle)
+            raise
         return handle
 
     # -- background tasks ----------------------------------------------------------------------
@@ -325,18 +344,30 @@ class EngineClient:
         routed = route_outputs(msgs, self.attempts)
         ttl = self.journal_ttl_ms
         journal = [journal_write(self.names, h, event, start, ttl) for h, event, start in routed.events if h.journal_id]
+        events = routed.events
         if journal:  # write-ahead: no client sees an event that another gateway could not replay
-            await self.transport.send_many(journal)
-            now = time.monotonic()
-            for handle, _, _ in routed.events:
-                handle.journaled_at = now
-        for handle, event, _ in routed.events:
+            try:
+                await self.transport.send_many(journal)
+            except REDIS_FAILURES as exc:
+                # This read's cursor moved on: the journaled events are taken back and asked for again
+                # (`_watch`), as outputs lost on the way are; the rest are delivered.
+                logger.warning("could not journal %d events (%s); asking for them again", len(journal), exc)
+                for handle, _, start in events:
+                    if handle.journal_id:
+                        del handle.output_token_ids[start:]
+                        handle.resend_owed = True
+                events = [(h, event, start) for h, event, start in events if not h.journal_id]
+            else:
+                now = time.monotonic()
+                for handle, _, _ in events:
+                    handle.journaled_at = now
+        for handle, event, _ in events:
             self._deliver(handle, event)
         for handle, why in routed.taken:  # the stream goes on elsewhere: nothing is journaled
             if not handle.done:
                 logger.warning("request %s: %s; this copy ends", handle.request_id, why)
                 self._deliver(handle, EngineEvent([], [], True, TAKEN_OVER, why))
-        await asyncio.gather(*(self._sync(handle) for handle in routed.syncs))  # one Redis call
+        await self._sync_each(routed.syncs)
         for handle in routed.migrate:
             await self._migrate(handle, "its engine does not hold it")
 
@@ -352,8 +383,21 @@ class EngineClient:
         try:
             await self.submits.send([self._to_engine(handle.scheduler_id, msg)])
         except BaseException:
-            handle.sync_from = before  # not asked: the next gap asks again
+            # Not asked: the next gap asks again, and `_watch` does if none comes (the lost outputs
+            # may have been the last).
+            handle.sync_from, handle.resend_owed = before, True
             raise
+        handle.resend_owed = False
+
+    async def _sync_each(self, handles: list[RequestHandle]) -> None:
+        """`_sync` each of ``handles`` (one Redis call); one that fails is owed (`_watch`)."""
+        results = await asyncio.gather(*(self._sync(h) for h in handles if not h.done), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("could not ask for %d resends (%s); asking again shortly", len(failed), failed[0])
+
+    async def _resend_owed(self) -> None:
+        await self._sync_each([h for h in self.requests.values() if h.resend_owed and h.unrouted_since is None])
 
     async def _fail(self, handle: RequestHandle, error: str) -> None:
         logger.error("request %s failed: %s", handle.request_id, error)
@@ -361,7 +405,7 @@ class EngineClient:
         event = EngineEvent([], [], True, "error", error)
         if handle.journal_id:  # journaled as the engine's events are: a client resuming later gets the error, not a 404
             entry = journal_write(self.names, handle, event, handle.next_index, self.journal_ttl_ms)
-            with contextlib.suppress(*TRANSIENT_ERRORS):  # Redis may be why it failed: the client here still gets it
+            with contextlib.suppress(*REDIS_FAILURES):  # Redis may be why it failed: the client here still gets it
                 await self.transport.send_many([entry], deadline_s=2)
         self._deliver(handle, event)
         self.aborts.add(handle.scheduler_id, handle.engine_request_id)
@@ -438,6 +482,7 @@ class EngineClient:
                 read = self._outputs_cursors.get(self.outputs_stream)
                 if read is not None:  # this gateway is the stream's only reader
                     await self.transport.trim_through(self.outputs_stream, read)
+                await self._resend_owed()
                 await self._check_routes()
                 await self._keep_journals()
             except asyncio.CancelledError:

@@ -59,7 +59,11 @@ class OutputRouter:
         return [r for r, route in self.routes.items() if not route.gateway_id and route.orphaned_from == gateway_id]
 
     def _out(self, stream: str, msg: StepOutputs, ttl_ms: int) -> Outgoing:
-        return Outgoing(stream, encode(msg.sealed(), self.max_message_bytes), OUTPUTS_MAXLEN, ttl_ms)
+        maxlen = None if self._is_journal(stream) else OUTPUTS_MAXLEN  # a journal is never trimmed (`Names.journal`)
+        return Outgoing(stream, encode(msg.sealed(), self.max_message_bytes), maxlen, ttl_ms)
+
+    def _is_journal(self, stream: str) -> bool:
+        return stream.startswith(self.names.journal(""))
 
     # -- outputs --------------------------------------------------------------------------------
     def route(self, outputs: list[StepOutput]) -> list[Outgoing]:
@@ -90,7 +94,7 @@ class OutputRouter:
 
     def _ttl_ms(self, stream: str) -> int:
         # A journal lives as long as its stream may still be resumed; an outputs stream a while longer.
-        return int(self.resume_window_s * 1000) if stream.startswith(self.names.journal("")) else OUTPUTS_TTL_MS
+        return int(self.resume_window_s * 1000) if self._is_journal(stream) else OUTPUTS_TTL_MS
 
     def errors(self, request_ids: list[str], error: str, reason: str = "error") -> list[Outgoing]:
         """Final error outputs for these requests (which are forgotten)."""

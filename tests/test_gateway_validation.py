@@ -303,6 +303,27 @@ def test_engine_down_gives_503(env: dict[str, Any]) -> None:
     register_engine(r, names, env["model"])
 
 
+def test_a_redis_refusing_writes_gives_503s_not_500s(env: dict[str, Any]) -> None:
+    """Out of memory (``maxmemory`` reached, nothing to evict): a submission and a resume are 503s
+    with Retry-After, and the gateway serves again once Redis has memory."""
+    c, r = env["client"], env["redis"]
+    deadline = time.time() + 5
+    while c.get("/health").status_code != 200 and time.time() < deadline:  # an engine (another test took it away)
+        time.sleep(0.1)
+    before = r.config_get("maxmemory")["maxmemory"]
+    r.config_set("maxmemory", 1)
+    try:
+        for response in (
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}),
+        ):
+            _error(response, 503, "Redis")
+            assert response.headers["retry-after"] == "1"
+    finally:
+        r.config_set("maxmemory", before)
+    assert c.get("/health").status_code == 200
+
+
 def test_health_is_503_until_the_tokenizer_loads(tmp_path: Path) -> None:
     """A gateway is ready only once requests need not wait for the tokenizer (a load balancer and
     the test stack wait on /health); a tokenizer that cannot load keeps it 503 with the reason."""

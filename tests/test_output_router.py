@@ -100,7 +100,7 @@ def test_gateway_died_orphans_journaled_and_returns_the_others() -> None:
     # The orphan's outputs now go to its journal, which lives as long as the resume window.
     sends = router.route([out("b", [4, 5], 7), out("c", [6], 2)])
     assert [s.stream for s in sends] == [NAMES.journal("resp-b"), NAMES.outputs("g2")]
-    assert sends[0].ttl_ms == int(WINDOW_S * 1000) and sends[0].maxlen == OUTPUTS_MAXLEN
+    assert sends[0].ttl_ms == int(WINDOW_S * 1000) and sends[0].maxlen is None  # a journal is never trimmed
     assert sends[1].ttl_ms == OUTPUTS_TTL_MS
     assert entries(by_stream(sends)[NAMES.journal("resp-b")]) == [("b", 5, [4, 5], False, None, None)]
     # A second death notice for the same gateway changes nothing.

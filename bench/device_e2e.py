@@ -31,8 +31,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def parity(llm: Any, model_dir: str, device: str, dtype: torch.dtype, n: int) -> list[tuple[int, int]]:
-    """Per prompt: (tokens equal to transformers' greedy before the first difference, n)."""
+def parity(llm: Any, model_dir: str, device: str, dtype: torch.dtype, n: int) -> list[dict[str, Any]]:
+    """Per prompt: our greedy tokens judged by transformers on the same device and dtype.
+
+    ``same``: tokens equal to transformers' own greedy ones before the first difference (n/n is
+    expected in fp32, not in bf16, where transformers' two attention implementations already
+    disagree with each other). ``gap``: teacher forcing, one transformers pass over prompt + our
+    tokens; at each step, how far (in logits) our token is below transformers' best. A correct
+    engine only picks near-ties differently; a broken kernel picks tokens transformers ranks low."""
     from transformers import AutoModelForCausalLM
 
     vocab = llm.executor.info.vocab_size
@@ -47,9 +53,13 @@ def parity(llm: Any, model_dir: str, device: str, dtype: torch.dtype, n: int) ->
             seq = hf.generate(
                 torch.tensor([prompt], device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
             )
+            forced = torch.tensor([prompt + got.token_ids], device=device)
+            logits = hf(forced).logits[0, len(prompt) - 1 : -1].float()  # row i predicts our token i
         want = seq[0, len(prompt) :].tolist()
         same = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), n)
-        out.append((same, n))
+        picked = logits.gather(1, torch.tensor(got.token_ids, device=device)[:, None]).squeeze(1)
+        gap = float((logits.max(dim=1).values - picked).max())
+        out.append({"same": same, "n": n, "gap": gap, "logit_std": float(logits.std())})
     del hf
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -86,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--parity-tokens", type=int, default=16)
+    ap.add_argument("--tolerance", type=float, default=1.0, help="largest logit gap allowed under teacher forcing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.make:
@@ -104,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     graphs = getattr(llm.executor, "graphs", None)
     print(f"engine up in {time.perf_counter() - t0:.1f}s; cuda graphs: {graphs.sizes if graphs else 'off'}")
     results: dict[str, Any] = {"parity": parity(llm, args.model, args.device, dtype, args.parity_tokens)}
-    for same, n in results["parity"]:
-        print(f"greedy vs transformers: {same}/{n} tokens equal")
+    results["tolerance"] = args.tolerance
+    for p in results["parity"]:
+        print(
+            f"greedy vs transformers: {p['same']}/{p['n']} tokens equal; largest logit gap under teacher forcing "
+            f"{p['gap']:.3f} (logits' std {p['logit_std']:.2f})"
+        )
     rates: dict[str, dict[int, float]] = {"graphs": {}, "eager": {}}
     for mode in ("graphs", "eager") if graphs else ("eager",):
         llm.executor.graphs = graphs if mode == "graphs" else None  # type: ignore[union-attr]
@@ -122,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     llm.shutdown()
-    ok = all(same == n for same, n in results["parity"])
-    print("parity:", "all equal" if ok else "DIFFERS (see above)")
+    ok = all(p["gap"] <= args.tolerance for p in results["parity"])
+    print("parity:", f"every token within {args.tolerance} logits of transformers' best" if ok else "DIFFERS (see above)")
     return 0 if ok else 1
 
 

@@ -7,7 +7,8 @@
 - prefill: causal attention over whole prompts on the same heads, TFLOP/s against
   ``torch.nn.functional.scaled_dot_product_attention`` on the same shapes.
 
-Timing: CUDA events around each call, warm-up first, median of the repeats.
+Timing: CUDA events around ten calls back to back (launch latency hidden, as in a forward pass),
+warm-up first, median of the repeats.
 ``--smoke`` runs the same code on the CPU under Triton's interpreter, on shapes small enough for a
 test (fp32, since the interpreter gets bf16 wrong): it checks the script, its answers and its JSON,
 never the speed (bench/device_check.sh's CPU_SMOKE and tests/test_device_check.py use it).
@@ -44,16 +45,18 @@ class Shapes:
     head_size: int
     block_size: int = 16
     warmup: int = 5
-    iters: int = 30
+    iters: int = 10
+    calls: int = 10  # back to back within one timing, so launch latency overlaps the kernels as in a forward
 
 
 GPU = Shapes("cuda", torch.bfloat16, 2 << 30, 64, 4096, 4, 4096, 32, 8, 128)
 # Head size 16 and contexts of a few blocks: tl.dot's smallest tile, and seconds under the interpreter.
-SMOKE = Shapes("cpu", torch.float32, 1 << 20, 3, 80, 1, 40, 4, 2, 16, warmup=1, iters=2)
+SMOKE = Shapes("cpu", torch.float32, 1 << 20, 3, 80, 1, 40, 4, 2, 16, warmup=1, iters=2, calls=1)
 
 
 def time_ms(fn: Callable[[], object], shapes: Shapes) -> float:
-    """Median milliseconds of ``fn`` over ``shapes.iters`` calls (CUDA events on a GPU, else the wall clock)."""
+    """Milliseconds a call of ``fn``: the median over ``shapes.iters`` timings of ``shapes.calls``
+    calls each (CUDA events on a GPU, else the wall clock)."""
     for _ in range(shapes.warmup):
         fn()
     cuda = shapes.device == "cuda"
@@ -64,14 +67,16 @@ def time_ms(fn: Callable[[], object], shapes: Shapes) -> float:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(shapes.calls):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / shapes.calls)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(shapes.calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / shapes.calls)
     return statistics.median(times)
 
 

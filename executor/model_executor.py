@@ -139,8 +139,10 @@ class ModelExecutor:
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
         self.structured = StructuredDecoding(model_dir, cfg.vocab_size, list(cfg.eos_token_ids), self.device)
         self.graphs: CudaGraphRunner | None = None
-        # Graphs need kernels that read every size from device tensors: the Triton backend's.
-        if self.device.type == "cuda" and backend == "triton" and not model_config.enforce_eager:
+        # Graphs need kernels that read every size from device tensors: the Triton backend's. Not
+        # with tensor parallelism yet: ranks would capture NCCL all-reduces in lockstep, a path no
+        # multi-GPU machine has run (docs/parallelism.md).
+        if self.device.type == "cuda" and backend == "triton" and not model_config.enforce_eager and world == 1:
             self.graphs = CudaGraphRunner(
                 lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_caches, meta),
                 max_num_seqs,

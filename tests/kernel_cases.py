@@ -202,6 +202,16 @@ def case_decode_split() -> None:
             run_write_and_attention(batch, dtype, [1, 3, 16])
 
 
+def case_engine_shapes() -> None:
+    """The heads the GPU check runs: its 1B llama's (32 query / 8 KV heads of 64) in a mixed
+    batch, and bench.kernels' (32 / 8 of 128) in decode, 2D and split-KV."""
+    mixed = MIXED if ON_GPU else [(40, 40), (17, 1)]
+    decode = DECODE if ON_GPU else [(40, 1), (3, 1)]
+    for dtype in dtypes(torch.float32):
+        run_write_and_attention(make_batch(mixed, 32, 8, 64, 16, dtype, seed=8), dtype, [])
+        run_write_and_attention(make_batch(decode, 32, 8, 128, 16, dtype, seed=9), dtype, [1, 4])
+
+
 def case_huge_pool() -> None:
     """Block ids past 2^31 elements: int32 offset math would read/write far outside the pool."""
     dtype = torch.float16
@@ -274,6 +284,7 @@ def case_e2e() -> None:
             block_size=16,
             max_model_len=256,
             max_num_batched_tokens=24,
+            max_num_seqs=8,  # on CUDA: four graphs to capture, not nine
         )
         assert llm.executor.ops.name == backend
         tokens[backend] = [r.token_ids for r in llm.generate(prompts, params)]
@@ -384,6 +395,7 @@ CASES = {
     "attn_8_2": case_attn_8_2,
     "attn_5_1": case_attn_5_1,
     "decode_split": case_decode_split,
+    "engine_shapes": case_engine_shapes,
     "huge_pool": case_huge_pool,
     "norm_act": case_norm_act,
     "rotary": case_rotary,

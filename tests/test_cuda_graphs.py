@@ -117,7 +117,9 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for eager in (False, True):
-        llm = LLM(str(tiny_model()), device="cuda", dtype="bfloat16", max_num_seqs=8, enforce_eager=eager)
+        # fp32: seven rows eager and eight padded ones in a graph may take different GEMM kernels,
+        # whose bf16 roundings could flip a near-tie. A KV pool of 256 blocks, not 90% of the GPU.
+        llm = LLM(str(tiny_model()), device="cuda", dtype="float32", max_num_seqs=8, num_blocks=256, enforce_eager=eager)
         assert (llm.executor.graphs is None) == eager  # type: ignore[union-attr]
         if not eager:
             assert sorted(llm.executor.graphs.graphs) == [1, 2, 4, 8]  # type: ignore[union-attr]

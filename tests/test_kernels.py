@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_CASES = ["attn_4_4", "attn_8_2", "attn_5_1", "decode_split", "huge_pool", "norm_act", "rotary"]
+KERNEL_CASES = ["attn_4_4", "attn_8_2", "attn_5_1", "decode_split", "engine_shapes", "huge_pool", "norm_act", "rotary"]
 
 
 def _on_gpu() -> bool:
@@ -57,6 +57,7 @@ def test_kernel_matches_reference(case: str) -> None:
     attn_*: KV write by slot mapping, then paged attention over mixed prefill/decode batches
     (lengths 1..600, GQA 4/4, 8/2, 5/1, head sizes 64/80/128, block sizes 16/32).
     decode_split: split-KV decode with 1, 3 and 16 splits (empty splits included).
+    engine_shapes: the GPU check's heads (32/8 of 64 mixed; 32/8 of 128 decode, split-KV too).
     huge_pool: block ids past 2^31 elements (int64 offsets) in the write and the attention.
     norm_act / rotary: RMSNorm with and without residual, SiLU-and-mul, neox rotary in place.
     """

@@ -294,8 +294,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qi = q[q_lo:q_hi].float()  # [L, Hq, D]
         scores = torch.einsum("lhd,shd->hls", qi, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len)
-        k_pos = torch.arange(seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)

@@ -81,6 +81,11 @@ class StepOutputs:
     plp_token_ids: list[int] = packed("i")
     plp_values: list[float] = packed("d")
 
+    def approx_bytes(self) -> int:
+        """About its encoded size (ids and error texts aside): to split a message before it gets too big."""
+        ints = len(self.token_ids) + len(self.lp_counts) + len(self.lp_token_ids) + len(self.plp_counts) + len(self.plp_token_ids)
+        return 64 * len(self.request_ids) + 4 * ints + 8 * (len(self.lp_values) + len(self.plp_values))
+
     def add(
         self,
         request_id: str,

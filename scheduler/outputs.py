@@ -67,8 +67,10 @@ class OutputRouter:
 
     # -- outputs --------------------------------------------------------------------------------
     def route(self, outputs: list[StepOutput]) -> list[Outgoing]:
-        """One message per gateway (and per orphan's journal) for one step's outputs."""
+        """One message per gateway (and per orphan's journal) for one step's outputs; more where
+        one would pass half the message limit (prompt logprobs: `scheduler.step_bytes`)."""
         by_stream: dict[str, StepOutputs] = {}
+        sends: list[Outgoing] = []
         for out in outputs:
             route = self.routes.get(out.request_id)
             if route is None:
@@ -77,7 +79,8 @@ class OutputRouter:
             queue_time_s = None
             if not route.queue_time_sent and out.queue_time_s is not None:  # once: it is a per-request metric
                 queue_time_s, route.queue_time_sent = out.queue_time_s, True
-            by_stream.setdefault(stream, StepOutputs()).add(
+            msg = by_stream.setdefault(stream, StepOutputs())
+            msg.add(
                 out.request_id,
                 out.num_output_tokens - len(out.new_token_ids),
                 out.new_token_ids,
@@ -90,7 +93,9 @@ class OutputRouter:
             )
             if out.finished:
                 del self.routes[out.request_id]
-        return [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
+            if msg.approx_bytes() > self.max_message_bytes // 2:  # its rows go now; the next ones start another
+                sends.append(self._out(stream, by_stream.pop(stream), self._ttl_ms(stream)))
+        return sends + [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
 
     def _ttl_ms(self, stream: str) -> int:
         # A journal lives as long as its stream may still be resumed; an outputs stream a while longer.

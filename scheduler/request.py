@@ -51,6 +51,7 @@ class Request:
     group_id: str | None = None
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # they went out (with its first output of this engine)
+    sampling_bytes: int = 0  # its sampling parameters' encoded size (`scheduler.step_bytes`)
 
     @property
     def queue_time_s(self) -> float | None:

@@ -51,6 +51,7 @@ from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
 from scheduler.cache_manager import CacheManager
 from scheduler.request import Request, RequestStatus, StepOutput
+from scheduler.step_bytes import check_fits, new_request_bytes, prompt_logprob_bytes, sampling_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ class Scheduler:
                 f"prompt has {request.num_tokens} tokens (with any earlier output), more than "
                 f"max_model_len ({self.max_model_len})"
             )
+        request.sampling_bytes = sampling_bytes(request)
+        check_fits(request, self.cache.block_size, self.max_model_len, self.config.max_step_bytes)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -206,13 +209,16 @@ class Scheduler:
         self.suspects = [r for r in self.suspects if r in self.requests]
         if self.suspects:
             return self._decide_alone(self.requests[self.suspects[0]])
-        budget = self.config.max_num_batched_tokens
+        budget, wire = self.config.max_num_batched_tokens, self.config.max_step_bytes  # tokens, bytes (`step_bytes`)
         scheduled: dict[str, int] = {}
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._num_new_tokens(request, budget)
+            per = prompt_logprob_bytes(request) if self._needs_prompt_logprobs(request) else 0
+            if per:
+                n = min(n, wire // per)
             if n == 0:
                 i += 1
                 continue
@@ -225,7 +231,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break
             scheduled[request.request_id] = n
-            budget -= n
+            budget, wire = budget - n, wire - n * per
             i += 1
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         w = 0
@@ -237,13 +243,17 @@ class Scheduler:
             if (request.num_preemptions and self._in_flight(request)) or self._held(request):
                 w += 1
                 continue
-            admitted = self._admit_blocks(request, budget)
+            cost = new_request_bytes(request, self.cache.block_size)
+            per = prompt_logprob_bytes(request) if self._needs_prompt_logprobs(request) else 0
+            if cost + per > wire and wire < self.config.max_step_bytes:  # the step is full: it goes next (FCFS)
+                break
+            admitted = self._admit_blocks(request, min(budget, max(1, (wire - cost) // per)) if per else budget)
             if admitted is None:
                 break
             del self.waiting[w]
             self._start_running(request)
             scheduled[request.request_id] = admitted
-            budget -= admitted
+            budget, wire = budget - admitted, wire - cost - admitted * per
         return scheduled
 
     def _in_flight(self, request: Request) -> bool:

@@ -76,6 +76,7 @@ class SchedulerServiceConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             async_scheduling=self.async_scheduling,
             steps_in_flight=self.steps_in_flight,
+            max_step_bytes=self.max_message_bytes // 2,
         )
         config.validate()
         return config
@@ -176,6 +177,7 @@ class SchedulerService:
                     self._flush(executor)
                 except Exception as exc:  # an engine bug: fail what was in flight, keep serving
                     logger.exception("engine step failed; failing %d requests", len(self.engine.requests))
+                    self._flush(executor, outputs_only=True)
                     request_ids = list(self.engine.requests)
                     self.engine = None
                     self._send(self.router.errors(request_ids, f"engine error: {exc}"))
@@ -435,9 +437,9 @@ class SchedulerService:
             except Exception:
                 logger.exception("could not send %d messages", len(sends))
 
-    def _flush(self, executor: StreamExecutor) -> None:
+    def _flush(self, executor: StreamExecutor, outputs_only: bool = False) -> None:
         try:
-            executor.flush()
+            executor.flush_outputs() if outputs_only else executor.flush()
         except Exception:
             logger.exception("could not send the last outputs")
 

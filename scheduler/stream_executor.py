@@ -93,6 +93,12 @@ class StreamExecutor:
             sends, self.outbox = self.outbox, []
             self.transport.exchange(sends)
 
+    def flush_outputs(self) -> None:
+        """Send the queued outputs for the gateways, not the queued steps: the engine that planned
+        them failed (its requests' ends may be among the outputs, and nothing else would send them)."""
+        self.outbox = [o for o in self.outbox if o.stream != self._steps_stream]
+        self.flush()
+
     def submit(self, output: SchedulerOutput) -> None:
         """Queue one step; it leaves with the next `collect` (or `flush`)."""
         output.epoch = self.epoch

@@ -63,9 +63,9 @@ class Engine:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     ends: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
 
-    def submit(self, request_id: str, prompt: list[int]) -> None:
+    def submit(self, request_id: str, prompt: list[int], sampling: dict[str, Any] | None = None) -> None:
         self.tokens[request_id] = []
-        msg = GenerateRequest(request_id, "gw", "0", self.incarnation, prompt, [], GREEDY, 0.0)
+        msg = GenerateRequest(request_id, "gw", "0", self.incarnation, prompt, [], sampling or GREEDY, 0.0)
         self.r.xadd(self.names.requests("0"), {b"m": encode(msg)})
 
     def wait_all(self, timeout_s: float) -> None:
@@ -137,6 +137,30 @@ def test_failing_request_fails_alone(engine: Engine, tiny_model: Any) -> None:
         want = llm.generate([prompts[request_id]], SamplingParams(**GREEDY))[0].token_ids
         assert engine.tokens[request_id] == want, request_id
     assert engine.executor.model.failed_steps >= 2  # type: ignore[attr-defined]  # the mixed step, then alone
+
+
+def test_an_engine_bug_after_a_request_finished_still_sends_its_end(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step after ``short`` finished fails in the scheduler (a bug): ``short``'s last output,
+    queued to ride with that step, still goes out; ``long`` fails with the error."""
+    from scheduler.scheduler import Scheduler
+
+    real, admitted, raised = Scheduler.schedule, threading.Event(), threading.Event()
+
+    def schedule(self: Scheduler) -> Any:
+        if "short" in engine.scheduler.router.routes:
+            admitted.set()
+        elif admitted.is_set() and not raised.is_set():  # its last output is routed, not yet sent
+            raised.set()
+            raise RuntimeError("injected scheduler bug")
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    engine.submit("long", [5, 6, 7], {**GREEDY, "max_tokens": 200})
+    engine.submit("short", [8, 9], {**GREEDY, "max_tokens": 2})
+    engine.wait_all(30)
+    assert raised.is_set()
+    assert engine.ends["short"] == ("length", None) and len(engine.tokens["short"]) == 2
+    assert engine.ends["long"][0] == "error" and "injected scheduler bug" in (engine.ends["long"][1] or "")
 
 
 @pytest.mark.parametrize("engine", [2.0], indirect=True)

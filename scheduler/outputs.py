@@ -141,8 +141,17 @@ class OutputRouter:
                 sends.append(self._out(self.names.outputs(route.gateway_id), notice, OUTPUTS_TTL_MS))
             route.gateway_id, route.orphaned_until = gateway_id, 0.0
             start = max(0, min(from_index, request.num_output_tokens))
-            msg.add(request_id, start, request.output_token_ids[start:], request.output_logprobs[start:], False, None, None)
-        sends.append(self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS))
+            # In pieces of a quarter message, in several messages: a long generation's logprobs can pass the limit.
+            lps = request.sampling_params.logprobs
+            piece = max(1, self.max_message_bytes // 4 // (8 + 12 * (lps + 1 if lps is not None else 0)))
+            for i in range(start, max(start + 1, request.num_output_tokens), piece):
+                j = i + piece
+                msg.add(request_id, i, request.output_token_ids[i:j], request.output_logprobs[i:j], False, None, None)
+                if msg.approx_bytes() > self.max_message_bytes // 2:
+                    sends.append(self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS))
+                    msg = StepOutputs()
+        if msg.request_ids:
+            sends.append(self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS))
         return sends
 
     def gateway_died(self, gateway_id: str, now: float) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import SchedulerConfig
-from common.protocol import encode
+from common.protocol import decode, encode
 from common.sampling_params import SamplingParams
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
@@ -89,3 +89,17 @@ def test_output_messages_are_split_before_they_get_too_big() -> None:
     sends = router.route(outputs)
     assert len(sends) > 1 and all(len(s.data) <= 4_000 for s in sends)
     assert {s.stream for s in sends} == {NAMES.outputs("g1")}
+
+
+def test_a_long_resend_with_logprobs_goes_in_pieces_that_fit() -> None:
+    router = OutputRouter(NAMES, 30.0, max_message_bytes=200_000)
+    router.add("r", "g1", "")
+    request = Request("r", [1, 2], SamplingParams(max_tokens=5000, logprobs=20))
+    request.output_token_ids = [i % 90 for i in range(5000)]
+    request.output_logprobs = [{t: -1.0 for t in range(21)} for _ in range(5000)]  # ~1.3 MB in all
+    notice, *sends = router.adopt(request, "r", "g2", 10)  # g1 is told its copy ends
+    assert notice.stream == NAMES.outputs("g1") and {s.stream for s in sends} == {NAMES.outputs("g2")}
+    assert len(sends) > 1 and all(len(s.data) <= 200_000 for s in sends)
+    rows = [(m.token_index[i], m.num_tokens[i]) for m in (decode(s.data) for s in sends) for i in range(len(m.request_ids))]
+    assert rows[0][0] == 10 and all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))  # in order, no gap
+    assert sum(n for _, n in rows) == 4990

@@ -42,6 +42,8 @@ class ModelExecutorLike(Protocol):
 
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput: ...
 
+    def reset(self) -> None: ...
+
 
 class InlineExecutor:
     """A `StepExecutor` over an in-process executor: each step runs when it is submitted.
@@ -62,6 +64,11 @@ class InlineExecutor:
             self._results.append(self.executor.execute_model(output))
         except Exception as exc:  # raised by `collect`, in step order
             self._results.append(exc)
+
+    def reset(self) -> None:
+        """Drop the results not collected and the executor's request state (an interrupted `LLM`)."""
+        self._results.clear()
+        self.executor.reset()
 
     def collect(self) -> ExecutorOutput:
         result = self._results.popleft()

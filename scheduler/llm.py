@@ -104,7 +104,8 @@ class LLM:
         self.cache_manager = CacheManager(info.num_blocks, info.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, info)
         sc = self.scheduler_config
-        self.engine_core = EngineCore(self.scheduler, InlineExecutor(self.executor), sc.async_scheduling, sc.steps_in_flight)
+        self.inline = InlineExecutor(self.executor)
+        self.engine_core = EngineCore(self.scheduler, self.inline, sc.async_scheduling, sc.steps_in_flight)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
 
@@ -183,6 +184,12 @@ class LLM:
                         pending.discard(out.request_id)
             while self.engine_core.in_flight:  # steps scheduled one ahead for requests now finished
                 self.engine_core.step()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed anywhere in a step: nothing in flight is trusted. The
+            # executor drops its state and every request left is resent as new: the LLM stays usable.
+            self.engine_core.reset()
+            self.inline.reset()
+            raise
         finally:
             for request_id in pending:  # only after an error: leave no half-run request behind
                 self.scheduler.abort(request_id)

@@ -31,6 +31,9 @@ class FakeExecutor:
             raise
         return ExecutorOutput(token_ids, [None] * len(token_ids))
 
+    def reset(self) -> None:
+        self.state.clear()
+
     def run_batch(self, batch: Batch) -> list[int]:
         """The token of each row of ``batch`` (-1 where it does not sample)."""
         raise NotImplementedError

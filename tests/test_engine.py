@@ -267,3 +267,28 @@ def _shared_llm(model_dir: str) -> LLM:
     if model_dir not in _LLMS:
         _LLMS[model_dir] = LLM(model_dir, block_size=16, max_model_len=512)
     return _LLMS[model_dir]
+
+
+@pytest.mark.parametrize("where", ["execute_model", "update_from_output"])
+def test_an_interrupted_generate_leaves_the_llm_usable(tiny_model, where: str) -> None:
+    """Ctrl-C in a notebook: inside a forward pass, or while a step's tokens are applied. The next
+    ``generate`` runs as on a fresh engine (before, the step bookkeeping was left out of step)."""
+    llm = LLM(tiny_model("llama"), block_size=16)
+    prompts = [[5, 17, 99, 3], [42] * 20, list(range(40, 73))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    owner = llm.executor if where == "execute_model" else llm.scheduler
+    real, calls = getattr(owner, where), [0]
+
+    def interrupted(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    setattr(owner, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    setattr(owner, where, real)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert [o.token_ids for o in llm.generate(prompts[:1], params)] == want[:1]

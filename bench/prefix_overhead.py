@@ -42,6 +42,9 @@ class NullExecutor:
         self.state.append_sampled(batch, tokens)
         return ExecutorOutput(tokens, [])
 
+    def reset(self) -> None:
+        self.state.clear()
+
 
 def make_engine(prompts: list[list[int]], outs: list[int], caching: bool, args: argparse.Namespace) -> EngineCore:
     executor = NullExecutor(args.num_blocks, args.block_size, args.max_model_len)

@@ -93,8 +93,10 @@ class Scheduler:
         self.step_counter = 0
         assert cache_manager.block_size == info.block_size
 
-    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> None:
-        """Carry on with another executor and KV pool: running requests are preempted (recompute)."""
+    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> list[str]:
+        """Carry on with another executor and KV pool: running requests are preempted (recompute).
+        Returns the requests it cannot serve (a shorter ``max_model_len``, a smaller vocabulary),
+        for the caller to fail: kept, one would preempt itself forever or fail its steps."""
         self.executor_lost()
         assert cache_manager.block_size == info.block_size
         for request in self.requests.values():
@@ -103,6 +105,15 @@ class Scheduler:
         self.cache = cache_manager
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
+        unfit = [
+            r.request_id
+            for r in self.requests.values()
+            if len(r.prompt_token_ids) + r.sampling_params.max_tokens > info.max_model_len
+            or max(r.prompt_token_ids + r.output_token_ids) >= info.vocab_size
+        ]
+        for request_id in unfit:
+            self.abort(request_id, "error")
+        return unfit
 
     def executor_lost(self) -> None:
         """The executor dropped every request (it failed, died or was replaced): steps in flight

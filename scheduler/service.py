@@ -165,7 +165,9 @@ class SchedulerService:
                 if self.engine is None:
                     self.engine = Scheduler(config, cache, executor.info)
                 else:
-                    self.engine.reset_executor(executor.info, cache)
+                    unfit = self.engine.reset_executor(executor.info, cache)
+                    why = f"the executor that took over cannot serve it (max_model_len {executor.info.max_model_len})"
+                    self._send(self.router.errors(unfit, why))
                 core = EngineCore(self.engine, executor, config.async_scheduling, config.steps_in_flight)
                 self.executor = executor
                 if not self.engine.requests:

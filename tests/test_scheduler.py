@@ -577,6 +577,25 @@ def test_reset_executor_moves_everything_and_continues_identically(async_schedul
     assert new_cache.get_num_free_blocks() == 32 and old_cache.get_num_free_blocks() == 64
 
 
+def test_reset_executor_to_a_shorter_context_fails_what_no_longer_fits_and_serves_the_rest() -> None:
+    """A standby executor with a smaller ``max_model_len`` takes over: a request it cannot hold is
+    failed at once (kept, it would preempt itself step after step), the others finish as before."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sched, _, core = make(num_blocks=64, budget=32, max_model_len=64)
+    long, short = Request("long", list(range(1, 31)), params), Request("short", [9, 2, 6], params)  # 42 and 15 tokens
+    for r in (long, short):
+        sched.add_request(r)
+    got: dict[str, list[int]] = {}
+    collect(core, got, steps=2)
+    new_ex = ScriptedExecutor(8, max_model_len=32)  # 8 blocks of 4: 32 tokens
+    assert sched.reset_executor(new_ex.info, CacheManager(8, 4)) == ["long"]
+    assert long.finish_reason == "error" and "long" not in sched.requests
+    collect(EngineCore(sched, InlineExecutor(new_ex)), got)
+    assert short.finish_reason == "length" and short.output_token_ids == expected_output([9, 2, 6], params)
+    sched.cache.check_invariants()
+    del core
+
+
 def test_preempt_all_keeps_order_ahead_of_waiting() -> None:
     sched, _, core = make(budget=64, max_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -234,6 +234,13 @@ class ModelExecutor:
         self.input_batch.clear()
         self.token_counts.clear()
 
+    def check_device(self) -> None:
+        """Raise if the device is unusable (after a failed step): a CUDA error such as an illegal
+        memory access is sticky, and every later step on this process would fail too."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).item()
+
     def execute_batch(self, batch: Batch, grammar: GrammarMask | None = None) -> ExecutorOutput:
         """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode;
         ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`)."""

@@ -271,6 +271,13 @@ class ExecutorService:
             result.forward_s = time.perf_counter() - t0
         except Exception as exc:  # report, drop state; the scheduler isolates the step's requests
             logger.exception("step %d failed", output.step)
+            try:
+                self.model.check_device()  # type: ignore[attr-defined]
+            except Exception as broken:
+                # Reported, every request would be failed in turn as a culprit, and the engine
+                # would look healthy while it answered only errors. Gone, its requests wait for
+                # (or move to) an executor that works: a supervisor restarts this one.
+                raise DeviceBroken(f"the device is unusable after step {output.step} failed: {broken}") from exc
             self.model.reset()  # type: ignore[attr-defined]
             result.error = f"{exc.__class__.__name__}: {exc}"
             return result
@@ -280,6 +287,10 @@ class ExecutorService:
         if out.prompt_logprobs:
             result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(out.prompt_logprobs)
         return result
+
+
+class DeviceBroken(RuntimeError):
+    """The executor's device fails even a trivial operation after a failed step: the process exits."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -186,6 +186,10 @@ class TPExecutor:
             self.last_command = time.monotonic()
             return self.inner.execute_model(output)
 
+    def check_device(self) -> None:
+        """Rank 0's device check (a rank whose device broke fails its collectives: the unit exits)."""
+        self.inner.check_device()
+
     def reset(self) -> None:
         """Drop every request's state on every rank."""
         self._check()

@@ -38,6 +38,7 @@ class PoisonedExecutor:
         self.inner = inner
         self.info = inner.info
         self.failed_steps = 0
+        self.device_broken = False  # a failed step leaves the device unusable (a sticky CUDA error)
 
     def execute_model(self, output: Any) -> Any:
         if any("poison" in r for r in output.scheduled_req_ids):
@@ -47,6 +48,10 @@ class PoisonedExecutor:
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def check_device(self) -> None:
+        if self.device_broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 @dataclass
@@ -161,6 +166,21 @@ def test_an_engine_bug_after_a_request_finished_still_sends_its_end(engine: Engi
     assert raised.is_set()
     assert engine.ends["short"] == ("length", None) and len(engine.tokens["short"]) == 2
     assert engine.ends["long"][0] == "error" and "injected scheduler bug" in (engine.ends["long"][1] or "")
+
+
+@pytest.mark.parametrize("engine", [3.0], indirect=True)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the executor's thread ends with it
+def test_an_executor_whose_device_broke_exits_and_its_requests_are_not_blamed(engine: Engine) -> None:
+    """Every step fails and the device is unusable: the executor exits (a supervisor would restart
+    it) instead of reporting each request in turn as the culprit of a failed step."""
+    engine.executor.model.device_broken = True  # type: ignore[attr-defined]
+    for request_id in ("poison-a", "poison-b", "poison-c"):  # every step of theirs fails
+        engine.submit(request_id, [5, 6, 7])
+    engine.threads[0].join(15)
+    assert not engine.threads[0].is_alive()  # the executor service ended
+    engine.wait_all(30)  # no executor comes back: past --recovery-timeout they fail as waiting ones do
+    for reason, error in engine.ends.values():
+        assert reason == "error" and "no executor for" in (error or ""), error
 
 
 @pytest.mark.parametrize("engine", [2.0], indirect=True)

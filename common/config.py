@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from common.protocol import MAX_MESSAGE_BYTES
-
 # Limits of the integer options: the engine stores token counts and block ids as int32.
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -131,7 +129,8 @@ class SchedulerConfig:
     such as a Redis a network hop away (docs/performance.md), for one more token computed and
     dropped per request that stops, per extra step.
     ``max_step_bytes``: what a step may carry of new requests and prompt logprobs, in bytes
-    (`scheduler.step_bytes`); half of a Redis message by default.
+    (`scheduler.step_bytes`); None (in process): no limit. The scheduler service sets half its
+    Redis message limit.
     """
 
     max_num_batched_tokens: int = 2048
@@ -139,14 +138,14 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
     steps_in_flight: int = 2
-    max_step_bytes: int = MAX_MESSAGE_BYTES // 2
+    max_step_bytes: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (a zero limit would never schedule)."""
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("max_num_seqs", self.max_num_seqs)
         _check_int("steps_in_flight", self.steps_in_flight, 1, MAX_STEPS_IN_FLIGHT)
-        _check_int("max_step_bytes", self.max_step_bytes)
+        _check_int("max_step_bytes", self.max_step_bytes, optional=True)
         for name in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

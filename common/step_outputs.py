@@ -13,6 +13,22 @@ from common.codec import pack_logprobs, packed, unpack_logprobs
 
 PromptLogprobs = list[dict[int, float] | None]
 
+# Sizes as packed on the wire (`common.codec`): what message splitting and the scheduler's byte
+# budget (`scheduler.step_bytes`) count.
+INT_BYTES = 4  # a packed int32: a token id, block id, count or index
+LOGPROB_ENTRY_BYTES = 12  # a packed int32 id and float64 value
+ROW_BYTES = 64  # about: a row's request id, flags and one-per-row columns
+
+
+def logprobs_bytes(entries: list[dict[int, float] | None] | None) -> int:
+    """The packed size of per-position logprob entries (a count each, and their pairs)."""
+    return sum(INT_BYTES + LOGPROB_ENTRY_BYTES * len(e) if e else INT_BYTES for e in entries) if entries else 0
+
+
+def row_bytes(tokens: list[int], logprobs: list[dict[int, float] | None] | None, prompt: PromptLogprobs | None) -> int:
+    """About what one row of a `StepOutputs` adds to its encoded size."""
+    return ROW_BYTES + INT_BYTES * len(tokens) + logprobs_bytes(logprobs) + logprobs_bytes(prompt)
+
 
 def pack_prompt_logprobs(
     per_row: list[PromptLogprobs | None],
@@ -82,9 +98,10 @@ class StepOutputs:
     plp_values: list[float] = packed("d")
 
     def approx_bytes(self) -> int:
-        """About its encoded size (ids and error texts aside): to split a message before it gets too big."""
-        ints = len(self.token_ids) + len(self.lp_counts) + len(self.lp_token_ids) + len(self.plp_counts) + len(self.plp_token_ids)
-        return 64 * len(self.request_ids) + 4 * ints + 8 * (len(self.lp_values) + len(self.plp_values))
+        """About its encoded size (the sum of its rows' `row_bytes`): to split a message before it gets too big."""
+        entries = len(self.lp_token_ids) + len(self.plp_token_ids)
+        counts = len(self.token_ids) + len(self.lp_counts) + len(self.plp_counts)
+        return ROW_BYTES * len(self.request_ids) + INT_BYTES * counts + LOGPROB_ENTRY_BYTES * entries
 
     def add(
         self,

@@ -56,8 +56,8 @@ TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 REDIS_FAILURES = (redis.RedisError, ConnectionError, OSError)
 # Refusals that say what state the server is in, not that it cannot run a script: the same
 # appends pipelined would be refused the same way.
-_SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError)
-_SERVER_STATE_CODES = ("MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN")
+_SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
+_SERVER_STATE_CODES = ("MISCONF", "BUSY", "NOREPLICAS")
 CLIENT_OPTIONS: dict[str, Any] = dict(
     socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
     socket_connect_timeout=5.0,

@@ -61,14 +61,16 @@ class AbortQueue:
             self._sending.remove(batch)
             batch[1].set()
 
-    async def withdraw(self, scheduler_id: str, engine_request_id: str, deadline_s: float) -> None:
+    async def withdraw(self, scheduler_id: str, engine_request_id: str, deadline_s: float) -> bool:
         """This gateway takes the request up again (its client resumes the stream here): a queued
-        abort of it is dropped; one on its way is waited for (see the module docstring), for at most
-        ``deadline_s`` (Redis away that long: `asyncio.TimeoutError`, and the resume fails, as its
-        sync would)."""
-        queued = self.pending.get(scheduler_id)
-        if queued and engine_request_id in queued:
+        abort of it is dropped (True); one on its way is waited for (see the module docstring), for
+        at most ``deadline_s`` (Redis away that long: `asyncio.TimeoutError`, and the resume fails,
+        as its sync would)."""
+        queued = self.pending.get(scheduler_id, [])
+        dropped = engine_request_id in queued
+        if dropped:
             self.pending[scheduler_id] = [r for r in queued if r != engine_request_id]
         for ids, sent in list(self._sending):
             if engine_request_id in ids:
                 await asyncio.wait_for(sent.wait(), deadline_s)
+        return dropped

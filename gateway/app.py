@@ -136,7 +136,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, REDIS_FAILURES):  # e.g. reading a journal to resume a stream: Redis's fault, not ours
-            logger.warning("Redis failed: %s", exc)
+            logger.warning("Redis failed: %s", exc, exc_info=exc)
             body = ApiError(503, f"the engine's Redis failed ({type(exc).__name__}); retry shortly", "server_error").body()
             return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         logger.error("unhandled error", exc_info=exc)

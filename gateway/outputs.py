@@ -15,9 +15,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from common.codec import unpack_logprobs
-from common.protocol import TAKEN_OVER, Names, StepOutputs, encode
+from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, encode
+from common.step_outputs import row_bytes
 from common.transport import Outgoing
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
+
+# Steps read together merge into one event, one journal entry: at most this big (a long resend's
+# pieces, merged whole, could pass the message limit).
+MAX_EVENT_BYTES = MAX_MESSAGE_BYTES // 4
 
 
 @dataclass(slots=True)
@@ -48,7 +53,7 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
     request ids to the handles in flight (finished or unknown ones are skipped).
     """
     routed = Routed()
-    pending: dict[int, EngineEvent] = {}  # id(handle) -> its event in this batch
+    pending: dict[int, tuple[EngineEvent, int]] = {}  # id(handle) -> its event in this batch, and its size
     for msg in msgs:
         queue_times = msg.queue_times()
         stop_reasons = msg.stop_reasons()
@@ -57,7 +62,7 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
             handle = attempts.get(engine_request_id)
             if handle is None or handle.done:
                 continue  # aborted, finished, or an earlier attempt of a migrated request
-            event = pending.get(id(handle))
+            event, size = pending.get(id(handle), (None, 0))
             if event is not None and event.finished:
                 continue  # nothing follows the end
             if msg.finish_reasons[i] == "unknown":
@@ -77,14 +82,15 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
             if not tokens and not msg.finished[i]:
                 continue  # nothing new (duplicates, or a resend with nothing after its index)
             handle.output_token_ids.extend(tokens)
-            if event is None:
-                event = EngineEvent(tokens, lps, queue_time_s=queue_times[i])
-                pending[id(handle)] = event
+            row = row_bytes(tokens, lps, None)
+            if event is None or size + row > MAX_EVENT_BYTES:  # a long resend: events of a journal entry's size
+                event, size = EngineEvent(tokens, lps, queue_time_s=queue_times[i]), 0
                 routed.events.append((handle, event, handle.next_index - len(tokens)))
             elif tokens:
                 event.num_steps += 1
                 event.token_ids.extend(tokens)
                 event.logprobs.extend(lps)
+            pending[id(handle)] = event, size + row
             if event.queue_time_s is None:
                 event.queue_time_s = queue_times[i]
             if prompt_lps is not None and prompt_lps[i] is not None:

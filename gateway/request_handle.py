@@ -44,6 +44,8 @@ class RequestHandle:
     unrouted_since: float | None = None  # waiting for a live engine to migrate to
     sync_from: int = -1  # a resend from this index was asked for (-1: none pending)
     resend_owed: bool = False  # outputs were lost and asking for them failed: ask again
+    failed_routes: int = 0  # attempts whose send failed (not moves made: `EngineClient.migration_limit`)
+    journal_writes: int = 0  # journal writes of its events in flight (it is not moved meanwhile)
     group_id: str = ""  # shared by one prompt's ``n`` sibling requests (`GenerateRequest.group_id`)
     prefer_engine: str = ""  # a sibling's engine: the first attempt goes there if it is live
     journaled_at: float = 0.0  # time.monotonic() of this gateway's last write to the journal (0: none yet)

@@ -252,10 +252,12 @@ class EngineClient:
             await self.submits.send(sends)
         except BaseException:
             # Not sent, or sent and its reply lost: an abort after it (same stream) stops the attempt
-            # if it landed; and a move that failed is still one to make (`_check_routes` retries it).
+            # if it landed; and a move that failed is still one to make (`_check_routes` retries it),
+            # not one made (its id stays used: the abort names it).
             self.aborts.add(engine.scheduler_id, handle.engine_request_id)
-            handle.unrouted_since = unrouted_since
+            handle.unrouted_since, handle.failed_routes = unrouted_since, handle.failed_routes + 1
             raise
+        handle.resend_owed = False  # the new attempt starts from what this gateway has
         if handle.journal_id:
             handle.journaled_at = time.monotonic()
         return True
@@ -269,7 +271,7 @@ class EngineClient:
             self.aborts.add(handle.scheduler_id, handle.engine_request_id)
             handle.unrouted_since = time.monotonic()
             self.num_migrations += 1
-        if handle.attempts > self.migration_limit:
+        if handle.attempts - handle.failed_routes > self.migration_limit:
             await self._fail(handle, f"request moved between engines {self.migration_limit} times; giving up ({why})")
         elif len(handle.output_token_ids) >= int(handle.sampling.get("max_tokens", 0)):
             self._deliver(handle, EngineEvent([], [], True, "length"))  # only its last output was lost
@@ -310,11 +312,14 @@ class EngineClient:
         status = self.engines.get(route.scheduler_id)
         handle.incarnation = status.incarnation if status is not None else ""  # else: the watcher migrates it
         self.requests[request_id] = self.attempts[route.request_id] = handle
+        dropped = False
         try:
-            await self.aborts.withdraw(route.scheduler_id, route.request_id, deadline_s=5)  # its client may have hung up here
+            dropped = await self.aborts.withdraw(route.scheduler_id, route.request_id, deadline_s=5)  # its client hung up here?
             await self._sync(handle)
         except BaseException:  # not adopted: a retry (here or elsewhere) must find the stream free
             self._forget(handle)
+            if dropped:  # and the abort it dropped still holds
+                self.aborts.add(route.scheduler_id, route.request_id)
             raise
         return handle
 
@@ -346,6 +351,9 @@ class EngineClient:
         journal = [journal_write(self.names, h, event, start, ttl) for h, event, start in routed.events if h.journal_id]
         events = routed.events
         if journal:  # write-ahead: no client sees an event that another gateway could not replay
+            writing = [h for h, _, _ in events if h.journal_id]
+            for handle in writing:  # not moved meanwhile (`_check_routes`): its tokens may be taken back
+                handle.journal_writes += 1
             try:
                 await self.transport.send_many(journal)
             except REDIS_FAILURES as exc:
@@ -361,6 +369,9 @@ class EngineClient:
                 now = time.monotonic()
                 for handle, _, _ in events:
                     handle.journaled_at = now
+            finally:
+                for handle in writing:
+                    handle.journal_writes -= 1
         for handle, event, _ in events:
             self._deliver(handle, event)
         for handle, why in routed.taken:  # the stream goes on elsewhere: nothing is journaled
@@ -457,7 +468,7 @@ class EngineClient:
                     stranded_after_s=2 * self.heartbeat_ttl_ms / 1000,
                 )
             )
-            if why is not None and not handle.done:
+            if why is not None and not handle.done and not handle.journal_writes:
                 await self._migrate(handle, why)
 
     async def _keep_journals(self) -> None:

@@ -174,10 +174,11 @@ class LLM:
             ]
             groups.append((params, children))
         requests = [r for _, children in groups for r in children]
-        for request in requests:
-            self.scheduler.add_request(request)
-        pending = {r.request_id for r in requests}
+        pending: set[str] = set()
         try:
+            for request in requests:  # one refused: those added before it are aborted (finally)
+                self.scheduler.add_request(request)
+                pending.add(request.request_id)
             while pending:
                 for out in self.engine_core.step():
                     if out.finished:

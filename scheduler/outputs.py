@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, TAKEN_OVER, Names, StepOutputs, encode
+from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES, row_bytes
 from common.transport import Outgoing
 from scheduler.request import Request, StepOutput
 
@@ -79,6 +80,7 @@ class OutputRouter:
             queue_time_s = None
             if not route.queue_time_sent and out.queue_time_s is not None:  # once: it is a per-request metric
                 queue_time_s, route.queue_time_sent = out.queue_time_s, True
+            self._make_room(by_stream, stream, row_bytes(out.new_token_ids, out.new_logprobs, out.prompt_logprobs), sends)
             msg = by_stream.setdefault(stream, StepOutputs())
             msg.add(
                 out.request_id,
@@ -93,9 +95,14 @@ class OutputRouter:
             )
             if out.finished:
                 del self.routes[out.request_id]
-            if msg.approx_bytes() > self.max_message_bytes // 2:  # its rows go now; the next ones start another
-                sends.append(self._out(stream, by_stream.pop(stream), self._ttl_ms(stream)))
         return sends + [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
+
+    def _make_room(self, by_stream: dict[str, StepOutputs], stream: str, row: int, sends: list[Outgoing]) -> None:
+        """Send ``stream``'s message now if a row of ``row`` bytes would take it past half the limit
+        (a row alone fits: `scheduler.step_bytes.check_fits`)."""
+        msg = by_stream.get(stream)
+        if msg is not None and msg.approx_bytes() + row > self.max_message_bytes // 2:
+            sends.append(self._out(stream, by_stream.pop(stream), self._ttl_ms(stream)))
 
     def _ttl_ms(self, stream: str) -> int:
         # A journal lives as long as its stream may still be resumed; an outputs stream a while longer.
@@ -129,10 +136,11 @@ class OutputRouter:
 
         ``request`` None: not held here (finished, or never arrived); the answer says ``unknown``.
         """
-        msg = StepOutputs()
-        sends = []
+        stream = self.names.outputs(gateway_id)
+        by_stream = {stream: StepOutputs()}
+        sends: list[Outgoing] = []
         if request is None or request_id not in self.routes:
-            msg.add(request_id, 0, [], None, True, "unknown", "the scheduler does not hold this request")
+            by_stream[stream].add(request_id, 0, [], None, True, "unknown", "the scheduler does not hold this request")
         else:
             route = self.routes[request_id]
             if route.gateway_id not in ("", gateway_id):
@@ -141,17 +149,19 @@ class OutputRouter:
                 sends.append(self._out(self.names.outputs(route.gateway_id), notice, OUTPUTS_TTL_MS))
             route.gateway_id, route.orphaned_until = gateway_id, 0.0
             start = max(0, min(from_index, request.num_output_tokens))
-            # In pieces of a quarter message, in several messages: a long generation's logprobs can pass the limit.
+            # A resend from the start brings the prompt's logprobs again: the gateway may have lost them.
+            plp = [None, *request.prompt_logprobs] if start == 0 and request.prompt_logprobs_sent else None
+            # In pieces of a quarter message, over several messages: a long generation's logprobs can pass the limit.
             lps = request.sampling_params.logprobs
-            piece = max(1, self.max_message_bytes // 4 // (8 + 12 * (lps + 1 if lps is not None else 0)))
+            per_token = INT_BYTES + (INT_BYTES + LOGPROB_ENTRY_BYTES * (lps + 1) if lps is not None else 0)
+            piece = max(1, self.max_message_bytes // 4 // per_token)
             for i in range(start, max(start + 1, request.num_output_tokens), piece):
-                j = i + piece
-                msg.add(request_id, i, request.output_token_ids[i:j], request.output_logprobs[i:j], False, None, None)
-                if msg.approx_bytes() > self.max_message_bytes // 2:
-                    sends.append(self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS))
-                    msg = StepOutputs()
-        if msg.request_ids:
-            sends.append(self._out(self.names.outputs(gateway_id), msg, OUTPUTS_TTL_MS))
+                tokens, logprobs = request.output_token_ids[i : i + piece], request.output_logprobs[i : i + piece]
+                first = plp if i == start else None
+                self._make_room(by_stream, stream, row_bytes(tokens, logprobs, first), sends)
+                msg = by_stream.setdefault(stream, StepOutputs())
+                msg.add(request_id, i, tokens, logprobs, False, None, None, prompt_logprobs=first)
+        sends.extend(self._out(stream, msg, OUTPUTS_TTL_MS) for msg in by_stream.values())
         return sends
 
     def gateway_died(self, gateway_id: str, now: float) -> list[str]:

@@ -42,6 +42,7 @@ the culprit and is failed by the caller (``abort(id, "error")``), while the othe
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class Scheduler:
         self.finished_for_executor: list[str] = []  # sent with the next step
         self.pending: deque[ScheduledStep] = deque()  # scheduled, output not yet applied (oldest first)
         self.step_counter = 0
+        self.max_step_bytes = config.max_step_bytes if config.max_step_bytes is not None else sys.maxsize
         assert cache_manager.block_size == info.block_size
 
     def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> list[str]:
@@ -160,7 +162,7 @@ class Scheduler:
                 f"max_model_len ({self.max_model_len})"
             )
         request.sampling_bytes = sampling_bytes(request)
-        check_fits(request, self.cache.block_size, self.max_model_len, self.config.max_step_bytes)
+        check_fits(request, self.cache.block_size, self.max_model_len, self.max_step_bytes)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -220,7 +222,7 @@ class Scheduler:
         self.suspects = [r for r in self.suspects if r in self.requests]
         if self.suspects:
             return self._decide_alone(self.requests[self.suspects[0]])
-        budget, wire = self.config.max_num_batched_tokens, self.config.max_step_bytes  # tokens, bytes (`step_bytes`)
+        budget, wire = self.config.max_num_batched_tokens, self.max_step_bytes  # tokens, bytes (`step_bytes`)
         scheduled: dict[str, int] = {}
         preempted = False
         i = 0
@@ -256,7 +258,7 @@ class Scheduler:
                 continue
             cost = new_request_bytes(request, self.cache.block_size)
             per = prompt_logprob_bytes(request) if self._needs_prompt_logprobs(request) else 0
-            if cost + per > wire and wire < self.config.max_step_bytes:  # the step is full: it goes next (FCFS)
+            if cost + per > wire and wire < self.max_step_bytes:  # the step is full: it goes next (FCFS)
                 break
             admitted = self._admit_blocks(request, min(budget, max(1, (wire - cost) // per)) if per else budget)
             if admitted is None:

@@ -166,7 +166,8 @@ class SchedulerService:
                     self.engine = Scheduler(config, cache, executor.info)
                 else:
                     unfit = self.engine.reset_executor(executor.info, cache)
-                    why = f"the executor that took over cannot serve it (max_model_len {executor.info.max_model_len})"
+                    i = executor.info
+                    why = f"the executor that took over cannot serve it (max_model_len {i.max_model_len}, vocab {i.vocab_size})"
                     self._send(self.router.errors(unfit, why))
                 core = EngineCore(self.engine, executor, config.async_scheduling, config.steps_in_flight)
                 self.executor = executor

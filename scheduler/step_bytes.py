@@ -6,10 +6,10 @@ of a request with ``prompt_logprobs`` comes back with ``k + 1`` entries of 12 by
 and the gateway gets the whole prompt's in one output message. The token budget does not bound
 these: a prefix-cache hit makes admitting a sibling of a long prompt nearly free to compute.
 
-So the scheduler keeps what each step counts here under ``SchedulerConfig.max_step_bytes`` (half
-a message by default: the rest is headroom for what is not counted), a request too big to fit
-even alone is refused when it arrives (`check_fits`), and the gateway's output messages are split
-at the same size (`scheduler.outputs`).
+So the scheduler service keeps what each step counts here under ``SchedulerConfig.max_step_bytes``
+(half a message: the rest is headroom for what is not counted), a request too big to fit even
+alone is refused when it arrives (`check_fits`), and the gateway's output messages are split at
+the same size (`scheduler.outputs`). In process (`LLM`) nothing crosses Redis: no limit.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from __future__ import annotations
 import msgpack
 
 from common.sampling_params import sampling_to_dict
+from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES
 from scheduler.request import Request
 
-INT_BYTES = 4  # packed int32 token ids, block ids and counts
-LOGPROB_ENTRY_BYTES = 12  # a packed int32 id and float64 value
-REQUEST_OVERHEAD_BYTES = 256  # its id and the fixed fields of its entry
+REQUEST_OVERHEAD_BYTES = 256  # its id and the fixed fields of its entry in a step
 
 
 def sampling_bytes(request: Request) -> int:

@@ -292,3 +292,12 @@ def test_an_interrupted_generate_leaves_the_llm_usable(tiny_model, where: str) -
     setattr(owner, where, real)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert [o.token_ids for o in llm.generate(prompts[:1], params)] == want[:1]
+
+
+def test_a_refused_prompt_leaves_none_of_its_batch_queued(tiny_model) -> None:
+    llm = LLM(tiny_model("llama"), block_size=16, max_model_len=256, max_step_bytes=8000)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=20)
+    with pytest.raises(ValueError, match="prompt_logprobs=20 over a prompt of 100 tokens"):
+        llm.generate([[5, 6, 7], list(range(3, 103))], params)  # the second's prompt logprobs: 25 KB
+    assert not llm.scheduler.requests  # the first was not left to run in the next call
+    assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4

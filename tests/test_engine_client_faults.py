@@ -91,15 +91,17 @@ async def test_a_move_whose_send_fails_is_made_on_a_later_round() -> None:
     await client.transport.redis.zrem(NAMES.engines, "s1")
     await publish(client, engine("s2"))
     client.submits.send = refused  # type: ignore[method-assign]
-    await client._check_routes()  # the move fails; the client is not told (it may still work)
-    assert handle.unrouted_since is not None and not handle.done
+    for _ in range(client.migration_limit + 2):  # failed tries are no moves: the limit is not used up
+        await client._check_routes()  # the move fails; the client is not told (it may still work)
+    assert handle.unrouted_since is not None and not handle.done and not drain(handle)
     del client.submits.send  # Redis is back
     await client.aborts.flush("test")
     await client._check_routes()
     moved = [m for m in await sent(client, "s2") if isinstance(m, GenerateRequest)]
-    assert [m.request_id for m in moved] == ["r1~2"]  # the failed try's id is never reused
+    assert [m.request_id for m in moved] == [f"r1~{client.migration_limit + 3}"]  # a failed try's id is never reused
     assert handle.unrouted_since is None and handle.scheduler_id == "s2"
-    assert "r1~1" in [rid for m in await sent(client, "s2") if isinstance(m, AbortRequests) for rid in m.request_ids]
+    aborted = [rid for m in await sent(client, "s2") if isinstance(m, AbortRequests) for rid in m.request_ids]
+    assert aborted == [f"r1~{n}" for n in range(1, client.migration_limit + 3)]  # each failed try, in case it landed
 
 
 @async_test
@@ -168,3 +170,33 @@ async def test_a_long_journal_keeps_its_first_entries() -> None:
         await client.transport.send_many(writes[i : i + 2000])
     journal = await read_journal(client, "cmpl-2")
     assert "r2" in journal.routes and len(journal.outputs) == n
+
+
+@async_test
+async def test_a_request_whose_journal_write_is_in_flight_is_not_moved_meanwhile() -> None:
+    client = make_client()
+    await publish(client, engine("s1"))
+    handle = await client.submit("r1", [1, 2], dict(SAMPLING), journal_id="cmpl-1", journal=[])
+    await client.transport.redis.delete(NAMES.engine("s1"))
+    await client.transport.redis.zrem(NAMES.engines, "s1")
+    await publish(client, engine("s2"))
+    handle.journal_writes = 1  # `_dispatch` awaits its write: its tokens may yet be taken back
+    await client._check_routes()
+    assert handle.scheduler_id == "s1" and handle.unrouted_since is None
+    handle.journal_writes = 0
+    await client._check_routes()
+    assert handle.scheduler_id == "s2"
+
+
+def test_a_long_resend_read_at_once_becomes_events_of_a_journal_entrys_size() -> None:
+    from gateway.outputs import MAX_EVENT_BYTES, route_outputs
+    from gateway.request_handle import RequestHandle
+
+    handle = RequestHandle("r1", [1], {}, "cmpl-1", engine_request_id="r1")
+    piece = 400_000  # tokens a resend row: 1.6 MB
+    msgs = [outputs(("r1", i, [7] * piece)) for i in range(0, 6 * piece, piece)]
+    routed = route_outputs(msgs, {"r1": handle})
+    assert len(routed.events) >= 3 and handle.next_index == 6 * piece
+    assert all(4 * len(e.token_ids) <= MAX_EVENT_BYTES for _, e, _ in routed.events)
+    ends = [start + len(e.token_ids) for _, e, start in routed.events]
+    assert [start for _, _, start in routed.events] == [0, *ends[:-1]] and ends[-1] == 6 * piece  # in order, no gap

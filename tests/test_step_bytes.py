@@ -103,3 +103,26 @@ def test_a_long_resend_with_logprobs_goes_in_pieces_that_fit() -> None:
     rows = [(m.token_index[i], m.num_tokens[i]) for m in (decode(s.data) for s in sends) for i in range(len(m.request_ids))]
     assert rows[0][0] == 10 and all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))  # in order, no gap
     assert sum(n for _, n in rows) == 4990
+
+
+@pytest.mark.parametrize("prompt_len", [100, 115, 120])
+def test_two_rows_of_nearly_half_a_message_each_go_in_two_messages(prompt_len: int) -> None:
+    limit = 4000
+    router = OutputRouter(NAMES, 30.0, max_message_bytes=limit)
+    plp = [None] + [{5: -1.0}] * (prompt_len - 1)  # 16 B a position: each row a little under half a message
+    for i in range(2):
+        router.add(f"r{i}", "g1", "")
+    sends = router.route([StepOutput(f"r{i}", [7], [None], False, None, 1, prompt_logprobs=plp) for i in range(2)])
+    assert len(sends) == 2 and all(len(s.data) <= limit for s in sends)
+
+
+def test_a_resend_from_the_start_brings_the_prompt_logprobs_again() -> None:
+    router = OutputRouter(NAMES, 30.0, max_message_bytes=1 << 20)
+    router.add("r", "g1", "")
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=5, prompt_logprobs=1))
+    request.prompt_logprobs, request.prompt_logprobs_sent = [{2: -0.5}, {3: -0.25}], True
+    request.output_token_ids, request.output_logprobs = [7, 8], [None, None]
+    (send,) = router.adopt(request, "r", "g1", 0)
+    assert decode(send.data).prompt_logprobs() == [[None, {2: -0.5}, {3: -0.25}]]
+    (send,) = router.adopt(request, "r", "g1", 1)  # from the middle: the gateway has them
+    assert not decode(send.data).plp_num

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json as jsonlib
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Bounds on what one request may carry (the spec crosses Redis with every new request, and the
 # gateway validates it on a worker thread).
@@ -31,6 +34,15 @@ MAX_CHOICES = 1024
 # after one token). JSON schemas, regexes and Lark grammars of ordinary size gave the same masks
 # over 30 sampled steps either way.
 INITIAL_LEXER_FUEL = 100_000
+
+# llguidance compiles a grammar recursively, native stack a level of nesting: on a default 8 MiB
+# stack about 1,000 nested rules or $refs (a 70 KB request) crashed the whole process (SIGSEGV).
+# Compiled on a thread with this much stack, a 12,000-level Lark chain (250 KB, near
+# MAX_GRAMMAR_CHARS) and a 5,000-level $ref chain (320 KB) compile. Address space: only the depth a
+# grammar reaches is touched.
+GRAMMAR_STACK_BYTES = 256 << 20
+# `threading.stack_size` is the process's setting for new threads: set and restored under a lock.
+_STACK_SIZE_LOCK = threading.Lock()
 
 # llguidance's JSON compiler options: compact separators, no free whitespace.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -137,10 +149,36 @@ class StructuredOutputsParams:
 
         try:
             self.validate()
-            error = LLMatcher.validate_grammar(self.llguidance_grammar(), tokenizer, limits=grammar_limits())
+            grammar = self.llguidance_grammar()
+            error = on_grammar_stack(lambda: LLMatcher.validate_grammar(grammar, tokenizer, limits=grammar_limits()))
         except (ValueError, TypeError) as exc:
             return str(exc)
         return error or None
+
+
+def on_grammar_stack(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own with `GRAMMAR_STACK_BYTES` of stack (for llguidance's
+    compiler); its result, or its exception raised here."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # handed to the caller
+            out.append((False, exc))
+
+    with _STACK_SIZE_LOCK:
+        default = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="conveyor-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(default)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return cast(T, value)
 
 
 def grammar_limits() -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from common.structured_outputs import StructuredOutputsParams, grammar_limits
+from common.structured_outputs import StructuredOutputsParams, grammar_limits, on_grammar_stack
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         try:
-            matcher = LLMatcher(self.tokenizer(), spec.llguidance_grammar(), log_level=0, limits=grammar_limits())
+            grammar, tokenizer = spec.llguidance_grammar(), self.tokenizer()
+            matcher = on_grammar_stack(lambda: LLMatcher(tokenizer, grammar, log_level=0, limits=grammar_limits()))
         except Exception as exc:  # a bad spec, or no usable tokenizer: that request only ends
             log.warning("structured output grammar failed to compile: %s", exc)
             return None

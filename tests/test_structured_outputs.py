@@ -223,3 +223,36 @@ def test_preempted_requests_keep_their_grammar(tiny_model: Any) -> None:
     for out in outs:
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+DEEP_GRAMMARS = """
+import json, sys
+from common.sampling_params import SamplingParams
+from common.structured_outputs import StructuredOutputsParams
+from scheduler import LLM
+
+lark = "start: r0\\n" + "".join(f'r{i}: "[" r{i + 1} "]"\\n' for i in range(3000)) + 'r3000: "x"\\n'  # 60 KB
+defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(1100)}
+defs["d1100"] = {"type": "integer"}
+schema = {"$ref": "#/$defs/d0", "$defs": defs}
+# The gateway's check, then the executor's matcher (its compile and its first steps).
+print("checked", StructuredOutputsParams(grammar=lark).compile_error(), StructuredOutputsParams(json=schema).compile_error())
+llm = LLM(sys.argv[1], block_size=16)
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(grammar=lark)))
+print("generated", len(out[0].token_ids), out[0].text[:6].strip("[") == "")
+"""
+
+
+def test_deeply_nested_grammars_compile_instead_of_crashing_the_process(tiny_model: Any, tmp_path: Any) -> None:
+    """llguidance compiles recursively: on a default thread stack 1,000 levels of nested rules (a
+    70 KB request, well under the size caps) crashed the gateway (SIGSEGV). Run in a process of its
+    own, so a regression fails this test instead of ending the test run."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "deep.py"
+    script.write_text(DEEP_GRAMMARS)
+    done = subprocess.run([sys.executable, str(script), str(tiny_model())], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked None None" in done.stdout
+    assert "generated 6 True" in done.stdout

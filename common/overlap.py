@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from common.transport import Cursors, Outgoing, Received, SyncTransport
+from common.transport import Cursors, Outgoing, Received, SyncTransport, as_transient, refuses_writes
 
 
 def _send(conn: Any, pipe: Any) -> None:
@@ -126,6 +126,8 @@ class WriteBehind:
         except BaseException:
             self.close()
             raise
+        if any(refuses_writes(e) for e in errors):  # kept for `redo`: Redis takes writes again soon
+            raise as_transient(next(e for e in errors if refuses_writes(e)))
         self.unconfirmed = None
         if errors:
             raise errors[0]

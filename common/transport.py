@@ -50,14 +50,34 @@ logger = logging.getLogger(__name__)
 MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
 FIRST_ENTRY_ID = "0-1"  # the lowest stream entry id: `Transport.create_stream`
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
-# Redis could not do what was asked: out of reach (TRANSIENT_ERRORS, retried until a deadline) or
-# refusing writes (out of memory, a read-only replica, a failing disk, still loading). A caller that
-# cannot go on without Redis answers these as 503, never as its own fault.
+# Redis could not do what was asked: out of reach or refusing writes (TRANSIENT_ERRORS, retried
+# until a deadline), or another error of Redis's. A caller that cannot go on without Redis answers
+# these as 503, never as its own fault.
 REDIS_FAILURES = (redis.RedisError, ConnectionError, OSError)
-# Refusals that say what state the server is in, not that it cannot run a script: the same
-# appends pipelined would be refused the same way.
-_SERVER_STATE_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
-_SERVER_STATE_CODES = ("MISCONF", "BUSY", "NOREPLICAS")
+# Refusals that say what state the server is in (out of memory, a read-only replica, a failing
+# disk, a master lost): they pass, as an outage does (`WritesRefused`).
+_REFUSAL_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
+_REFUSAL_CODES = ("MISCONF", "BUSY", "NOREPLICAS")
+
+
+class WritesRefused(RedisConnectionError):
+    """Redis refuses writes for now (`refuses_writes`): handled, and retried, as an outage is; a
+    service stopped by one would lose what it holds for want of a second's patience."""
+
+
+def refuses_writes(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing writes in a state that passes (see `WritesRefused`)."""
+    if isinstance(exc, _REFUSAL_ERRORS):
+        return True
+    # A pipeline's error names its command first: "Command # 1 (...) of pipeline caused error: MISCONF ..."
+    return isinstance(exc, redis.ResponseError) and str(exc).rpartition("caused error: ")[2].startswith(_REFUSAL_CODES)
+
+
+def as_transient(exc: BaseException) -> BaseException:
+    """``exc``, or a `WritesRefused` for a refusal (so that TRANSIENT_ERRORS handlers take it)."""
+    return WritesRefused(str(exc)) if refuses_writes(exc) else exc
+
+
 CLIENT_OPTIONS: dict[str, Any] = dict(
     socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
     socket_connect_timeout=5.0,
@@ -248,8 +268,10 @@ class Transport(TransportCore[aioredis.Redis]):
         while True:
             try:
                 return await fn(*args, **kwargs)
-            except TRANSIENT_ERRORS as exc:
-                await asyncio.sleep(backoff.wait_s(exc))
+            except (*TRANSIENT_ERRORS, redis.ResponseError) as exc:
+                if not isinstance(exc, TRANSIENT_ERRORS) and not refuses_writes(exc):
+                    raise
+                await asyncio.sleep(backoff.wait_s(as_transient(exc)))
 
     async def ping(self, deadline_s: float | None = None) -> None:
         await self.call(self.redis.ping, deadline_s=deadline_s)
@@ -279,8 +301,6 @@ class Transport(TransportCore[aioredis.Redis]):
                     await self.call(self._append_script, keys=keys, args=args, deadline_s=deadline_s)
                     return
                 except redis.ResponseError as exc:  # e.g. a stand-in without Lua's cmsgpack: it fails before any append
-                    if isinstance(exc, _SERVER_STATE_ERRORS) or str(exc).startswith(_SERVER_STATE_CODES):
-                        raise  # scripts work; the server refuses writes for now
                     logger.warning("%s: the append script failed (%s); appends go pipelined", self.owner, exc)
                     self._append_script = False
         if sends:  # a new pipeline per try: a failed execute() leaves its own empty
@@ -383,8 +403,10 @@ class SyncTransport(TransportCore[redis.Redis]):
         while True:
             try:
                 return fn(*args, **kwargs)
-            except TRANSIENT_ERRORS as exc:
-                time.sleep(backoff.wait_s(exc))
+            except (*TRANSIENT_ERRORS, redis.ResponseError) as exc:
+                if not isinstance(exc, TRANSIENT_ERRORS) and not refuses_writes(exc):
+                    raise
+                time.sleep(backoff.wait_s(as_transient(exc)))
 
     def ping(self, deadline_s: float | None = None) -> None:
         self.call(self.redis.ping, deadline_s=deadline_s)

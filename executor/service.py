@@ -39,7 +39,7 @@ from common.service_cli import (
     stop_on_sigterm,
 )
 from common.step_outputs import pack_prompt_logprobs
-from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.transport import REDIS_FAILURES, TRANSIENT_ERRORS, Outgoing, SyncTransport
 from common.watchdog import Watchdog
 
 logger = logging.getLogger("conveyor.executor")
@@ -148,7 +148,11 @@ class ExecutorService:
                     t.call(pairing.withdraw, self.eid, deadline_s=2)
                 except TRANSIENT_ERRORS:
                     pass  # its entry goes stale and is dropped: `Pairing.offered`
-            heartbeat.stop()
+            heartbeat.stop(wait_s=2.0)  # no beat may land after the delete below
+            try:  # its scheduler sees it gone now, not a TTL later (a stop, a rolling update, a crash)
+                t.call(heartbeat.withdraw, deadline_s=2)
+            except REDIS_FAILURES as exc:
+                logger.warning("could not delete this executor's heartbeat (it expires with its TTL): %s", exc)
             t.close()
 
     def _wait_for_claim(self, pairing: Pairing) -> str | None:
@@ -242,6 +246,8 @@ class ExecutorService:
     def _handle(self, msg: SchedulerOutput | BindExecutor, results: str, sends: list[Outgoing]) -> None:
         """Apply a binding, or run a step of the bound epoch (its result appended to ``sends``)."""
         if isinstance(msg, BindExecutor):
+            if msg.executor_id == self.eid and msg.epoch == self.epoch:
+                return  # a copy (a retried send): a second reset would drop the state its steps built
             if msg.executor_id == self.eid:
                 logger.info("bound to scheduler %s, epoch %d", msg.scheduler_id, msg.epoch)
                 self.epoch = msg.epoch

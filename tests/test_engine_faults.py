@@ -228,3 +228,58 @@ def test_an_abort_from_before_a_resume_is_ignored(engine: Engine, resumer: str) 
                     if out.finished[i]:
                         engine.ends["s"] = (out.finish_reasons[i], out.errors[i])
     assert engine.ends["s"] == ("length", None) and len(engine.tokens["s"]) == 300
+
+
+def test_a_bind_read_twice_resets_nothing_and_runs_no_step_twice() -> None:
+    """A retried send may append the scheduler's batch twice: [bind, step 41] [bind, step 41, step 42]."""
+    from types import SimpleNamespace
+
+    from common.executor_output import ExecutorOutput
+    from common.protocol import BindExecutor, SchedulerOutput
+
+    ran: list[int] = []
+    resets: list[int] = []
+    model = SimpleNamespace(
+        info=SimpleNamespace(model_name="m", num_blocks=8, block_size=16, max_model_len=64, vocab_size=100, eos_token_ids=[0]),
+        execute_model=lambda output: ran.append(output.step) or ExecutorOutput([1], [None]),
+        reset=lambda: resets.append(1),
+    )
+    service = ExecutorService(ExecutorServiceConfig("redis://127.0.0.1:1/0", "m", "dup", executor_id="e1"), model)
+    sends: list[Any] = []
+    bind, step41, step42 = BindExecutor("e1", "s", 7), SchedulerOutput(step=41, epoch=7), SchedulerOutput(step=42, epoch=7)
+    for msg in (bind, step41, bind, step41, step42):
+        service._handle(msg, "results:s", sends)
+    assert ran == [41, 42] and len(resets) == 1 and len(sends) == 2
+
+
+def test_a_stopped_executor_takes_its_heartbeat_with_it(engine: Engine) -> None:
+    key = engine.names.heartbeat("executor", engine.executor.eid)
+    assert engine.r.exists(key)
+    engine.executor.stopping.set()
+    engine.threads[0].join(10)
+    assert not engine.threads[0].is_alive() and not engine.r.exists(key)  # not a TTL later
+
+
+def test_redis_refusing_writes_for_a_while_loses_nothing(engine: Engine, tiny_model: Any) -> None:
+    """Out of memory for 1.5 s mid-stream (maxmemory reached; a read-only replica or a failing disk
+    are refused alike): the executor and the scheduler wait it out, the stream finishes whole.
+    Before, the executor exited and the scheduler failed every request as an engine bug."""
+    from scheduler import LLM
+
+    sampling = {**GREEDY, "max_tokens": 160}
+    engine.submit("a", [5, 6, 7], sampling)
+    deadline = time.monotonic() + 30
+    while not engine.r.xlen(engine.names.outputs("gw")):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    before = engine.r.config_get("maxmemory")["maxmemory"]
+    engine.r.config_set("maxmemory", 1)
+    try:
+        time.sleep(1.5)
+    finally:
+        engine.r.config_set("maxmemory", before)
+    engine.wait_all(60)
+    assert engine.ends["a"] == ("length", None)
+    want = LLM(str(tiny_model()), num_blocks=128).generate([[5, 6, 7]], SamplingParams(**sampling))[0].token_ids
+    assert engine.tokens["a"] == want
+    assert all(thread.is_alive() for thread in engine.threads)

@@ -66,14 +66,18 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
 
+    def _set(self, kind: str) -> bool:
+        value = getattr(self, kind)  # identity: 0 == False, and a 0 given for a schema is a wrong value, not none
+        return value is not None and value is not False
+
     def kind(self) -> str:
         """The one constraint set (after `validate`): json, regex, choice, grammar or json_object."""
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in _KINDS if self._set(k))
 
     def validate(self) -> None:
         """Raise ``ValueError`` (message starting ``structured_outputs``) unless exactly one
         constraint is set, of the right type and size. Whether it compiles: `compile_error`."""
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if self._set(k)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}, got {', '.join(given) or 'none'}")
         kind = given[0]

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.generation import Generation, Piece
 from gateway.json_input import ApiError
 from gateway.responses import ResponseFormatter, done_event, sse
+
+logger = logging.getLogger("conveyor.gateway")
 
 MAX_COUNT_DIGITS = 9
 
@@ -120,6 +123,9 @@ async def stream_choices(
         else:
             if envelope.spec.include_usage and not have.closed:
                 tail = sse(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)), cursor.event_id("end"))
+    except Exception:  # a bug here: the client gets an error event and [DONE], not a cut connection
+        logger.exception("streaming %s failed", envelope.request_id)
+        tail = sse(ApiError(500, "internal error; see the gateway log", "server_error").body(), cursor.event_id("end"))
     finally:
         for t in tasks:
             if not t.done():

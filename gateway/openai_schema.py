@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import INT32_MAX, SamplingParams
+from gateway.chat_messages import parse_messages
 from gateway.json_input import (
     all_ints,
     bad,
@@ -36,9 +37,6 @@ MAX_STOP_STRINGS = 16
 # Stop strings are matched (and partial matches held back) on every streamed token; the cost of
 # holding back grows with the square of a stop string's length.
 MAX_STOP_STRING_CHARS = 256
-# Messages and content parts are checked one by one on the event loop, so their number is bounded.
-MAX_MESSAGES = 4096
-MAX_CONTENT_PARTS = 4096
 # About how many bytes of a JSON body one token id takes, to size inputs given as ids.
 BYTES_PER_TOKEN_ID = 4
 # The most prompts one /v1/completions request may list (each runs as ``best_of or n`` requests).
@@ -56,7 +54,7 @@ class GenerationSpec:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None  # checked with the model's vocabulary: `check_token_ids`
     prompts: list[str | list[int]] | None = None  # a list of several prompts (completions); then ``prompt*`` are None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
@@ -83,6 +81,18 @@ def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
         raise bad(f"'{name}' = {preview(value)} is not supported by this server (only {neutral!r})", name)
 
 
+# vLLM's sampling extensions this server does not honour: refused unless neutral (ignored, they
+# would look like support). ``prompt_logprobs``: completions' ``echo`` with ``logprobs`` returns them.
+_UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("prompt_logprobs", None),
+    ("allowed_token_ids", None),
+    ("bad_words", []),
+    ("truncate_prompt_tokens", None),
+    ("use_beam_search", False),
+    ("length_penalty", 1.0),
+    ("return_tokens_as_token_ids", False),
+)
+
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders
 # every chat): refused when they ask for anything else, by /v1/chat/completions and /tokenize alike.
 _CHAT_TEMPLATE_FIELDS: tuple[tuple[str, Any], ...] = (
@@ -98,6 +108,8 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         raise bad(f"request body must be a JSON object, got {typename(body)}")
     model = get_field(body, "model", lambda v: isinstance(v, str), "a string", None)
     _unsupported(body, "suffix", None)
+    for name, neutral in _UNSUPPORTED_VLLM_FIELDS:
+        _unsupported(body, name, neutral)
     if kind == "chat":
         _unsupported(body, "best_of", 1)
     n = get_int(body, "n", 1)
@@ -208,13 +220,12 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
 
 
 def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
-    for name in names:
-        value = get_int(body, name, None)
-        if value is not None:
-            if value < 1:
-                raise bad(f"'{name}' must be at least 1, got {value}", name)
-            return value
-    return None
+    """The first of ``names`` given; each given one is checked."""
+    values = [(name, get_int(body, name, None)) for name in names]
+    for name, value in values:
+        if value is not None and value < 1:
+            raise bad(f"'{name}' must be at least 1, got {value}", name)
+    return next((value for _, value in values if value is not None), None)
 
 
 # -- endpoints ---------------------------------------------------------------------------------
@@ -266,9 +277,6 @@ def _prompt_list(prompts: list[Any]) -> list[str | list[int]]:
     return prompts
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def parse_chat(body: Any) -> GenerationSpec:
     """Validate a ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
@@ -283,43 +291,9 @@ def parse_chat(body: Any) -> GenerationSpec:
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
     for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
         _unsupported(body, name, neutral)
-    spec.messages = _messages(body)
+    spec.messages = parse_messages(body)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None)
     return spec
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """``messages`` as ``{"role", "content"}`` maps, content parts joined (text parts only)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty array", "messages")
-    if len(messages) > MAX_MESSAGES:
-        raise bad(f"'messages' may hold at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
-    parsed: list[dict[str, str]] = []
-    num_parts = 0
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise bad(f"messages[{i}] must be an object, got {typename(message)}", "messages")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {preview(role)}", "messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            num_parts += len(content)
-            if num_parts > MAX_CONTENT_PARTS:
-                raise bad(f"messages may hold at most {MAX_CONTENT_PARTS} content parts in all", "messages")
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad(f"messages[{i}].content parts must be text parts", "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string, got {typename(content)}", "messages")
-        parsed.append({"role": role, "content": content})
-    return parsed
 
 
 @dataclass(slots=True)
@@ -329,7 +303,7 @@ class TokenizeSpec:
 
     model: str | None
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
@@ -354,12 +328,12 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise bad("give either 'prompt' or 'messages', not both", "prompt")
-        for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("tools", None)):
+        for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("tools", [])):
             _unsupported(body, name, neutral)
         return TokenizeSpec(
             model,
             None,
-            _messages(body),
+            parse_messages(body),
             _add_special_tokens(body, True),
             get_bool(body, "add_generation_prompt", True),
             return_token_strs,

@@ -8,6 +8,7 @@ come whole in the final chunk (`gateway.tool_calls`).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,8 @@ from gateway.json_input import ApiError
 from gateway.openai_schema import GenerationSpec
 from gateway.structured import ToolCallMode
 from gateway.tool_calls import stream_tool_calls, tool_calls
+
+logger = logging.getLogger("conveyor.gateway")
 
 
 class ResponseFormatter:
@@ -334,4 +337,7 @@ async def stream_events(gen: Generation, fmt: ResponseFormatter, skip_through: i
                 tail = text
     except ApiError as exc:
         tail += events([exc.body()])
+    except Exception:  # a bug here: the client gets an error event and [DONE], not a cut connection
+        logger.exception("streaming %s failed", fmt.request_id)
+        tail += events([ApiError(500, "internal error; see the gateway log", "server_error").body()])
     yield tail + done_event(number + 1)

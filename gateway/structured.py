@@ -31,8 +31,9 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _SPEC_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM options of `structured_outputs` accepted and ignored: JSON is always compact here, and
-# there is one backend (no fallback to choose).
-_IGNORED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "backend")
+# there is one backend (no fallback to choose). ``disable_additional_properties`` changes the
+# schema: only its default (false) is accepted.
+_IGNORED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "backend")
 
 
 @dataclass(slots=True)
@@ -67,7 +68,9 @@ def parse_structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | No
     if so is not None:
         if not isinstance(so, dict):
             raise bad(f"'structured_outputs' must be an object, got {typename(so)}", "structured_outputs")
-        unknown = [k for k in so if k not in _SPEC_FIELDS and k not in _IGNORED_OPTIONS]
+        if so.get("disable_additional_properties") not in (None, False):
+            raise bad("'structured_outputs.disable_additional_properties' is not supported by this server", "structured_outputs")
+        unknown = [k for k in so if k not in _SPEC_FIELDS and k not in _IGNORED_OPTIONS and k != "disable_additional_properties"]
         if unknown:
             raise bad(
                 f"'structured_outputs' has unsupported field {preview(unknown[0])} (supported: {', '.join(_SPEC_FIELDS)})",
@@ -122,7 +125,13 @@ def parse_tools(body: dict[str, Any], sampling: SamplingParams, param: str | Non
             raise bad("'tool_choice' requires 'tools'", "tool_choice")
         return StructuredRequest(param) if param else None
     schemas = _tool_schemas(tools)
-    if choice in (None, "none", "auto"):
+    if choice in (None, "auto"):  # vLLM's default with tools; it too refuses it without a parser
+        raise bad(
+            "'tool_choice' \"auto\" (the default with 'tools') needs a tool-call parser, which this server does not "
+            "have: send 'required', a named function, or 'none' (the tools go in the prompt, the answer is text)",
+            "tool_choice",
+        )
+    if choice == "none":
         return StructuredRequest(param or "tools", None, tools)
     if choice == "required":
         mode = ToolCallMode("required")
@@ -136,6 +145,8 @@ def parse_tools(body: dict[str, Any], sampling: SamplingParams, param: str | Non
             for name, params in schemas.items()
         ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if body.get("parallel_tool_calls") is False:  # OpenAI's: at most one call
+            schema["maxItems"] = 1
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if not isinstance(name, str) or name not in schemas:  # a list or an object is no name (and unhashable)

@@ -157,7 +157,7 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
 
 
 def chat_text(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
 ) -> str:
     """The prompt text of chat ``messages``: the tokenizer's chat template (a 400 when the
     template rejects them), or, for a checkpoint without one, a plain, documented fallback. The

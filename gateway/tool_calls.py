@@ -22,21 +22,22 @@ from gateway.structured import ToolCallMode
 def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, choice: int) -> list[dict[str, Any]] | None:
     """The calls ``text`` makes, in OpenAI's message form; None when it is not complete (a request
     cut short by ``max_tokens``): its text is then returned as content."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
     calls: list[tuple[str, str]] = []
-    if mode.kind == "named":
-        assert mode.name is not None
-        calls.append((mode.name, text))
-    else:
-        if not isinstance(value, list) or not value:
-            return None
-        for call in value:
-            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+    try:  # nested past the interpreter's recursion limit (a grammar can force that): no calls either
+        value = json.loads(text)
+        if mode.kind == "named":
+            assert mode.name is not None
+            calls.append((mode.name, text))
+        else:
+            if not isinstance(value, list) or not value:
                 return None
-            calls.append((call["name"], json.dumps(call.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))))
+            for call in value:
+                if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                    return None
+                parameters = json.dumps(call.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))
+                calls.append((call["name"], parameters))
+    except (ValueError, RecursionError):
+        return None
     return [
         {
             "id": "chatcmpl-tool-" + hashlib.sha256(f"{response_id}:{created}:{choice}:{i}".encode()).hexdigest()[:24],

@@ -26,8 +26,9 @@ import redis
 
 from common.protocol import Names
 from common.sampling_params import SamplingParams
+from gateway.chat_messages import MAX_CONTENT_PARTS, MAX_MESSAGES
 from gateway.json_input import MAX_JSON_DEPTH
-from gateway.openai_schema import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRING_CHARS
+from gateway.openai_schema import MAX_STOP_STRING_CHARS
 from infra.launcher import free_port, stop_all, wait_healthy
 from infra.stack import REPO, find_redis
 from tests.test_gateway_validation import MAX_MODEL_LEN, VOCAB_SIZE, register_engine

@@ -245,7 +245,8 @@ def test_small_prompts_are_prepared_on_the_event_loop(tiny_model: Any) -> None:
     assert not tokenizes_inline(parse_completion({"prompt": [5] * INLINE_INPUT_BYTES}), tok)
     assert not tokenizes_inline(parse_completion({"prompt": "hi", "structured_outputs": {"regex": "a+"}}), tok)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    assert not tokenizes_inline(parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}), tok)
+    with_tools = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "none"}
+    assert not tokenizes_inline(parse_chat(with_tools), tok)
     tok.backend_tokenizer.enable_truncation(8)
     assert not tokenizes_inline(parse_completion({"prompt": "hello world"}), tok)
     assert tokenizes_inline(parse_completion({"prompt": [5, 6, 7]}), tok), "token ids need no tokenizer"

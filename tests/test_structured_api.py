@@ -131,6 +131,17 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
     streamed = [tc for d in deltas for tc in d.tool_calls or []]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
-    # "auto" and "none" are plain text.
-    auto = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=3)
-    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"
+    # "none" is plain text; "auto" (the default with tools) needs a tool-call parser: a 400, as from vLLM without one.
+    plain = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=3)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="tool-call parser"):
+        client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=3)
+    # The calls and their results go back in the next turn (rendered by the chat template).
+    call = calls[0]
+    turn = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "3"},
+    ]
+    reply = client.chat.completions.create(model="", messages=turn, tools=TOOLS, tool_choice="none", max_tokens=3)  # type: ignore[arg-type]
+    assert reply.choices[0].finish_reason == "length"

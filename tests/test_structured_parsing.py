@@ -64,7 +64,7 @@ def test_each_field_becomes_one_constraint(tokenizer: Any) -> None:
             assert spec.sampling.structured_outputs is not None and spec.sampling.structured_outputs.to_dict() == wire
             assert spec.structured is not None and spec.structured.param == param
             check_grammar(spec.sampling, spec.structured, tokenizer, threading.Lock(), VOCAB)
-    plain = _chat(response_format={"type": "text"}, tools=[ADD], tool_choice="auto")
+    plain = _chat(response_format={"type": "text"}, tools=[ADD], tool_choice="none")
     assert plain.sampling.structured_outputs is None and plain.structured is not None and plain.structured.tool_call is None
 
 
@@ -82,6 +82,16 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
         ({"tools": {"add": ADD}}, "tools"),
         ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [ADD], "tool_choice": "auto"}, "tool_choice"),  # no tool-call parser here (vLLM's 400 too)
+        ({"tools": [ADD]}, "tool_choice"),  # "auto" is the default with tools
+        ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}}, "structured_outputs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
         ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": ["add"]}}}, "tool_choice"),  # was a 500
         ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": {"x": 1}}}}, "tool_choice"),
         ({"functions": [ADD["function"]]}, "functions"),
@@ -118,3 +128,66 @@ def test_tool_choice_constraints_and_calls() -> None:
     calls = tool_calls(named.structured.tool_call, '{"a":2}', "chatcmpl-2", 1700000000, 0)
     assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
     assert tool_calls(named.structured.tool_call, '{"a":', "chatcmpl-2", 1700000000, 0) is None  # cut short
+    # Nested past the interpreter's recursion limit (a tool's schema can force it): the text comes
+    # back as content, not a 500 (a cut stream, streamed).
+    deep = "[" * 100_000 + "0" + "]" * 100_000
+    assert tool_calls(named.structured.tool_call, deep, "chatcmpl-3", 1700000000, 0) is None
+    assert tool_calls(required.structured.tool_call, f'[{{"name":"add","parameters":{deep}}}]', "c", 1, 0) is None
+
+
+def test_a_failure_while_streaming_ends_the_stream_with_an_error_event_and_done() -> None:
+    """Not a cut connection, which clients read as a network fault and retry."""
+    import asyncio
+
+    from gateway.responses import stream_events
+
+    async def pieces() -> Any:
+        yield SimpleNamespace(finish_reason=None)
+
+    def broken(piece: Any, num_tokens: int) -> list[dict[str, Any]]:
+        raise RuntimeError("a formatting bug")
+
+    gen = SimpleNamespace(pieces=pieces, num_completion_tokens=1)
+    fmt = SimpleNamespace(stream_start=lambda: [{"id": "x"}], stream_piece=broken, request_id="cmpl-x")
+
+    async def read() -> list[str]:
+        return [event async for event in stream_events(gen, fmt, 0)]  # type: ignore[arg-type]
+
+    events = "".join(asyncio.run(read()))
+    assert '"type":"server_error"' in events.replace(" ", "") and events.endswith("data: [DONE]\n\n")
+
+
+def test_tool_use_round_trips_through_the_messages() -> None:
+    """The assistant's calls and the tools' answers reach the chat template (vLLM's shapes), and
+    ``parallel_tool_calls: false`` allows one call."""
+    from gateway.openai_schema import parse_tokenize
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1}'}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "42"},
+    ]
+    spec = _chat(messages=messages, tools=[ADD], tool_choice="none")
+    assert spec.messages is not None and spec.messages[-2:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "42", "name": "add", "tool_call_id": "call_1"},
+    ]
+    for bad_message in (
+        {"role": "user", "content": "x", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": "{"}}]},
+        {"role": "user", "content": "x", "tool_call_id": "call_1"},
+    ):
+        with pytest.raises(ApiError):
+            _chat(messages=[*MESSAGES, bad_message])
+    one = _chat(tools=[ADD], tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(one.sampling.structured_outputs.to_dict()["json"])["maxItems"] == 1
+    assert parse_tokenize({"messages": MESSAGES, "tools": []}).messages == MESSAGES  # no tools, as for chat
+
+
+def test_a_falsy_second_constraint_and_a_bad_second_max_tokens_are_400() -> None:
+    for body in ({"structured_outputs": {"json": 0, "regex": "a"}}, {"structured_outputs": {"choice": 0, "regex": "a"}}):
+        with pytest.raises(ApiError, match="exactly one"):
+            _chat(**body)
+    with pytest.raises(ApiError, match="max_tokens"):
+        _chat(max_completion_tokens=1, max_tokens="lots")

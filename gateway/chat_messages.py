@@ -1,0 +1,90 @@
+"""Chat ``messages``: validated, and shaped as Hugging Face chat templates read them.
+
+Content parts are joined (text parts only). Tool use round-trips as vLLM passes it: an assistant
+message's ``tool_calls`` (each function's ``arguments`` JSON string parsed into an object, the form
+chat templates render), a tool message's ``tool_call_id``, and a message's ``name`` reach the
+template; a template that does not use them leaves them out, as with vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.json_input import bad, preview, typename
+
+# Messages, content parts and tool calls are checked one by one on the event loop: their number is bounded.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096
+MAX_TOOL_CALLS = 128
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``body["messages"]`` as template messages (see the module docstring); a 400 names the first fault."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty array", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad(f"'messages' may hold at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
+    parsed: list[dict[str, Any]] = []
+    num_parts = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}] must be an object, got {typename(message)}", "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {preview(role)}", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            num_parts += len(content)
+            if num_parts > MAX_CONTENT_PARTS:
+                raise bad(f"messages may hold at most {MAX_CONTENT_PARTS} content parts in all", "messages")
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad(f"messages[{i}].content parts must be text parts", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string, got {typename(content)}", "messages")
+        out: dict[str, Any] = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):
+            value = message.get(key)
+            if value is not None:
+                if not isinstance(value, str) or (key == "tool_call_id" and role != "tool"):
+                    where = " (on a tool message)" if key == "tool_call_id" else ""
+                    raise bad(f"messages[{i}].{key} must be a string{where}", "messages")
+                out[key] = value
+        calls = message.get("tool_calls")
+        if calls is not None and calls != []:
+            if role != "assistant":
+                raise bad(f"messages[{i}].tool_calls belong on an assistant message", "messages")
+            out["tool_calls"] = _tool_calls(calls, i)
+        parsed.append(out)
+    return parsed
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS:
+        raise bad(f"{where} must be an array of at most {MAX_TOOL_CALLS} calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and call.get("type", "function") == "function"
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)
+            and isinstance(call.get("id", ""), str)
+        ):
+            raise bad(f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', "messages")
+        try:
+            arguments = json.loads(function["arguments"])
+        except (ValueError, RecursionError):
+            raise bad(f"{where}[{j}].function.arguments must be a JSON string", "messages") from None
+        out.append({"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return out

@@ -8,8 +8,8 @@ import threading
 import time
 
 from common.protocol import Names
+from common.redis_errors import TRANSIENT_ERRORS
 from common.redis_url import sync_client
-from common.transport import TRANSIENT_ERRORS
 from common.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)

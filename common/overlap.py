@@ -19,7 +19,8 @@ from typing import Any
 
 import redis
 
-from common.transport import Cursors, Outgoing, Received, SyncTransport, as_transient, refuses_writes
+from common.redis_errors import as_transient, refuses_writes
+from common.transport import Cursors, Outgoing, Received, SyncTransport
 
 
 def _send(conn: Any, pipe: Any) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 from common.config import ServiceDefaults
 from common.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS, formatter
 from common.redact import RedactingFilter
+from common.redis_errors import RedisAuthFailed
 from common.redis_url import URL_HELP, RedisUrlError, check_redis_url, redis_password
-from common.transport import RedisAuthFailed
 
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:

@@ -13,8 +13,8 @@ Why the settings below:
 - Connection errors are retried with exponential backoff (capped), forever for readers and
   writers of long-lived services; a Redis restart costs a pause, not a crashed service.
 - A message that fails `protocol.decode` is logged, copied to the dead-letter stream with the
-  reason, and skipped: one bad producer cannot wedge a consumer. Wrong credentials are not
-  transient: they raise `RedisAuthFailed` at once with a message that says so.
+  reason, and skipped: one bad producer cannot wedge a consumer. What counts as transient, and
+  the retry policy: `common.redis_errors`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import AuthenticationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.batch_send import APPEND_SCRIPT, script_arguments
 from common.protocol import (
@@ -43,41 +40,13 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.redis_url import PASSWORD_ENV, async_client, sync_client
+from common.redis_errors import RETRIED_ERRORS, TRANSIENT_ERRORS, Backoff
+from common.redis_url import async_client, sync_client
 
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
 FIRST_ENTRY_ID = "0-1"  # the lowest stream entry id: `Transport.create_stream`
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
-# Redis could not do what was asked: out of reach or refusing writes (TRANSIENT_ERRORS, retried
-# until a deadline), or another error of Redis's. A caller that cannot go on without Redis answers
-# these as 503, never as its own fault.
-REDIS_FAILURES = (redis.RedisError, ConnectionError, OSError)
-# Refusals that say what state the server is in (out of memory, a read-only replica, a failing
-# disk, a master lost): they pass, as an outage does (`WritesRefused`).
-_REFUSAL_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
-_REFUSAL_CODES = ("MISCONF", "BUSY", "NOREPLICAS")
-
-
-class WritesRefused(RedisConnectionError):
-    """Redis refuses writes for now (`refuses_writes`): handled, and retried, as an outage is; a
-    service stopped by one would lose what it holds for want of a second's patience."""
-
-
-def refuses_writes(exc: BaseException) -> bool:
-    """Whether ``exc`` is Redis refusing writes in a state that passes (see `WritesRefused`)."""
-    if isinstance(exc, _REFUSAL_ERRORS):
-        return True
-    # A pipeline's error names its command first: "Command # 1 (...) of pipeline caused error: MISCONF ..."
-    return isinstance(exc, redis.ResponseError) and str(exc).rpartition("caused error: ")[2].startswith(_REFUSAL_CODES)
-
-
-def as_transient(exc: BaseException) -> BaseException:
-    """``exc``, or a `WritesRefused` for a refusal (so that TRANSIENT_ERRORS handlers take it)."""
-    return WritesRefused(str(exc)) if refuses_writes(exc) else exc
-
-
 CLIENT_OPTIONS: dict[str, Any] = dict(
     socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
     socket_connect_timeout=5.0,
@@ -104,30 +73,6 @@ class Outgoing(NamedTuple):
     data: bytes
     maxlen: int | None = None
     ttl_ms: int | None = None
-
-
-class RedisAuthFailed(RuntimeError):
-    """Redis refused our credentials: retrying cannot help, so the process says so and stops."""
-
-
-class Backoff:
-    """The retry policy of one `call`: exponential waits from 50 ms, capped at 2 s, until ``deadline_s``
-    (None: forever) has passed; wrong credentials raise `RedisAuthFailed` at once."""
-
-    def __init__(self, owner: str, deadline_s: float | None) -> None:
-        self.owner, self.deadline_s, self.start, self.delay = owner, deadline_s, time.monotonic(), 0.05
-
-    def wait_s(self, exc: BaseException) -> float:
-        """How long to wait before retrying after ``exc``; re-raises it past the deadline."""
-        if isinstance(exc, AuthenticationError):  # a ConnectionError to redis-py, but never transient
-            raise RedisAuthFailed(
-                f"{self.owner}: Redis rejected the credentials ({exc}); check CONVEYOR_REDIS_URL and {PASSWORD_ENV}[_FILE]"
-            ) from None
-        if self.deadline_s is not None and time.monotonic() - self.start + self.delay > self.deadline_s:
-            raise exc
-        logger.warning("%s: redis unavailable (%s); retrying in %.2fs", self.owner, exc, self.delay)
-        delay, self.delay = self.delay, min(self.delay * 2, 2.0)
-        return delay
 
 
 def parse_run_id(info: dict[str, Any]) -> str:
@@ -268,10 +213,8 @@ class Transport(TransportCore[aioredis.Redis]):
         while True:
             try:
                 return await fn(*args, **kwargs)
-            except (*TRANSIENT_ERRORS, redis.ResponseError) as exc:
-                if not isinstance(exc, TRANSIENT_ERRORS) and not refuses_writes(exc):
-                    raise
-                await asyncio.sleep(backoff.wait_s(as_transient(exc)))
+            except RETRIED_ERRORS as exc:
+                await asyncio.sleep(backoff.wait_s(exc))
 
     async def ping(self, deadline_s: float | None = None) -> None:
         await self.call(self.redis.ping, deadline_s=deadline_s)
@@ -403,10 +346,8 @@ class SyncTransport(TransportCore[redis.Redis]):
         while True:
             try:
                 return fn(*args, **kwargs)
-            except (*TRANSIENT_ERRORS, redis.ResponseError) as exc:
-                if not isinstance(exc, TRANSIENT_ERRORS) and not refuses_writes(exc):
-                    raise
-                time.sleep(backoff.wait_s(as_transient(exc)))
+            except RETRIED_ERRORS as exc:
+                time.sleep(backoff.wait_s(exc))
 
     def ping(self, deadline_s: float | None = None) -> None:
         self.call(self.redis.ping, deadline_s=deadline_s)

@@ -29,6 +29,7 @@ from common.heartbeat import Heartbeat
 from common.overlap import PendingRead, WriteBehind
 from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
+from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS
 from common.service_cli import (
     add_engine_id,
     freeze_startup_heap,
@@ -39,7 +40,7 @@ from common.service_cli import (
     stop_on_sigterm,
 )
 from common.step_outputs import pack_prompt_logprobs
-from common.transport import REDIS_FAILURES, TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 
 logger = logging.getLogger("conveyor.executor")

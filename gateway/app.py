@@ -35,8 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.protocol import EngineStatus, JournalHeader, Names, encode
+from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import sampling_to_dict
-from common.transport import REDIS_FAILURES, Outgoing
+from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog

@@ -16,8 +16,9 @@ from typing import Any
 
 from common.logs import log_event
 from common.protocol import TAKEN_OVER
+from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import SamplingParams, sampling_to_dict
-from common.transport import REDIS_FAILURES, Outgoing
+from common.transport import Outgoing
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.json_input import ApiError
 from gateway.metrics import RequestMetrics

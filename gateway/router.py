@@ -48,7 +48,8 @@ from common.protocol import (
     SyncRequest,
     encode,
 )
-from common.transport import REDIS_FAILURES, TRANSIENT_ERRORS, Outgoing, Transport
+from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS
+from common.transport import Outgoing, Transport
 from common.watchdog import Watchdog
 from gateway.aborts import AbortQueue
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine, reason_to_leave

@@ -29,7 +29,8 @@ from common.protocol import (
     StepResult,
     decode,
 )
-from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.redis_errors import TRANSIENT_ERRORS
+from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 from scheduler.stream_executor import StreamExecutor
 

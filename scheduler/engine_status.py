@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 
 from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
+from common.redis_errors import TRANSIENT_ERRORS
 from common.redis_url import sync_client
-from common.transport import CLIENT_OPTIONS, TRANSIENT_ERRORS, server_run_id
+from common.transport import CLIENT_OPTIONS, server_run_id
 from common.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from common.config import SchedulerConfig, ServiceDefaults
 from common.pairing import AUTO
 from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, ExecutorHello, GenerateRequest, Names, SyncRequest
+from common.redis_errors import TRANSIENT_ERRORS
 from common.sampling_params import sampling_from_dict
 from common.service_cli import record_process_id
-from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 from scheduler.binding import ExecutorBinding
 from scheduler.cache_manager import CacheManager

@@ -17,7 +17,8 @@ from common.config import ExecutorInfo
 from common.executor_output import ExecutorOutput
 from common.overlap import PendingRead, WriteBehind
 from common.protocol import ENTRY_FIELD, BindExecutor, Names, SchedulerOutput, StepResult, decode, encode
-from common.transport import TRANSIENT_ERRORS, Outgoing, SyncTransport
+from common.redis_errors import TRANSIENT_ERRORS
+from common.transport import Outgoing, SyncTransport
 from executor.service import ExecutorService, ExecutorServiceConfig
 from tests.redis_servers import private_namespace
 

@@ -67,6 +67,27 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def stop_reason_for(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
+        """The finish reason ``token`` (just appended) ends it with, or None. A stop token id
+        (checked after EOS, as in vLLM) is also kept as its ``stop_reason``."""
+        params = self.sampling_params
+        n = self.num_output_tokens
+        if n >= params.min_tokens:
+            # A grammar forces EOS once it is complete: that ends the request even with ignore_eos.
+            if (not params.ignore_eos or params.structured_outputs is not None) and token in eos_token_ids:
+                return "stop"
+            if token in params.stop_token_ids:
+                self.stop_reason = token
+                return "stop"
+        if n >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def fits(self, max_model_len: int, vocab_size: int) -> bool:
+        """Whether an executor of this context length and vocabulary can serve it to its end."""
+        tokens = self.prompt_token_ids + self.output_token_ids
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens <= max_model_len and max(tokens) < vocab_size
+
     def tokens_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` of prompt + output."""
         n = len(self.prompt_token_ids)

@@ -107,12 +107,7 @@ class Scheduler:
         self.cache = cache_manager
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
-        unfit = [
-            r.request_id
-            for r in self.requests.values()
-            if len(r.prompt_token_ids) + r.sampling_params.max_tokens > info.max_model_len
-            or max(r.prompt_token_ids + r.output_token_ids) >= info.vocab_size
-        ]
+        unfit = [r.request_id for r in self.requests.values() if not r.fits(info.max_model_len, info.vocab_size)]
         for request_id in unfit:
             self.abort(request_id, "error")
         return unfit
@@ -429,7 +424,7 @@ class Scheduler:
             logprobs = result.logprobs[i] if result.logprobs else None
             request.output_token_ids.append(token)
             request.output_logprobs.append(logprobs)
-            reason = self._stop_reason(request, token)
+            reason = request.stop_reason_for(token, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 finished.append(request)
                 request.finish_reason = reason
@@ -454,19 +449,3 @@ class Scheduler:
             (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
             self._finish(request, request.finish_reason or "stop")
         return outputs
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        """The finish reason ``token`` ends ``request`` with, or None. A stop token id (checked
-        after EOS, as in vLLM) is also kept as the request's ``stop_reason``."""
-        params = request.sampling_params
-        n = request.num_output_tokens
-        if n >= params.min_tokens:
-            # A grammar forces EOS once it is complete: that ends the request even with ignore_eos.
-            if (not params.ignore_eos or params.structured_outputs is not None) and token in self.eos_token_ids:
-                return "stop"
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return "stop"
-        if n >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None

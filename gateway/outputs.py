@@ -11,14 +11,19 @@ events again, so resumed streams number their SSE events as the first gateway di
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from common.codec import unpack_logprobs
 from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, encode
+from common.redis_errors import REDIS_FAILURES
 from common.step_outputs import row_bytes
-from common.transport import Outgoing
+from common.transport import Outgoing, Transport
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
+
+logger = logging.getLogger("conveyor.gateway")
 
 # Steps read together merge into one event, one journal entry: at most this big (a long resend's
 # pieces, merged whole, could pass the message limit).
@@ -123,6 +128,37 @@ def journal_write(names: Names, handle: RequestHandle, event: EngineEvent, start
     """The append of ``event`` (its first token at output index ``start``) to ``handle``'s journal."""
     entry = encode(journal_entry(handle.engine_request_id, start, event))
     return Outgoing(names.journal(handle.journal_id), entry, None, ttl_ms)  # never trimmed (`Names.journal`)
+
+
+async def write_ahead(
+    transport: Transport, names: Names, events: list[tuple[RequestHandle, EngineEvent, int]], ttl_ms: int
+) -> list[tuple[RequestHandle, EngineEvent, int]]:
+    """Journal the events of resumable streams before their clients see any (no client sees an
+    event another gateway could not replay); the events to deliver. When the write fails, the read
+    that brought them has moved on: the journaled ones are taken back and owed a resend (the
+    watcher asks, `EngineClient._resend_owed`), as outputs lost on the way are; the rest go on."""
+    journal = [journal_write(names, h, event, start, ttl_ms) for h, event, start in events if h.journal_id]
+    if not journal:
+        return events
+    writing = [h for h, _, _ in events if h.journal_id]
+    for handle in writing:  # not moved meanwhile (`EngineClient._check_routes`): its tokens may be taken back
+        handle.journal_writes += 1
+    try:
+        await transport.send_many(journal)
+    except REDIS_FAILURES as exc:
+        logger.warning("could not journal %d events (%s); asking for them again", len(journal), exc)
+        for handle, _, start in events:
+            if handle.journal_id:
+                del handle.output_token_ids[start:]
+                handle.resend_owed = True
+        return [(h, event, start) for h, event, start in events if not h.journal_id]
+    finally:
+        for handle in writing:
+            handle.journal_writes -= 1
+    now = time.monotonic()
+    for handle in writing:
+        handle.journaled_at = now
+    return events
 
 
 def replay(handle: RequestHandle, outputs: list[StepOutputs]) -> list[EngineEvent]:

@@ -53,7 +53,7 @@ from common.transport import Outgoing, Transport
 from common.watchdog import Watchdog
 from gateway.aborts import AbortQueue
 from gateway.engine_choice import AFFINITY_SLACK, choose_engine, reason_to_leave
-from gateway.outputs import journal_write, replay, route_outputs
+from gateway.outputs import journal_write, replay, route_outputs, write_ahead
 from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
 from gateway.send_batch import SendBatch
 
@@ -348,31 +348,7 @@ class EngineClient:
         """Deliver the outputs of consecutive steps (one event per request: `route_outputs`);
         resumable streams are journaled before their clients see them."""
         routed = route_outputs(msgs, self.attempts)
-        ttl = self.journal_ttl_ms
-        journal = [journal_write(self.names, h, event, start, ttl) for h, event, start in routed.events if h.journal_id]
-        events = routed.events
-        if journal:  # write-ahead: no client sees an event that another gateway could not replay
-            writing = [h for h, _, _ in events if h.journal_id]
-            for handle in writing:  # not moved meanwhile (`_check_routes`): its tokens may be taken back
-                handle.journal_writes += 1
-            try:
-                await self.transport.send_many(journal)
-            except REDIS_FAILURES as exc:
-                # This read's cursor moved on: the journaled events are taken back and asked for again
-                # (`_watch`), as outputs lost on the way are; the rest are delivered.
-                logger.warning("could not journal %d events (%s); asking for them again", len(journal), exc)
-                for handle, _, start in events:
-                    if handle.journal_id:
-                        del handle.output_token_ids[start:]
-                        handle.resend_owed = True
-                events = [(h, event, start) for h, event, start in events if not h.journal_id]
-            else:
-                now = time.monotonic()
-                for handle, _, _ in events:
-                    handle.journaled_at = now
-            finally:
-                for handle in writing:
-                    handle.journal_writes -= 1
+        events = await write_ahead(self.transport, self.names, routed.events, self.journal_ttl_ms)
         for handle, event, _ in events:
             self._deliver(handle, event)
         for handle, why in routed.taken:  # the stream goes on elsewhere: nothing is journaled

@@ -8,7 +8,7 @@ import threading
 import time
 
 from common.protocol import Names
-from common.redis_errors import TRANSIENT_ERRORS
+from common.redis_errors import TRANSIENT_ERRORS, refuses_writes
 from common.redis_url import sync_client
 from common.watchdog import Watchdog
 
@@ -72,10 +72,8 @@ class Heartbeat:
             reachable = True
             try:
                 self.beat()
-            except TRANSIENT_ERRORS as exc:
-                reachable = False
-                logger.warning("heartbeat %s failed: %s", self.key, exc)
             except Exception as exc:  # keep beating whatever happens; the loop is the liveness signal
+                reachable = not (isinstance(exc, TRANSIENT_ERRORS) or refuses_writes(exc))  # Redis's trouble, not a stall
                 logger.warning("heartbeat %s failed: %s", self.key, exc)
             if self.watchdog is not None:
                 self.watchdog.check(self.withdraw, self.interval_s, reachable)

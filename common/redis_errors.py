@@ -41,8 +41,10 @@ def refuses_writes(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis refusing writes in a state that passes (see `WritesRefused`)."""
     if isinstance(exc, _REFUSAL_ERRORS):
         return True
-    # A pipeline's error names its command first: "Command # 1 (...) of pipeline caused error: MISCONF ..."
-    return isinstance(exc, redis.ResponseError) and str(exc).rpartition("caused error: ")[2].startswith(_REFUSAL_CODES)
+    # A pipeline's error names its command first: "Command # 1 (...) of pipeline caused error: MISCONF ...",
+    # or (redis-py's async pipeline) the error's args: "... caused error: ('MISCONF ...',)".
+    text = str(exc).rpartition("caused error: ")[2].lstrip("('\"")
+    return isinstance(exc, redis.ResponseError) and text.startswith(_REFUSAL_CODES)
 
 
 def as_transient(exc: BaseException) -> BaseException:

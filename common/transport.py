@@ -40,13 +40,16 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.redis_errors import RETRIED_ERRORS, TRANSIENT_ERRORS, Backoff
+from common.redis_errors import RETRIED_ERRORS, TRANSIENT_ERRORS, Backoff, as_transient, refuses_writes
 from common.redis_url import async_client, sync_client
 
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_MS = 2000  # the longest BLOCK any reader uses; socket timeout is set above it
 FIRST_ENTRY_ID = "0-1"  # the lowest stream entry id: `Transport.create_stream`
+# Trimming is housekeeping a later trim redoes: it never holds up the loop that does it for long
+# (a Redis refusing writes refuses XTRIM too).
+TRIM_DEADLINE_S = 2.0
 CLIENT_OPTIONS: dict[str, Any] = dict(
     socket_timeout=MAX_BLOCK_MS / 1000 + 5.0,
     socket_connect_timeout=5.0,
@@ -265,6 +268,8 @@ class Transport(TransportCore[aioredis.Redis]):
             return pipe.execute(raise_on_error=False)
 
         replies = await self.call(attempt, deadline_s=deadline_s)
+        if refuses_writes(replies[0]):  # not "taken": Redis refuses writes for now (a 503, not a 409)
+            raise as_transient(replies[0])
         created = not isinstance(replies[0], redis.ResponseError)
         if created and first.ttl_ms is not None and isinstance(replies[1], redis.ResponseError):
             # A server older than Redis 7 refuses NX: the stream just created gets its TTL now.
@@ -274,9 +279,9 @@ class Transport(TransportCore[aioredis.Redis]):
             await self.call(self.redis.pexpire, first.stream, first.ttl_ms, deadline_s=deadline_s)
         return created
 
-    async def trim_through(self, stream: str, entry_id: bytes | str) -> None:
+    async def trim_through(self, stream: str, entry_id: bytes | str, deadline_s: float | None = TRIM_DEADLINE_S) -> None:
         """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""
-        await self.call(self.redis.xtrim, **self._xtrim_through(stream, entry_id))
+        await self.call(self.redis.xtrim, **self._xtrim_through(stream, entry_id), deadline_s=deadline_s)
 
     async def refresh_ttl(self, keys: list[str], ttl_ms: int, deadline_s: float | None = None) -> None:
         """Give each of ``keys`` that exists ``ttl_ms`` to live from now (one round trip)."""
@@ -387,9 +392,9 @@ class SyncTransport(TransportCore[redis.Redis]):
         """XREAD after each cursor (advanced in place); malformed entries are dead-lettered."""
         return self.exchange([], cursors, count=count, block_ms=block_ms, expected=expected)
 
-    def trim_through(self, stream: str, entry_id: bytes | str) -> None:
+    def trim_through(self, stream: str, entry_id: bytes | str, deadline_s: float | None = TRIM_DEADLINE_S) -> None:
         """Delete the entries of ``stream`` before ``entry_id`` (its single reader has taken them)."""
-        self.call(self.redis.xtrim, **self._xtrim_through(stream, entry_id))
+        self.call(self.redis.xtrim, **self._xtrim_through(stream, entry_id), deadline_s=deadline_s)
 
     def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""

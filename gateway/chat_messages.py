@@ -8,10 +8,9 @@ template; a template that does not use them leaves them out, as with vLLM.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from gateway.json_input import bad, preview, typename
+from gateway.json_input import MAX_JSON_DEPTH, ApiError, bad, parse_json, preview, typename
 
 # Messages, content parts and tool calls are checked one by one on the event loop: their number is bounded.
 MAX_MESSAGES = 4096
@@ -78,13 +77,16 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
             isinstance(function, dict)
             and call.get("type", "function") == "function"
             and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments"), str)
+            and isinstance(function.get("arguments"), (str, dict))
             and isinstance(call.get("id", ""), str)
         ):
             raise bad(f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', "messages")
-        try:
-            arguments = json.loads(function["arguments"])
-        except (ValueError, RecursionError):
-            raise bad(f"{where}[{j}].function.arguments must be a JSON string", "messages") from None
+        arguments = function["arguments"]  # an object is taken as is (vLLM's leniency), "" as {}
+        if isinstance(arguments, str):
+            try:  # nesting bounded as the body's is: chat templates walk it recursively
+                arguments = parse_json(arguments.encode()) if arguments else {}
+            except ApiError:
+                message = f"{where}[{j}].function.arguments must be JSON (at most {MAX_JSON_DEPTH} levels deep)"
+                raise bad(message, "messages") from None
         out.append({"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return out

@@ -24,6 +24,9 @@ from common.transport import Outgoing, Transport
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 
 logger = logging.getLogger("conveyor.gateway")
+# A journal write that cannot land in this long gives its events back (`write_ahead`): the reader
+# goes on with the other streams.
+JOURNAL_WRITE_DEADLINE_S = 5.0
 
 # Steps read together merge into one event, one journal entry: at most this big (a long resend's
 # pieces, merged whole, could pass the message limit).
@@ -144,7 +147,7 @@ async def write_ahead(
     for handle in writing:  # not moved meanwhile (`EngineClient._check_routes`): its tokens may be taken back
         handle.journal_writes += 1
     try:
-        await transport.send_many(journal)
+        await transport.send_many(journal, deadline_s=JOURNAL_WRITE_DEADLINE_S)
     except REDIS_FAILURES as exc:
         logger.warning("could not journal %d events (%s); asking for them again", len(journal), exc)
         for handle, _, start in events:

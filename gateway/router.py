@@ -468,8 +468,9 @@ class EngineClient:
                     self.resync_why = f"this gateway did not run for {overslept:.1f} s"
                 await self._refresh()
                 read = self._outputs_cursors.get(self.outputs_stream)
-                if read is not None:  # this gateway is the stream's only reader
-                    await self.transport.trim_through(self.outputs_stream, read)
+                if read is not None:  # this gateway is the stream's only reader (a failed trim: the next redoes it)
+                    with contextlib.suppress(*REDIS_FAILURES):
+                        await self.transport.trim_through(self.outputs_stream, read)
                 await self._resend_owed()
                 await self._check_routes()
                 await self._keep_journals()

@@ -170,7 +170,9 @@ def chat_text(
             return str(
                 tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
             )
-        except TemplateError as exc:  # the template's own checks, e.g. that roles alternate
+        # The template's own checks (that roles alternate), or a template that cannot render what a
+        # client may send (tool call arguments it concatenates as strings, nesting past the recursion limit).
+        except (TemplateError, TypeError, ValueError, RecursionError) as exc:
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + "assistant:" if add_generation_prompt else text

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
-from common.redis_errors import TRANSIENT_ERRORS
+from common.redis_errors import TRANSIENT_ERRORS, refuses_writes
 from common.redis_url import sync_client
 from common.transport import CLIENT_OPTIONS, server_run_id
 from common.watchdog import Watchdog
@@ -104,7 +104,7 @@ class EngineBeat:
             try:
                 self.beat()
             except Exception as exc:  # keep beating whatever happens; Redis may be restarting
-                reachable = not isinstance(exc, TRANSIENT_ERRORS)
+                reachable = not (isinstance(exc, TRANSIENT_ERRORS) or refuses_writes(exc))  # Redis's trouble, not a stall
                 logger.warning("engine status not published: %s", exc)
                 time.sleep(min(self.interval_s, 0.2))
             if self.watchdog is not None:

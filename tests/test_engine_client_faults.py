@@ -200,3 +200,18 @@ def test_a_long_resend_read_at_once_becomes_events_of_a_journal_entrys_size() ->
     assert all(4 * len(e.token_ids) <= MAX_EVENT_BYTES for _, e, _ in routed.events)
     ends = [start + len(e.token_ids) for _, e, start in routed.events]
     assert [start for _, _, start in routed.events] == [0, *ends[:-1]] and ends[-1] == 6 * piece  # in order, no gap
+
+
+def test_every_form_of_a_write_refusal_is_told_from_other_errors() -> None:
+    from common.redis_errors import WritesRefused, as_transient, refuses_writes
+
+    refusals = [
+        redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'"),
+        redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
+        redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist"),
+        redis.ResponseError("Command # 1 (XTRIM s) of pipeline caused error: MISCONF Redis is configured to save"),
+        redis.ResponseError("Command # 1 (XTRIM s) of pipeline caused error: ('MISCONF Redis is configured to save',)"),
+    ]
+    assert all(refuses_writes(e) and isinstance(as_transient(e), WritesRefused) for e in refusals)
+    others = [redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), ValueError("x")]
+    assert not any(refuses_writes(e) for e in others)

@@ -316,6 +316,8 @@ def test_a_redis_refusing_writes_gives_503s_not_500s(env: dict[str, Any]) -> Non
         for response in (
             c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
             c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}),
+            # A client's id is claimed first: refused, that is no "id taken" (409)
+            c.post("/v1/completions", json={"prompt": "hi", "stream": True}, headers={"X-Request-Id": "mine-1"}),
         ):
             _error(response, 503, "Redis")
             assert response.headers["retry-after"] == "1"

@@ -173,9 +173,11 @@ def test_tool_use_round_trips_through_the_messages() -> None:
         {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]},
         {"role": "tool", "content": "42", "name": "add", "tool_call_id": "call_1"},
     ]
+    deep = "[" * 600 + "]" * 600  # 1.2 KB: a template walking it would pass the recursion limit
     for bad_message in (
         {"role": "user", "content": "x", "tool_calls": [call]},
         {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": "{"}}]},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": deep}}]},
         {"role": "user", "content": "x", "tool_call_id": "call_1"},
     ):
         with pytest.raises(ApiError):
@@ -191,3 +193,12 @@ def test_a_falsy_second_constraint_and_a_bad_second_max_tokens_are_400() -> None
             _chat(**body)
     with pytest.raises(ApiError, match="max_tokens"):
         _chat(max_completion_tokens=1, max_tokens="lots")
+
+
+def test_a_template_that_cannot_render_a_message_is_a_400() -> None:
+    """A template that concatenates a call's arguments as a string (as some do) meets an object."""
+    from gateway.tokenization import chat_text
+
+    tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda *a, **k: "x" + {"a": 1})  # type: ignore[operator]
+    with pytest.raises(ApiError, match="chat template rejected"):
+        chat_text(tok, MESSAGES, True)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from common.codec import unpack_logprobs
 from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, encode
 from common.redis_errors import REDIS_FAILURES
-from common.step_outputs import row_bytes
+from common.sampling_params import SamplingParams
+from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES
 from common.transport import Outgoing, Transport
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 
@@ -28,9 +29,10 @@ logger = logging.getLogger("conveyor.gateway")
 # goes on with the other streams.
 JOURNAL_WRITE_DEADLINE_S = 5.0
 
-# Steps read together merge into one event, one journal entry: at most this big (a long resend's
-# pieces, merged whole, could pass the message limit).
-MAX_EVENT_BYTES = MAX_MESSAGE_BYTES // 4
+# Steps read together merge into one event, one journal entry: at most this many tokens, a quarter
+# of a message with the most logprobs a token can carry (a long resend's pieces, merged whole,
+# could pass the message limit).
+MAX_EVENT_TOKENS = MAX_MESSAGE_BYTES // 4 // (2 * INT_BYTES + LOGPROB_ENTRY_BYTES * (SamplingParams.MAX_LOGPROBS + 1))
 
 
 @dataclass(slots=True)
@@ -61,7 +63,7 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
     request ids to the handles in flight (finished or unknown ones are skipped).
     """
     routed = Routed()
-    pending: dict[int, tuple[EngineEvent, int]] = {}  # id(handle) -> its event in this batch, and its size
+    pending: dict[int, EngineEvent] = {}  # id(handle) -> its event in this batch
     for msg in msgs:
         queue_times = msg.queue_times()
         stop_reasons = msg.stop_reasons()
@@ -70,7 +72,7 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
             handle = attempts.get(engine_request_id)
             if handle is None or handle.done:
                 continue  # aborted, finished, or an earlier attempt of a migrated request
-            event, size = pending.get(id(handle), (None, 0))
+            event = pending.get(id(handle))
             if event is not None and event.finished:
                 continue  # nothing follows the end
             if msg.finish_reasons[i] == "unknown":
@@ -90,15 +92,13 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
             if not tokens and not msg.finished[i]:
                 continue  # nothing new (duplicates, or a resend with nothing after its index)
             handle.output_token_ids.extend(tokens)
-            row = row_bytes(tokens, lps, None)
-            if event is None or size + row > MAX_EVENT_BYTES:  # a long resend: events of a journal entry's size
-                event, size = EngineEvent(tokens, lps, queue_time_s=queue_times[i]), 0
+            if event is None or len(event.token_ids) + len(tokens) > MAX_EVENT_TOKENS:  # a long resend: several events
+                event = pending[id(handle)] = EngineEvent(tokens, lps, queue_time_s=queue_times[i])
                 routed.events.append((handle, event, handle.next_index - len(tokens)))
             elif tokens:
                 event.num_steps += 1
                 event.token_ids.extend(tokens)
                 event.logprobs.extend(lps)
-            pending[id(handle)] = event, size + row
             if event.queue_time_s is None:
                 event.queue_time_s = queue_times[i]
             if prompt_lps is not None and prompt_lps[i] is not None:

@@ -71,7 +71,9 @@ class OutputRouter:
         """One message per gateway (and per orphan's journal) for one step's outputs; more where
         one would pass half the message limit (prompt logprobs: `scheduler.step_bytes`)."""
         by_stream: dict[str, StepOutputs] = {}
+        sizes: dict[str, int] = {}  # about each message's bytes of prompt logprobs (`row_bytes`)
         sends: list[Outgoing] = []
+        half = self.max_message_bytes // 2
         for out in outputs:
             route = self.routes.get(out.request_id)
             if route is None:
@@ -80,7 +82,15 @@ class OutputRouter:
             queue_time_s = None
             if not route.queue_time_sent and out.queue_time_s is not None:  # once: it is a per-request metric
                 queue_time_s, route.queue_time_sent = out.queue_time_s, True
-            self._make_room(by_stream, stream, row_bytes(out.new_token_ids, out.new_logprobs, out.prompt_logprobs), sends)
+            if out.prompt_logprobs is not None:
+                # The one row a step's output can make big: the others (a token, with at most 21
+                # logprobs) take a few hundred bytes each, a few hundred KB for a whole batch.
+                row = row_bytes(out.new_token_ids, out.new_logprobs, out.prompt_logprobs)
+                size = sizes.get(stream, 0)
+                if size + row > half and stream in by_stream:  # its rows go now (a row alone fits: `check_fits`)
+                    sends.append(self._out(stream, by_stream.pop(stream), self._ttl_ms(stream)))
+                    size = 0
+                sizes[stream] = size + row
             msg = by_stream.setdefault(stream, StepOutputs())
             msg.add(
                 out.request_id,

@@ -224,8 +224,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._num_new_tokens(request, budget)
-            per = prompt_logprob_bytes(request) if self._needs_prompt_logprobs(request) else 0
-            if per:
+            per = 0
+            if request.sampling_params.prompt_logprobs is not None and self._needs_prompt_logprobs(request):
+                per = prompt_logprob_bytes(request)
                 n = min(n, wire // per)
             if n == 0:
                 i += 1
@@ -239,7 +240,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break
             scheduled[request.request_id] = n
-            budget, wire = budget - n, wire - n * per
+            budget -= n
+            if per:
+                wire -= n * per
             i += 1
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         w = 0

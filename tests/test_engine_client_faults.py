@@ -189,15 +189,15 @@ async def test_a_request_whose_journal_write_is_in_flight_is_not_moved_meanwhile
 
 
 def test_a_long_resend_read_at_once_becomes_events_of_a_journal_entrys_size() -> None:
-    from gateway.outputs import MAX_EVENT_BYTES, route_outputs
+    from gateway.outputs import MAX_EVENT_TOKENS, route_outputs
     from gateway.request_handle import RequestHandle
 
     handle = RequestHandle("r1", [1], {}, "cmpl-1", engine_request_id="r1")
-    piece = 400_000  # tokens a resend row: 1.6 MB
+    piece = MAX_EVENT_TOKENS // 2 + 1  # tokens a resend row
     msgs = [outputs(("r1", i, [7] * piece)) for i in range(0, 6 * piece, piece)]
     routed = route_outputs(msgs, {"r1": handle})
     assert len(routed.events) >= 3 and handle.next_index == 6 * piece
-    assert all(4 * len(e.token_ids) <= MAX_EVENT_BYTES for _, e, _ in routed.events)
+    assert all(len(e.token_ids) <= MAX_EVENT_TOKENS for _, e, _ in routed.events)
     ends = [start + len(e.token_ids) for _, e, start in routed.events]
     assert [start for _, _, start in routed.events] == [0, *ends[:-1]] and ends[-1] == 6 * piece  # in order, no gap
 

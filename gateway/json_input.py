@@ -45,8 +45,9 @@ def parse_json(data: bytes, cooperative: bool = False) -> Any:
     whole parse, which for a long array of numbers is long enough to stall the event loop; through
     a Python-level ``parse_int`` the interpreter can switch threads while it parses.
     """
-    try:
-        body = json.loads(data, parse_constant=_not_json, parse_int=_parse_int if cooperative else None)
+    try:  # UTF-8, as JSON over HTTP must be (json.loads takes UTF-16 too); surrogates: see `_check_tree`
+        text = data.decode("utf-8", "surrogatepass")
+        body = json.loads(text, parse_constant=_not_json, parse_int=_parse_int if cooperative else None)
     except RecursionError:  # far deeper than MAX_JSON_DEPTH
         raise _too_deep(None) from None
     except ValueError as exc:  # UnicodeDecodeError included

@@ -46,7 +46,7 @@ def parse_json(data: bytes, cooperative: bool = False) -> Any:
     a Python-level ``parse_int`` the interpreter can switch threads while it parses.
     """
     try:  # UTF-8, as JSON over HTTP must be (json.loads takes UTF-16 too); surrogates: see `_check_tree`
-        text = data.decode("utf-8", "surrogatepass")
+        text = data.decode("utf-8", "surrogatepass").removeprefix("\ufeff")  # a BOM may be ignored (RFC 8259)
         body = json.loads(text, parse_constant=_not_json, parse_int=_parse_int if cooperative else None)
     except RecursionError:  # far deeper than MAX_JSON_DEPTH
         raise _too_deep(None) from None

@@ -66,6 +66,7 @@ def test_every_string_must_be_valid_unicode() -> None:
     assert parse_json(b'{"p": "\\ud83d\\ude00 \\u00e9 \\u0000"}') == {"p": "\U0001f600 \u00e9 \x00"}
     with pytest.raises(ApiError, match="not valid JSON"):  # JSON over HTTP is UTF-8 (RFC 8259)
         parse_json('{"prompt": "hi"}'.encode("utf-16"))
+    assert parse_json('{"prompt": "hi"}'.encode("utf-8-sig")) == {"prompt": "hi"}  # a BOM is ignored, as before
 
 
 def test_not_json_and_huge_numbers_are_400s() -> None:

@@ -97,12 +97,6 @@ class StepOutputs:
     plp_token_ids: list[int] = packed("i")
     plp_values: list[float] = packed("d")
 
-    def approx_bytes(self) -> int:
-        """About its encoded size (the sum of its rows' `row_bytes`): to split a message before it gets too big."""
-        entries = len(self.lp_token_ids) + len(self.plp_token_ids)
-        counts = len(self.token_ids) + len(self.lp_counts) + len(self.plp_counts)
-        return ROW_BYTES * len(self.request_ids) + INT_BYTES * counts + LOGPROB_ENTRY_BYTES * entries
-
     def add(
         self,
         request_id: str,

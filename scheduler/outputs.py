@@ -73,7 +73,6 @@ class OutputRouter:
         by_stream: dict[str, StepOutputs] = {}
         sizes: dict[str, int] = {}  # about each message's bytes of prompt logprobs (`row_bytes`)
         sends: list[Outgoing] = []
-        half = self.max_message_bytes // 2
         for out in outputs:
             route = self.routes.get(out.request_id)
             if route is None:
@@ -86,11 +85,7 @@ class OutputRouter:
                 # The one row a step's output can make big: the others (a token, with at most 21
                 # logprobs) take a few hundred bytes each, a few hundred KB for a whole batch.
                 row = row_bytes(out.new_token_ids, out.new_logprobs, out.prompt_logprobs)
-                size = sizes.get(stream, 0)
-                if size + row > half and stream in by_stream:  # its rows go now (a row alone fits: `check_fits`)
-                    sends.append(self._out(stream, by_stream.pop(stream), self._ttl_ms(stream)))
-                    size = 0
-                sizes[stream] = size + row
+                self._make_room(by_stream, sizes, stream, row, sends)
             msg = by_stream.setdefault(stream, StepOutputs())
             msg.add(
                 out.request_id,
@@ -107,12 +102,16 @@ class OutputRouter:
                 del self.routes[out.request_id]
         return sends + [self._out(stream, msg, self._ttl_ms(stream)) for stream, msg in by_stream.items()]
 
-    def _make_room(self, by_stream: dict[str, StepOutputs], stream: str, row: int, sends: list[Outgoing]) -> None:
-        """Send ``stream``'s message now if a row of ``row`` bytes would take it past half the limit
-        (a row alone fits: `scheduler.step_bytes.check_fits`)."""
-        msg = by_stream.get(stream)
-        if msg is not None and msg.approx_bytes() + row > self.max_message_bytes // 2:
+    def _make_room(
+        self, by_stream: dict[str, StepOutputs], sizes: dict[str, int], stream: str, row: int, sends: list[Outgoing]
+    ) -> None:
+        """Count a row of ``row`` bytes into ``stream``'s message (``sizes``), sending the message
+        first if the row would take it past half the limit (a row alone fits: `step_bytes.check_fits`)."""
+        size = sizes.get(stream, 0)
+        if size + row > self.max_message_bytes // 2 and stream in by_stream:
             sends.append(self._out(stream, by_stream.pop(stream), self._ttl_ms(stream)))
+            size = 0
+        sizes[stream] = size + row
 
     def _ttl_ms(self, stream: str) -> int:
         # A journal lives as long as its stream may still be resumed; an outputs stream a while longer.
@@ -147,7 +146,7 @@ class OutputRouter:
         ``request`` None: not held here (finished, or never arrived); the answer says ``unknown``.
         """
         stream = self.names.outputs(gateway_id)
-        by_stream = {stream: StepOutputs()}
+        by_stream, sizes = {stream: StepOutputs()}, {stream: 0}
         sends: list[Outgoing] = []
         if request is None or request_id not in self.routes:
             by_stream[stream].add(request_id, 0, [], None, True, "unknown", "the scheduler does not hold this request")
@@ -168,7 +167,7 @@ class OutputRouter:
             for i in range(start, max(start + 1, request.num_output_tokens), piece):
                 tokens, logprobs = request.output_token_ids[i : i + piece], request.output_logprobs[i : i + piece]
                 first = plp if i == start else None
-                self._make_room(by_stream, stream, row_bytes(tokens, logprobs, first), sends)
+                self._make_room(by_stream, sizes, stream, row_bytes(tokens, logprobs, first), sends)
                 msg = by_stream.setdefault(stream, StepOutputs())
                 msg.add(request_id, i, tokens, logprobs, False, None, None, prompt_logprobs=first)
         sends.extend(self._out(stream, msg, OUTPUTS_TTL_MS) for msg in by_stream.values())

@@ -83,10 +83,21 @@ class Request:
             return "length"
         return None
 
-    def fits(self, max_model_len: int, vocab_size: int) -> bool:
-        """Whether an executor of this context length and vocabulary can serve it to its end."""
-        tokens = self.prompt_token_ids + self.output_token_ids
-        return len(self.prompt_token_ids) + self.sampling_params.max_tokens <= max_model_len and max(tokens) < vocab_size
+    def check_servable(self, max_model_len: int, vocab_size: int) -> None:
+        """``ValueError``, saying why, unless an executor of this context length and vocabulary can
+        serve it to its end (at admission, and when another executor takes over)."""
+        if any(not 0 <= t < vocab_size for t in self.prompt_token_ids) or any(
+            not 0 <= t < vocab_size for t in self.output_token_ids
+        ):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        n, max_tokens = len(self.prompt_token_ids), self.sampling_params.max_tokens
+        if n + max_tokens > max_model_len:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})")
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and does not have them all (so it must compute every prompt position)."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` of prompt + output."""

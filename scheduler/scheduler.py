@@ -95,10 +95,10 @@ class Scheduler:
         self.max_step_bytes = config.max_step_bytes if config.max_step_bytes is not None else sys.maxsize
         assert cache_manager.block_size == info.block_size
 
-    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> list[str]:
+    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> dict[str, str]:
         """Carry on with another executor and KV pool: running requests are preempted (recompute).
-        Returns the requests it cannot serve (a shorter ``max_model_len``, a smaller vocabulary),
-        for the caller to fail: kept, one would preempt itself forever or fail its steps."""
+        Those it cannot serve (a shorter ``max_model_len``, a smaller vocabulary) are failed, and
+        returned with why (kept, one would preempt itself forever or fail its steps)."""
         self.executor_lost()
         assert cache_manager.block_size == info.block_size
         for request in self.requests.values():
@@ -107,9 +107,13 @@ class Scheduler:
         self.cache = cache_manager
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
-        unfit = [r.request_id for r in self.requests.values() if not r.fits(info.max_model_len, info.vocab_size)]
-        for request_id in unfit:
-            self.abort(request_id, "error")
+        unfit: dict[str, str] = {}
+        for request in list(self.requests.values()):
+            try:
+                request.check_servable(info.max_model_len, info.vocab_size)
+            except ValueError as exc:
+                unfit[request.request_id] = str(exc)
+                self.abort(request.request_id, "error")
         return unfit
 
     def executor_lost(self) -> None:
@@ -225,7 +229,7 @@ class Scheduler:
             request = self.running[i]
             n = self._num_new_tokens(request, budget)
             per = 0
-            if request.sampling_params.prompt_logprobs is not None and self._needs_prompt_logprobs(request):
+            if request.needs_prompt_logprobs:
                 per = prompt_logprob_bytes(request)
                 n = min(n, wire // per)
             if n == 0:
@@ -255,7 +259,7 @@ class Scheduler:
                 w += 1
                 continue
             cost = new_request_bytes(request, self.cache.block_size)
-            per = prompt_logprob_bytes(request) if self._needs_prompt_logprobs(request) else 0
+            per = prompt_logprob_bytes(request) if request.needs_prompt_logprobs else 0
             if cost + per > wire and wire < self.max_step_bytes:  # the step is full: it goes next (FCFS)
                 break
             admitted = self._admit_blocks(request, min(budget, max(1, (wire - cost) // per)) if per else budget)
@@ -303,7 +307,7 @@ class Scheduler:
         On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
         assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
         assert request.num_output_placeholders == 0, "a preempted request's token arrives before its next admission"
-        looked_up = self.config.enable_prefix_caching and not self._needs_prompt_logprobs(request)
+        looked_up = self.config.enable_prefix_caching and not request.needs_prompt_logprobs
         if looked_up:
             hit_blocks, hit_tokens = self.cache.get_computed_blocks(request)
         else:
@@ -316,14 +320,6 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit_tokens
         return n
-
-    @staticmethod
-    def _needs_prompt_logprobs(request: Request) -> bool:
-        """It asked for prompt logprobs and does not have them all (so it must compute every prompt position)."""
-        return (
-            request.sampling_params.prompt_logprobs is not None
-            and len(request.prompt_logprobs) < len(request.prompt_token_ids) - 1
-        )
 
     def _decide_alone(self, request: Request) -> dict[str, int]:
         """Schedule ``request`` alone; other running requests wait (keeping their blocks)."""

@@ -166,10 +166,8 @@ class SchedulerService:
                 if self.engine is None:
                     self.engine = Scheduler(config, cache, executor.info)
                 else:
-                    unfit = self.engine.reset_executor(executor.info, cache)
-                    i = executor.info
-                    why = f"the executor that took over cannot serve it (max_model_len {i.max_model_len}, vocab {i.vocab_size})"
-                    self._send(self.router.errors(unfit, why))
+                    for request_id, why in self.engine.reset_executor(executor.info, cache).items():
+                        self._send(self.router.errors([request_id], f"the executor that took over cannot serve it: {why}"))
                 core = EngineCore(self.engine, executor, config.async_scheduling, config.steps_in_flight)
                 self.executor = executor
                 if not self.engine.requests:
@@ -411,21 +409,13 @@ class SchedulerService:
         assert self.binding.hello is not None
         try:
             params = sampling_from_dict(msg.sampling)
-            vocab = self.binding.hello.vocab_size
-            params.validate(vocab)
-            if any(not 0 <= t < vocab for t in msg.prompt_token_ids + msg.output_token_ids):
-                raise ValueError(f"token ids must be in [0, {vocab})")
-            limit = engine.max_model_len
-            if len(msg.prompt_token_ids) + params.max_tokens > limit:
-                raise ValueError(
-                    f"prompt ({len(msg.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                    f"exceeds max_model_len ({limit})"
-                )
+            params.validate(self.binding.hello.vocab_size)
             if len(msg.output_token_ids) >= params.max_tokens:
                 raise ValueError(f"{len(msg.output_token_ids)} tokens already generated of max_tokens {params.max_tokens}")
             request = Request(msg.request_id, msg.prompt_token_ids, params, group_id=msg.group_id or None)
             request.output_token_ids = list(msg.output_token_ids)
             request.output_logprobs = [None] * len(msg.output_token_ids)
+            request.check_servable(engine.max_model_len, self.binding.hello.vocab_size)
             engine.add_request(request)
         except (TypeError, ValueError, RecursionError) as exc:  # refused alone, whatever the stream carried
             return str(exc)

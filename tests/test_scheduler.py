@@ -588,7 +588,8 @@ def test_reset_executor_to_a_shorter_context_fails_what_no_longer_fits_and_serve
     got: dict[str, list[int]] = {}
     collect(core, got, steps=2)
     new_ex = ScriptedExecutor(8, max_model_len=32)  # 8 blocks of 4: 32 tokens
-    assert sched.reset_executor(new_ex.info, CacheManager(8, 4)) == ["long"]
+    unfit = sched.reset_executor(new_ex.info, CacheManager(8, 4))
+    assert list(unfit) == ["long"] and "exceeds max_model_len (32)" in unfit["long"]
     assert long.finish_reason == "error" and "long" not in sched.requests
     collect(EngineCore(sched, InlineExecutor(new_ex)), got)
     assert short.finish_reason == "length" and short.output_token_ids == expected_output([9, 2, 6], params)

@@ -8,6 +8,7 @@ sampled tokens to the requests' state so that a step scheduled one ahead reads t
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -217,9 +218,10 @@ class ModelExecutor:
         the scheduler then resends them all as new."""
         grammar: GrammarMask | None = None
         try:
-            batch = self.input_batch.prepare(output)
-            # The structured-output masks are filled on a worker thread while the forward pass runs.
-            grammar = self.structured.start(batch, self.input_batch.requests)
+            with self._lockstep(ValueError):  # (every rank checks the step alike)
+                batch = self.input_batch.prepare(output)
+                # The structured-output masks are filled on a worker thread while the forward pass runs.
+                grammar = self.structured.start(batch, self.input_batch.requests)
             result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
         except BaseException:
@@ -253,19 +255,20 @@ class ModelExecutor:
             raise ValueError(
                 f"token ids must be in [0, {self.info.vocab_size}), got {min(batch.input_ids)}..{max(batch.input_ids)}"
             )
-        input_ids, positions, meta, rows = self._prepare(batch)
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n
         with torch.inference_mode():
-            hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
-            if hidden is None:
-                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-            prompt_lps = compute_prompt_logprobs(self.model, hidden, batch) if batch.prompt_lp else []
-            if not rows:
-                return ExecutorOutput(tokens, logprobs, prompt_lps)
-            if len(rows) < hidden.shape[0]:
-                hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
-            logits = self.model.compute_logits(hidden)
+            with self._lockstep():
+                input_ids, positions, meta, rows = self._prepare(batch)
+                hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+                if hidden is None:
+                    hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+                prompt_lps = compute_prompt_logprobs(self.model, hidden, batch) if batch.prompt_lp else []
+                if not rows:
+                    return ExecutorOutput(tokens, logprobs, prompt_lps)
+                if len(rows) < hidden.shape[0]:
+                    hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
+                logits = self.model.compute_logits(hidden)
             idx = [i for i, s in enumerate(batch.sample) if s]
             if self.tp is not None and self.tp.rank != 0:  # rank 0 samples; the others follow it
                 for i, token in zip(idx, self.tp.share_tokens(None, len(idx))):
@@ -283,6 +286,10 @@ class ModelExecutor:
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]
         return ExecutorOutput(tokens, logprobs, prompt_lps)
+
+    def _lockstep(self, *shared: type[BaseException]) -> AbstractContextManager[None]:
+        """`TensorParallel.lockstep` with tensor parallelism; nothing to watch without."""
+        return self.tp.lockstep(shared) if self.tp is not None else nullcontext()
 
     def _sample(
         self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None

@@ -17,6 +17,8 @@ always a gloo group on CPU tensors, so a command never waits on a device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -108,10 +110,11 @@ def check_divisible(cfg: HFModelConfig, world: int) -> None:
 class TensorParallel:
     """One rank's process group: tensor collectives, and rank 0's command channel."""
 
-    __slots__ = ("rank", "world", "layout", "control", "device")
+    __slots__ = ("rank", "world", "layout", "control", "device", "out_of_step")
 
     def __init__(self, rank: int, world: int, layout: ShardLayout, device: torch.device) -> None:
         self.rank, self.world, self.layout, self.device = rank, world, layout, device
+        self.out_of_step: str | None = None  # why this rank can no longer meet the others (`lockstep`)
         # Commands and tokens travel over gloo on CPU tensors whatever the device backend is.
         self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if device.type == "cuda" else None
 
@@ -120,6 +123,21 @@ class TensorParallel:
         """Join the process group of ``world`` ranks that rendezvous at ``store``."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+
+    @contextmanager
+    def lockstep(self, shared: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """A part of a step every rank runs alike. An error raised here on this rank alone leaves
+        the others waiting in a collective it will never join, and any later command would be read
+        as part of that collective: the error is re-raised, and ``out_of_step`` says the ranks
+        cannot go on (the unit stops). ``shared``: errors every rank raises at the same point (a
+        step's invalid input), which keep them in step."""
+        try:
+            yield
+        except shared:
+            raise
+        except BaseException as exc:
+            self.out_of_step = f"tensor-parallel rank {self.rank} failed amid a step ({exc!r}): the ranks are out of step"
+            raise
 
     # -- tensor collectives (the model's) --
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

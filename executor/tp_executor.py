@@ -12,7 +12,9 @@ The ranks live and die as one unit, so the fault tolerance of the services sees 
 - rank 0 watches its children; when one exits, rank 0 exits too (``fatal_peer_death``, the
   service) or refuses every later step (the offline `LLM`, which must not kill its caller);
 - ranks > 0 exit when rank 0 does (``PR_SET_PDEATHSIG`` on Linux, and a parent-pid watch), and
-  on any error they cannot share with rank 0 (an error both raise, such as a bad step, is not one).
+  on any error they cannot share with rank 0 (an error both raise, such as a bad step, is not one);
+- rank 0 failing alone amid a step (`TensorParallel.lockstep`) kills the others, which wait in a
+  collective it will not join, and refuses later steps; the service then exits (`check_device`).
 - An idle rank 0 pings the others well within the collectives' timeout.
 """
 
@@ -153,6 +155,8 @@ class TPExecutor:
             for rank, p in enumerate(self.procs, 1):
                 if p.exitcode is None:
                     continue
+                if self.dead is not None:  # stopped on purpose (out of step); its caller reports it
+                    return
                 self.dead = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                 if self.closing.is_set():
                     return
@@ -179,21 +183,33 @@ class TPExecutor:
             raise RuntimeError(self.dead)
 
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
-        """Run one step on every rank; rank 0's sampled tokens come back."""
+        """Run one step on every rank; rank 0's sampled tokens come back. An error that leaves the
+        ranks out of step (`TensorParallel.lockstep`) stops the unit: the other ranks are killed
+        (they wait in a collective rank 0 will not join) and later steps are refused."""
         self._check()
+        payload = encode(output)
         with self.lock:
-            self.tp.send_command(CMD_STEP, encode(output))
-            self.last_command = time.monotonic()
-            return self.inner.execute_model(output)
+            try:
+                with self.tp.lockstep():
+                    self.tp.send_command(CMD_STEP, payload)
+                self.last_command = time.monotonic()
+                return self.inner.execute_model(output)
+            finally:
+                if self.tp.out_of_step is not None and self.dead is None:
+                    self.dead = self.tp.out_of_step
+                    logger.error("%s: the executor stops as one unit", self.dead)
+                    self._stop_workers(grace_s=0.0)
 
     def check_device(self) -> None:
-        """Rank 0's device check (a rank whose device broke fails its collectives: the unit exits)."""
+        """Raise if the unit stopped (the service then exits, and its requests are recovered), or
+        if rank 0's device broke (a rank whose device broke fails its collectives: the unit exits)."""
+        self._check()
         self.inner.check_device()
 
     def reset(self) -> None:
-        """Drop every request's state on every rank."""
-        self._check()
-        self._command(CMD_RESET)
+        """Drop every request's state on every rank (on rank 0 alone once the unit stopped)."""
+        if self.dead is None:
+            self._command(CMD_RESET)
         self.inner.reset()
 
     def shutdown(self) -> None:

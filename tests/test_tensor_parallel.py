@@ -14,7 +14,7 @@ import torch
 from common import SamplingParams
 from executor.loader import load_weights
 from executor.model_config import load_config
-from executor.parallel import CMD_PING, ShardLayout
+from executor.parallel import CMD_PING, ShardLayout, TensorParallel
 from executor.shard_loader import load_shard
 from scheduler import LLM
 from tests.test_engine import hf_greedy, random_prompts
@@ -182,5 +182,39 @@ def test_step_failing_on_rank0_after_the_forward_is_recovered_everywhere(tiny_mo
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert len(calls) > 3
         assert llm.executor.dead is None  # type: ignore[union-attr]
+    finally:
+        llm.shutdown()
+
+
+def test_step_failing_on_rank0_inside_the_forward_stops_the_unit(tiny_model, monkeypatch) -> None:
+    """Rank 0 fails between two all-reduces: rank 1 is left inside a collective that rank 0 will
+    never join, so no later command can reach it. The executor stops as one unit, at once (rank 1
+    killed), and refuses later steps with the reason, instead of hanging or mixing commands with
+    the collective rank 1 waits in."""
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, **OPTIONS)
+    try:
+        ex: Any = llm.executor
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
+        all_reduce, calls = TensorParallel.all_reduce, []
+
+        def flaky(self: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) == 3:  # the embedding's and layer 0's attention are done
+                raise RuntimeError("injected failure inside the forward on rank 0")
+            return all_reduce(self, x)
+
+        monkeypatch.setattr(TensorParallel, "all_reduce", flaky)  # in this process: rank 0 only
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected failure inside the forward"):
+            llm.generate([[5, 6, 7]], params)
+        assert ex.dead is not None and "out of step" in ex.dead
+        with pytest.raises(RuntimeError, match="out of step"):
+            llm.generate([[8, 9]], params)
+        assert time.monotonic() - t0 < 10
+        ex.procs[0].join(5)
+        assert ex.procs[0].exitcode is not None  # not left waiting in the collective
+        with pytest.raises(RuntimeError, match="out of step"):
+            ex.check_device()  # the service then exits, and its requests are recovered elsewhere
     finally:
         llm.shutdown()

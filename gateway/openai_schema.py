@@ -64,6 +64,8 @@ class GenerationSpec:
     echo: bool = False
     logprobs: int | None = None  # top-N per token; None: no logprobs
     structured: StructuredRequest | None = None  # structured output / tools (`gateway.structured`)
+    # vLLM's: keep only the prompt's last this many tokens (-1: the model's context; `keep_tokens`)
+    truncate_prompt_tokens: int | None = None
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -87,7 +89,6 @@ _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None),
     ("allowed_token_ids", None),
     ("bad_words", []),
-    ("truncate_prompt_tokens", None),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
     ("return_tokens_as_token_ids", False),
@@ -189,7 +190,19 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
         structured=StructuredRequest(structured_param) if structured_param else None,
+        truncate_prompt_tokens=_truncate_prompt_tokens(body),
     )
+
+
+def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: -1 (the model's context) or a count of at least 1."""
+    value = get_int(body, "truncate_prompt_tokens", None)
+    if value is not None and not (value == -1 or 1 <= value <= INT32_MAX):
+        raise bad(
+            f"'truncate_prompt_tokens' must be -1 (the model's context) or in [1, {INT32_MAX}], got {value}",
+            "truncate_prompt_tokens",
+        )
+    return value
 
 
 def _add_special_tokens(body: dict[str, Any], chat: bool) -> bool:

@@ -143,12 +143,18 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
         tools = spec.structured.tools if spec.structured is not None else None
         text = chat_text(tokenizer, spec.messages, add_generation_prompt=True, tools=tools or None)
     ids: list[int] | None
+    keep = keep_tokens(spec, info.max_model_len)
     if text is None:
         assert spec.prompt_token_ids is not None
-        ids = spec.prompt_token_ids
+        ids = spec.prompt_token_ids if keep is None else spec.prompt_token_ids[-keep:]
         max_tokens = fit_context(spec, len(ids), info.max_model_len)  # first: it need not look at every id
         check_token_ids(ids, info.vocab_size, param)
         return ids, (tokenizer.decode(ids) if spec.echo else None), max_tokens
+    if keep is not None:
+        ids, cut = encode_tail(tokenizer, lock, text, spec.add_special_tokens, keep)
+        max_tokens = fit_context(spec, len(ids), info.max_model_len)
+        check_token_ids(ids, info.vocab_size, param)
+        return ids, (tokenizer.decode(ids) if cut else text), max_tokens  # (echo: what the model read)
     count, exact, ids = encode_text(tokenizer, lock, text, spec.add_special_tokens, info.max_model_len)
     max_tokens = fit_context(spec, count, info.max_model_len, at_least=not exact)
     assert ids is not None  # fit_context rejects every prompt longer than max_model_len
@@ -251,6 +257,50 @@ def encode_text(
     with lock:
         ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     return len(ids), True, (ids if len(ids) <= max_len else None)
+
+
+def keep_tokens(spec: GenerationSpec, max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens to keep (vLLM's ``truncate_prompt_tokens``; -1: the
+    model's context); None: all of them. A 400 past the context, as vLLM's."""
+    keep = spec.truncate_prompt_tokens
+    if keep is None or keep == -1:
+        return None if keep is None else max_model_len
+    if keep > max_model_len:
+        raise bad(
+            f"'truncate_prompt_tokens' ({keep}) must not exceed the model's context ({max_model_len} tokens)",
+            "truncate_prompt_tokens",
+        )
+    return keep
+
+
+def encode_tail(tokenizer: Any, lock: threading.Lock, text: str, add_special_tokens: bool, keep: int) -> tuple[list[int], bool]:
+    """The last ``keep`` tokens of ``text``, and whether any were cut. As transformers' truncation
+    from the left: the text's tokens are cut, and the special tokens the tokenizer adds (a BOS)
+    are kept and count towards ``keep``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        # (transformers' own truncation is not used: it would leave the backend truncating for
+        # every later call, which `encode_text` runs without the lock)
+        with lock:
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            wrapped = list(tokenizer(text, add_special_tokens=True)["input_ids"]) if add_special_tokens else ids
+        head, tail = _around(wrapped, ids)
+    else:
+        ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
+        head = tail = []
+        if add_special_tokens:  # where the special tokens go: around one token, wrapped
+            probe = backend.encode_batch(["a"], add_special_tokens=False)[0]
+            head, tail = _around(backend.post_process(probe, None, True).ids, probe.ids)
+    room = keep - len(head) - len(tail)
+    if len(ids) <= room:
+        return head + ids + tail, False
+    return (head + ids[len(ids) - room :] + tail if room > 0 else (head + tail)[-keep:]), True
+
+
+def _around(wrapped: list[int], ids: list[int]) -> tuple[list[int], list[int]]:
+    """The special tokens before and after ``ids`` in ``wrapped`` (``ids`` with them added)."""
+    at = next((i for i in range(len(wrapped) - len(ids) + 1) if wrapped[i : i + len(ids)] == ids), 0)
+    return wrapped[:at], wrapped[at + len(ids) :]
 
 
 def _count_past(backend: Any, text: str, add_special_tokens: bool, limit: int) -> int | None:

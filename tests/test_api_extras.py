@@ -464,3 +464,40 @@ def test_redacting_filter_leaves_the_callers_fields_alone() -> None:
     setattr(record, STRUCTURED, ("event", fields))
     RedactingFilter(["sk-1"]).filter(record)
     assert getattr(record, STRUCTURED) == ("event", {"a": "key ***", "n": 1}) and fields["a"] == "key sk-1"
+
+
+# -- truncate_prompt_tokens (vLLM's) -------------------------------------------------------------
+def test_truncate_prompt_tokens_sends_the_prompts_last_tokens(env: dict[str, Any]) -> None:
+    """Through the real `openai` client, one prompt and a list of two (the fan-out path): the engine
+    gets the last tokens (a BOS kept), usage counts them, and an echo shows what the model read."""
+    import openai
+
+    tok = env["tokenizer"]
+    words = "one two three four five six seven eight nine ten " * 10
+    ids = tok(words, add_special_tokens=False)["input_ids"]
+    base = str(env["a"].base_url)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=30) as client:
+        out = client.completions.create(
+            model=str(env["model"]),
+            prompt=words,
+            max_tokens=3,
+            echo=True,
+            extra_body={"truncate_prompt_tokens": 6},
+            extra_headers={"X-Request-Id": "trunc-one"},
+        )
+        kept = [tok.bos_token_id] + ids[-5:]
+        assert _engine_request(env, "trunc-one").prompt_token_ids == kept
+        assert out.usage is not None and out.usage.prompt_tokens == 6
+        assert out.choices[0].text.startswith(tok.decode(kept))
+        both = client.completions.create(
+            model=str(env["model"]),
+            prompt=[words, ids],
+            max_tokens=2,
+            extra_body={"truncate_prompt_tokens": 4},
+            extra_headers={"X-Request-Id": "trunc-two"},
+        )
+        assert both.usage is not None and both.usage.prompt_tokens == 8
+        seen = sorted(req.prompt_token_ids for req in env["engine"].seen if req.request_id.startswith("trunc-two"))
+        assert seen == sorted([[tok.bos_token_id] + ids[-3:], ids[-4:]])
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            client.completions.create(model=str(env["model"]), prompt=words, extra_body={"truncate_prompt_tokens": 0})

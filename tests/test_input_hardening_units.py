@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from gateway.tokenization import (
     INLINE_INPUT_BYTES,
     _count_past,
     check_token_ids,
+    encode_tail,
     encode_text,
     tokenize,
     tokenizes_inline,
@@ -253,3 +255,52 @@ def test_small_prompts_are_prepared_on_the_event_loop(tiny_model: Any) -> None:
     tok.backend_tokenizer.enable_truncation(8)
     assert not tokenizes_inline(parse_completion({"prompt": "hello world"}), tok)
     assert tokenizes_inline(parse_completion({"prompt": [5, 6, 7]}), tok), "token ids need no tokenizer"
+
+
+def test_truncated_prompts_keep_their_last_tokens_as_transformers_does(tokenizers_to_test: list[Any]) -> None:
+    """vLLM's ``truncate_prompt_tokens``: transformers' truncation from the left, whose special
+    tokens (a BOS) are kept and counted, on every tokenizer and text."""
+    for tok in tokenizers_to_test:
+        ref = copy.deepcopy(tok)  # its truncation stays set in its backend: its calls take the other path
+        ref.truncation_side = "left"
+        for text in _texts()[:4]:
+            for special in (True, False):
+                full = list(tok(text, add_special_tokens=special)["input_ids"])
+                for keep in sorted({1, 2, 3, len(full) // 2, len(full) - 1, len(full), len(full) + 5} - {0}):
+                    want = list(ref(text, add_special_tokens=special, truncation=True, max_length=keep)["input_ids"])
+                    for path in (tok, ref):
+                        got, cut = encode_tail(path, threading.Lock(), text, special, keep)
+                        assert got == want and cut == (len(full) > keep), (path is ref, text[:20], special, keep)
+        assert tok.backend_tokenizer.truncation is None  # untouched by the truncation
+
+
+def test_truncate_prompt_tokens_in_requests(tiny_model: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model())
+    lock, info = threading.Lock(), _info(tiny_model(), max_model_len=64)
+    ids = list(range(10, 110))  # past the context: refused unless truncated
+    with pytest.raises(ApiError, match="maximum context length"):
+        tokenize(tok, lock, parse_completion({"prompt": ids, "max_tokens": 4}), info)
+    got, text, max_tokens = tokenize(
+        tok, lock, parse_completion({"prompt": ids, "truncate_prompt_tokens": 8, "echo": True}), info
+    )
+    assert got == ids[-8:] and text == tok.decode(ids[-8:]) and max_tokens == 16
+    # -1: the model's context (vLLM's), which leaves no room for a completion here.
+    err = pytest.raises(
+        ApiError, tokenize, tok, lock, parse_completion({"prompt": ids, "truncate_prompt_tokens": -1}), info
+    ).value
+    assert err.code == "context_length_exceeded" and "64 in the prompt" in err.message
+    words = "one two three four five six seven eight nine ten " * 20
+    got, text, _ = tokenize(tok, lock, parse_completion({"prompt": words, "truncate_prompt_tokens": 6, "max_tokens": 2}), info)
+    assert got == [tok.bos_token_id] + tok(words, add_special_tokens=False)["input_ids"][-5:]
+    assert text == tok.decode(got)  # an echo shows what the model read
+    short = tokenize(tok, lock, parse_completion({"prompt": "hi there", "truncate_prompt_tokens": 60, "echo": True}), info)
+    assert short[0] == tok("hi there")["input_ids"] and short[1] == "hi there"
+    chat = parse_chat({"messages": [{"role": "user", "content": words}], "truncate_prompt_tokens": 7, "max_tokens": 2})
+    assert len(tokenize(tok, lock, chat, info)[0]) == 7
+    for value, why in ((0, "must be -1"), (-2, "must be -1"), (65, "must not exceed the model's context (64")):
+        spec_or_err = pytest.raises(
+            ApiError, lambda v=value: tokenize(tok, lock, parse_completion({"prompt": ids, "truncate_prompt_tokens": v}), info)
+        ).value
+        assert spec_or_err.param == "truncate_prompt_tokens" and why in spec_or_err.message

@@ -89,7 +89,6 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
         ({"use_beam_search": True}, "use_beam_search"),
         ({"bad_words": ["x"]}, "bad_words"),
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
         ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": ["add"]}}}, "tool_choice"),  # was a 500

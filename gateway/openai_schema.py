@@ -66,6 +66,8 @@ class GenerationSpec:
     structured: StructuredRequest | None = None  # structured output / tools (`gateway.structured`)
     # vLLM's: keep only the prompt's last this many tokens (-1: the model's context; `keep_tokens`)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (a token's text may not be valid UTF-8 alone)
+    return_tokens_as_token_ids: bool = False
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -91,7 +93,6 @@ _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("bad_words", []),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
-    ("return_tokens_as_token_ids", False),
 )
 
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders
@@ -191,6 +192,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         logprobs=logprobs,
         structured=StructuredRequest(structured_param) if structured_param else None,
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
     )
 
 

@@ -71,6 +71,10 @@ class ResponseFormatter:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _token_name(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
+        return f"token_id:{token_id}" if self.spec.return_tokens_as_token_ids else self._token_text(token_id)
+
     def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
         n = self.spec.logprobs or 0
         return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
@@ -81,7 +85,7 @@ class ResponseFormatter:
         top = self._top(entry)
         if token_id in entry and all(t != token_id for t, _ in top):
             top.append((token_id, entry[token_id]))
-        return {self._token_text(t): v for t, v in top}
+        return {self._token_name(t): v for t, v in top}
 
     def logprobs(self, pieces: list[Piece], with_prompt: bool = True) -> dict[str, Any] | None:
         """Logprobs of the tokens in ``pieces``, in completions or chat format; an echoed
@@ -92,14 +96,14 @@ class ResponseFormatter:
         if self.chat:
             content = []
             for token_id, entry in pairs:
-                text = self._token_text(token_id)
+                text = self._token_name(token_id)
                 content.append(
                     {
                         "token": text,
                         "logprob": (entry or {}).get(token_id, 0.0),
                         "bytes": list(text.encode()),
                         "top_logprobs": [
-                            {"token": (s := self._token_text(t)), "logprob": v, "bytes": list(s.encode())}
+                            {"token": (s := self._token_name(t)), "logprob": v, "bytes": list(s.encode())}
                             for t, v in self._top(entry or {})
                         ],
                     }
@@ -108,8 +112,8 @@ class ResponseFormatter:
         prompt_lps = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
         out = self._prompt_logprobs(prompt_lps if with_prompt else None)
         for token_id, entry in pairs:
-            text = self._token_text(token_id)
-            out["tokens"].append(text)
+            text = self._token_text(token_id)  # (offsets index the text whatever names the tokens)
+            out["tokens"].append(self._token_name(token_id))
             out["token_logprobs"].append((entry or {}).get(token_id))
             out["top_logprobs"].append(self._top_with(entry or {}, token_id))
             out["text_offset"].append(self.text_offset)
@@ -126,7 +130,7 @@ class ResponseFormatter:
         offset = 0
         for token_id, prompt_entry in zip(self.prompt_token_ids, prompt_lps):
             text = self._token_text(token_id)
-            out["tokens"].append(text)
+            out["tokens"].append(self._token_name(token_id))
             out["token_logprobs"].append(None if prompt_entry is None else prompt_entry.get(token_id))
             out["top_logprobs"].append(None if prompt_entry is None else self._top_with(prompt_entry, token_id))
             out["text_offset"].append(offset)

@@ -327,3 +327,41 @@ def test_multi_choice_stream_resumes_on_another_gateway(stack: Stack, shape: dic
     assert len({e for e, _ in part + rest}) == len(part + rest)  # no event twice
     assert per_choice(part + rest) == (texts, finished, usage, 1)
     assert per_choice(replayed) == (texts, finished, usage, 1)
+
+
+def test_return_tokens_as_token_ids_names_the_tokens_in_logprobs(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>`` (completions,
+    echoed prompt included, and chat); the values and the text offsets are those without it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    prompt = ids(9, 6)
+    args: dict[str, Any] = dict(model="", prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0)
+    plain = client.completions.create(**args, extra_body=NO_EOS).choices[0]
+    named = client.completions.create(**args, extra_body={**NO_EOS, "return_tokens_as_token_ids": True}).choices[0]
+    assert plain.logprobs is not None and named.logprobs is not None and named.logprobs.tokens is not None
+    token_ids = [int(t.removeprefix("token_id:")) for t in named.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in named.logprobs.tokens) and token_ids[:9] == prompt
+    assert [tok.decode([t]) for t in token_ids] == plain.logprobs.tokens
+    assert named.text == plain.text and named.logprobs.text_offset == plain.logprobs.text_offset
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    for top, top_plain in zip(named.logprobs.top_logprobs or [], plain.logprobs.top_logprobs or []):
+        assert (top is None) == (top_plain is None)
+        if top is not None and top_plain is not None:
+            # Two tokens whose texts are the same (such as two halves of UTF-8 characters, both
+            # "\ufffd") are one key by text, two by id.
+            assert {tok.decode([int(k.removeprefix("token_id:"))]) for k in top} == set(top_plain)
+    chat = client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=3,
+        temperature=0,
+        extra_body={**NO_EOS, "return_tokens_as_token_ids": True},
+    ).choices[0]
+    assert chat.logprobs is not None and chat.logprobs.content is not None and len(chat.logprobs.content) == 3
+    for entry in chat.logprobs.content:
+        assert entry.token.startswith("token_id:") and bytes(entry.bytes or []) == entry.token.encode()
+        assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
+    assert tok.decode([int(e.token.removeprefix("token_id:")) for e in chat.logprobs.content]) == chat.message.content

@@ -53,6 +53,8 @@ class SamplingParams:
     logprobs to return per prompt token (None: none; the first prompt token has none).
     ``structured_outputs`` constrains the text to a JSON schema, regex, choice or grammar
     (`common.structured_outputs`); the request ends with EOS once the constraint is complete.
+    ``allowed_token_ids`` (vLLM's): the only tokens it may produce (EOS too only if listed); not
+    with ``structured_outputs``. Where ``min_tokens`` would ban all of them, they stay allowed.
     """
 
     temperature: float = 1.0
@@ -73,6 +75,7 @@ class SamplingParams:
     best_of: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
 
     # The most top logprobs a request may ask for; bounds the executor's top-k work.
     MAX_LOGPROBS = 20
@@ -81,6 +84,8 @@ class SamplingParams:
     MAX_STOP_TOKEN_IDS = 1024
     # The most tokens a request may bias: the biases travel to the executor's device every step.
     MAX_LOGIT_BIAS = 1024
+    # The most token ids ``allowed_token_ids`` may list (they go to the executor's device once).
+    MAX_ALLOWED_TOKEN_IDS = 32768
     # OpenAI's ranges for the penalties and the biases.
     MAX_PENALTY = 2.0
     # Logits are float32: dividing by a penalty near 0 (or multiplying by a huge one) overflows them
@@ -139,10 +144,26 @@ class SamplingParams:
         if not _is_num(rep) or not low <= rep <= high:
             raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {reprlib.repr(rep)}")
         self._validate_logit_bias(vocab_size)
+        self._validate_allowed_token_ids(vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+
+    def _validate_allowed_token_ids(self, vocab_size: int | None) -> None:
+        ids = self.allowed_token_ids
+        if ids is None:
+            return
+        most = self.MAX_ALLOWED_TOKEN_IDS
+        if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= most:
+            raise ValueError(f"allowed_token_ids must be a list of 1 to {most} token ids")
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            raise ValueError(f"allowed_token_ids must be integers in [0, {INT32_MAX}], got {_preview(list(ids))}")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            outside = [t for t in ids if t >= vocab_size]
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}) (the vocabulary), got {_preview(outside)}")
+        if self.structured_outputs is not None:
+            raise ValueError("allowed_token_ids cannot be combined with structured outputs (the grammar decides the tokens)")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias

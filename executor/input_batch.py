@@ -101,6 +101,7 @@ class CachedRequestState:
     count_slot: int = -1  # its row of the token-count pool (penalties only); -1 until it first samples
     num_counted: int = 0  # output tokens already counted in that row
     grammar: Any = None  # its `executor.grammar.GrammarState` (structured outputs), made on first sampling
+    allowed: Any = None  # its ``allowed_token_ids`` on the device (`executor.sampler`), made on first sampling
 
 
 class PersistentBatch:

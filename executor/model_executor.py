@@ -305,7 +305,23 @@ class ModelExecutor:
             self.token_counts.update(step)
             rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
             counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
-        return self.sampler.sample(logits, params, out_lens, banned, counts, grammar)
+        return self.sampler.sample(logits, params, out_lens, banned, counts, grammar, self._allowed(batch, idx))
+
+    def _allowed(self, batch: Batch, idx: list[int]) -> list[torch.Tensor | None] | None:
+        """The ``allowed_token_ids`` of the sampled rows ``idx`` on the device (copied there once
+        per request); None when no row has them."""
+        out: list[torch.Tensor | None] | None = None
+        for j, i in enumerate(idx):
+            ids = batch.sampling_params[i].allowed_token_ids
+            if ids is None:
+                continue
+            state = self.input_batch.requests[batch.request_ids[i]]
+            if state.allowed is None:
+                state.allowed = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            if out is None:
+                out = [None] * len(idx)
+            out[j] = state.allowed
+        return out
 
     def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
         """EOS and stop tokens are banned while a request is below its ``min_tokens`` (not under a
@@ -313,9 +329,12 @@ class ModelExecutor:
         banned: list[list[int]] | None = None
         for j, (p, ol) in enumerate(zip(params, out_lens)):
             if ol < p.min_tokens and p.structured_outputs is None:
+                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
+                if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(ban):
+                    continue  # nothing else may come: banning them would leave no token at all
                 if banned is None:
                     banned = [[] for _ in params]
-                banned[j] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
+                banned[j] = ban
         return banned
 
     def shutdown(self) -> None:

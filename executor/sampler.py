@@ -1,9 +1,9 @@
 """Token sampling: logit bias, penalties, grammar masks, greedy, temperature, top-k, top-p, min-p, per-request
 seeds, logprobs.
 
-The logits are first edited as in vLLM: ``logit_bias`` added, banned tokens masked, then the
-presence/frequency/repetition penalties applied (`executor.penalties`), each only when some row
-of the batch asks for it.
+The logits are first edited as in vLLM: every token outside a row's ``allowed_token_ids``
+masked, ``logit_bias`` added, banned tokens masked, then the presence/frequency/repetition
+penalties applied (`executor.penalties`), each only when some row of the batch asks for it.
 
 Rows with ``SamplingParams.greedy`` (a temperature below ``GREEDY_TEMPERATURE``, or top_k 1)
 take the argmax and never divide by their temperature, which could overflow. Filters apply in
@@ -50,13 +50,15 @@ class Sampler:
         banned: list[list[int]] | None = None,
         counts: TokenCounts | None = None,
         grammar: GrammarMask | None = None,
+        allowed: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """Sample one token per row of ``logits`` ``[N, vocab]``.
 
         ``banned[i]`` lists tokens row ``i`` may not produce this step (e.g. EOS before
         ``min_tokens``). ``counts``: the token counts of the rows with penalties (the executor's
         `executor.penalties.TokenCountPool` rows); without them no penalty applies. ``grammar``:
-        the structured-output rows' token masks (`executor.grammar`), applied last. Returns token
+        the structured-output rows' token masks (`executor.grammar`), applied last. ``allowed[i]``:
+        the only token ids row ``i`` may produce (a device tensor), or None. Returns token
         ids and, per row, ``{token: logprob}`` for the sampled token plus the top
         ``params[i].logprobs`` (None where logprobs were not requested).
         Logprobs come from the raw logits, before biases, penalties, temperature and filters.
@@ -65,6 +67,8 @@ class Sampler:
         logits = logits.float()
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if allowed is not None:
+            logits = keep_only(logits, allowed)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
         if banned is not None and any(banned):
@@ -144,6 +148,16 @@ class Sampler:
                 entry.setdefault(top_ids[i][j], top_vals[i][j])
             out.append(entry)
         return out
+
+
+def keep_only(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
+    """``logits`` with every token outside row ``i``'s ``allowed[i]`` at -inf (a new tensor)."""
+    out = logits.clone()
+    for i, ids in enumerate(allowed):
+        if ids is not None:
+            kept = logits[i].index_select(0, ids)
+            out[i].fill_(float("-inf")).index_copy_(0, ids, kept)
+    return out
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -89,7 +89,6 @@ def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
 # would look like support). ``prompt_logprobs``: completions' ``echo`` with ``logprobs`` returns them.
 _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None),
-    ("allowed_token_ids", None),
     ("bad_words", []),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
@@ -170,6 +169,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         n=n,
         best_of=best_of,
         structured_outputs=structured_outputs,
+        allowed_token_ids=_allowed_token_ids(body),
     )
     if sampling.top_k == -1:
         sampling.top_k = 0
@@ -232,6 +232,20 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
             raise bad(f"'logit_bias' values must be numbers, got {typename(bias)} {preview(bias)}", "logit_bias")
         out[int(key)] = bias
     return out or None
+
+
+def _allowed_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """vLLM's ``allowed_token_ids``, a bounded list of integers (checked against the vocabulary once
+    it is known: `SamplingParams.validate`)."""
+    most = SamplingParams.MAX_ALLOWED_TOKEN_IDS
+    value = get_field(
+        body,
+        "allowed_token_ids",
+        lambda v: isinstance(v, list) and 1 <= len(v) <= most and all_ints(v),
+        f"an array of 1 to {most} token ids",
+        None,
+    )
+    return None if value is None else list(value)
 
 
 def _max_tokens(body: dict[str, Any], *names: str) -> int | None:

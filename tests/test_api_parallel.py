@@ -365,3 +365,27 @@ def test_return_tokens_as_token_ids_names_the_tokens_in_logprobs(stack: Stack, c
         assert entry.token.startswith("token_id:") and bytes(entry.bytes or []) == entry.token.encode()
         assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
     assert tok.decode([int(e.token.removeprefix("token_id:")) for e in chat.logprobs.content]) == chat.message.content
+
+
+def test_allowed_token_ids_over_http(client: openai.OpenAI) -> None:
+    """vLLM's ``allowed_token_ids`` through the services: every sampled token is one of them (the
+    logprobs name the tokens); a bad list is a 400 naming the field."""
+    allowed = [7, 11, 13, 42]
+    out = client.completions.create(
+        model="",
+        prompt=ids(10, 7),
+        max_tokens=12,
+        logprobs=0,
+        extra_body={**NO_EOS, "allowed_token_ids": allowed, "return_tokens_as_token_ids": True},
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 12
+    assert {int(t.removeprefix("token_id:")) for t in lp.tokens} <= set(allowed)
+    for body, words in (
+        ({"allowed_token_ids": []}, "array of 1 to"),
+        ({"allowed_token_ids": [1, 10**6]}, "the vocabulary"),
+        ({"allowed_token_ids": [1], "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=words) as err:
+            client.completions.create(model="", prompt="hi", max_tokens=2, extra_body=body)
+        assert err.value.body is not None and err.value.body.get("param") == "allowed_token_ids"  # type: ignore[union-attr]

@@ -177,3 +177,34 @@ def test_siblings_without_prefix_caching_run_side_by_side(tiny_model) -> None:
     assert plain.scheduler.prefix_cache_hits == 0
     cached = LLM(tiny_model("llama"), **opts)
     assert [o.token_ids for o in cached.generate([prompt], params)[0].outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_allowed_token_ids_in_the_engine(llm: LLM) -> None:
+    """vLLM's ``allowed_token_ids``: greedy picks the best allowed token at every step (equal to the
+    argmax of the raw logits over those ids), sampling stays inside them, batch mates are untouched;
+    ``min_tokens`` that would ban every allowed token (EOS alone) leaves them allowed."""
+    prompt = prompt_ids(llm, 12, seed=3)
+    allowed = [7, 11, 13, 42]
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(
+        [prompt, prompt, prompt],
+        [
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed, logprobs=20),
+            SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True, allowed_token_ids=allowed),
+            free,
+        ],
+    )
+    assert set(outs[1].token_ids) <= set(allowed) and len(outs[1].token_ids) == 32
+    assert outs[2].token_ids == llm.generate([prompt], free)[0].token_ids
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llm.model_config.model, dtype=torch.float32).eval()
+    seq = list(prompt)
+    for token in outs[0].token_ids:
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1]
+        assert token == allowed[int(logits[allowed].argmax())]
+        seq.append(token)
+    eos = llm.executor.info.eos_token_ids[0]
+    only_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[eos]))
+    assert only_eos[0].token_ids == [eos] * 3 and only_eos[0].finish_reason == "stop"

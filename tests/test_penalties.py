@@ -11,6 +11,7 @@ import torch
 
 from common.protocol import SchedulerOutput, decode, encode
 from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
+from common.structured_outputs import StructuredOutputsParams
 from executor.input_batch import PersistentBatch
 from executor.penalties import TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties
 from executor.sampler import Sampler
@@ -219,6 +220,15 @@ def test_token_counts_are_kept_incrementally_and_slots_reused() -> None:
         (dict(logit_bias={VOCAB: 1.0}), rf"logit_bias token ids must be in \[0, {VOCAB}\) \(the vocabulary\), got \[{VOCAB}\]"),
         (dict(logit_bias=[(1, 2.0)]), "logit_bias must be a map"),
         (dict(logit_bias={i: 1.0 for i in range(SamplingParams.MAX_LOGIT_BIAS + 1)}), "at most"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must be a list of 1 to"),
+        (dict(allowed_token_ids=list(range(SamplingParams.MAX_ALLOWED_TOKEN_IDS + 1))), "allowed_token_ids must be a list"),
+        (dict(allowed_token_ids=[1, -1]), "allowed_token_ids must be integers"),
+        (dict(allowed_token_ids=[1, True]), "allowed_token_ids must be integers"),
+        (dict(allowed_token_ids=[VOCAB]), rf"allowed_token_ids must be in \[0, {VOCAB}\)"),
+        (
+            dict(allowed_token_ids=[1], structured_outputs=StructuredOutputsParams(regex="a")),
+            "allowed_token_ids cannot be combined with structured outputs",
+        ),
     ],
 )
 def test_validation(kw: dict, match: str) -> None:
@@ -247,6 +257,7 @@ def test_wire_round_trip() -> None:
         frequency_penalty=-1.0,
         repetition_penalty=1.3,
         logit_bias={7: -100, 2**31 - 1: 2.5},
+        allowed_token_ids=[3, 5, 8],
     )
     out = SchedulerOutput(step=1, epoch=1)
     out.add_new("r", p, 1, [1], [0])

@@ -174,3 +174,21 @@ def test_greedy_threshold_boundary() -> None:
     want = logits.argmax(dim=-1).tolist()
     params = [SamplingParams(temperature=GREEDY_TEMPERATURE, seed=s) for s in range(8)]
     assert Sampler().sample(logits, params, [0] * 8)[0] == want
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled() -> None:
+    """Rows with ``allowed_token_ids`` draw from those alone, renormalised; the others are untouched,
+    and logprobs stay those of the raw logits."""
+    logits = torch.tensor([LOGITS, LOGITS, LOGITS])
+    allowed = [torch.tensor([3, 7]), None, torch.tensor([9])]
+    seen: set[int] = set()
+    for seed in range(200):
+        params = [SamplingParams(temperature=1.0, seed=seed, logprobs=1), SamplingParams(temperature=0.0), SamplingParams()]
+        tokens, lps = Sampler().sample(logits, params, [0, 0, 0], allowed=allowed)
+        assert tokens[0] in (3, 7) and tokens[1:] == [0, 9]
+        seen.add(tokens[0])
+        raw = torch.log_softmax(logits[0], -1)
+        assert lps[0] is not None and lps[0][tokens[0]] == pytest.approx(float(raw[tokens[0]]), abs=1e-6)
+    assert seen == {3, 7}
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    assert Sampler().sample(logits, greedy, [0, 0, 0], allowed=allowed)[0] == [3, 0, 9]

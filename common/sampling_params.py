@@ -53,8 +53,11 @@ class SamplingParams:
     logprobs to return per prompt token (None: none; the first prompt token has none).
     ``structured_outputs`` constrains the text to a JSON schema, regex, choice or grammar
     (`common.structured_outputs`); the request ends with EOS once the constraint is complete.
-    ``allowed_token_ids`` (vLLM's): the only tokens it may produce (EOS too only if listed); not
-    with ``structured_outputs``. Where ``min_tokens`` would ban all of them, they stay allowed.
+    ``allowed_token_ids`` (vLLM's): the only tokens it may produce (EOS too only if listed).
+    ``bad_words_token_ids`` (vLLM's ``bad_words``, tokenized): token sequences the output may not
+    contain; a sequence's last token is banned wherever the output ends with the rest of it.
+    Neither goes with ``structured_outputs``. Where the bans (these, or EOS before ``min_tokens``)
+    would leave a row no token at all, that row's bans are lifted for the step.
     """
 
     temperature: float = 1.0
@@ -76,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     # The most top logprobs a request may ask for; bounds the executor's top-k work.
     MAX_LOGPROBS = 20
@@ -86,6 +90,10 @@ class SamplingParams:
     MAX_LOGIT_BIAS = 1024
     # The most token ids ``allowed_token_ids`` may list (they go to the executor's device once).
     MAX_ALLOWED_TOKEN_IDS = 32768
+    # ``bad_words_token_ids``: at most this many sequences, of this many tokens in all (vLLM's
+    # limits); each is matched against the request's output every step.
+    MAX_BAD_WORDS = 128
+    MAX_BAD_WORDS_TOKENS = 1024
     # OpenAI's ranges for the penalties and the biases.
     MAX_PENALTY = 2.0
     # Logits are float32: dividing by a penalty near 0 (or multiplying by a huge one) overflows them
@@ -145,6 +153,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {reprlib.repr(rep)}")
         self._validate_logit_bias(vocab_size)
         self._validate_allowed_token_ids(vocab_size)
+        self._validate_bad_words(vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")
@@ -164,6 +173,24 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}) (the vocabulary), got {_preview(outside)}")
         if self.structured_outputs is not None:
             raise ValueError("allowed_token_ids cannot be combined with structured outputs (the grammar decides the tokens)")
+
+    def _validate_bad_words(self, vocab_size: int | None) -> None:
+        words = self.bad_words_token_ids
+        if words is None:
+            return
+        most, total = self.MAX_BAD_WORDS, self.MAX_BAD_WORDS_TOKENS
+        if not isinstance(words, (list, tuple)) or len(words) > most:
+            raise ValueError(f"bad_words_token_ids must be a list of at most {most} token id sequences")
+        if not all(isinstance(w, (list, tuple)) and w for w in words) or sum(len(w) for w in words) > total:
+            raise ValueError(f"bad_words_token_ids must be non-empty token id sequences of at most {total} ids in all")
+        ids = [t for w in words for t in w]
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            raise ValueError(f"bad_words_token_ids must be integers in [0, {INT32_MAX}], got {_preview(ids)}")
+        if ids and vocab_size is not None and max(ids) >= vocab_size:
+            outside = [t for t in ids if t >= vocab_size]
+            raise ValueError(f"bad_words_token_ids must be in [0, {vocab_size}) (the vocabulary), got {_preview(outside)}")
+        if words and self.structured_outputs is not None:
+            raise ValueError("bad_words_token_ids cannot be combined with structured outputs (the grammar decides the tokens)")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias

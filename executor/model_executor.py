@@ -16,7 +16,6 @@ import torch
 from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
-from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
 from executor.cuda_graphs import CudaGraphRunner
@@ -26,7 +25,7 @@ from executor.loader import load_weights
 from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
 from executor.parallel import TensorParallel
-from executor.penalties import TokenCountPool, TokenCounts
+from executor.penalties import TokenCountPool, TokenCounts, bad_word_bans
 from executor.prompt_logprobs import compute_prompt_logprobs
 from executor.sampler import Sampler
 from executor.shard_loader import load_shard
@@ -298,7 +297,7 @@ class ModelExecutor:
         (``grammar``: the masks of its structured-output rows)."""
         params = [batch.sampling_params[i] for i in idx]
         out_lens = [batch.output_lens[i] for i in idx]
-        banned = self._banned(params, out_lens)
+        banned = self._banned(batch, idx)
         counts: TokenCounts | None = None
         step = batch.token_counts
         if step is not None:  # some sampled request has penalties
@@ -323,17 +322,22 @@ class ModelExecutor:
             out[j] = state.allowed
         return out
 
-    def _banned(self, params: list[SamplingParams], out_lens: list[int]) -> list[list[int]] | None:
-        """EOS and stop tokens are banned while a request is below its ``min_tokens`` (not under a
-        grammar: when it is complete, EOS is all it allows)."""
+    def _banned(self, batch: Batch, idx: list[int]) -> list[list[int]] | None:
+        """What each sampled row ``idx`` of ``batch`` may not produce this step: EOS and stop tokens
+        while a request is below its ``min_tokens`` (not under a grammar: when it is complete, EOS
+        is all it allows), and the last token of each bad word whose other tokens end the output."""
         banned: list[list[int]] | None = None
-        for j, (p, ol) in enumerate(zip(params, out_lens)):
-            if ol < p.min_tokens and p.structured_outputs is None:
+        for j, i in enumerate(idx):
+            p = batch.sampling_params[i]
+            ban: list[int] = []
+            if batch.output_lens[i] < p.min_tokens and p.structured_outputs is None:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
-                if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(ban):
-                    continue  # nothing else may come: banning them would leave no token at all
+            if p.bad_words_token_ids:
+                tokens = self.input_batch.requests[batch.request_ids[i]].token_ids
+                ban += bad_word_bans(p.bad_words_token_ids, tokens, batch.output_lens[i])
+            if ban:
                 if banned is None:
-                    banned = [[] for _ in params]
+                    banned = [[] for _ in idx]
                 banned[j] = ban
         return banned
 

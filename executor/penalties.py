@@ -5,7 +5,8 @@ request has seen, from its rows of a `TokenCountPool`: per request with penaltie
 token is in its prompt and how many times it was generated. The pool's rows are kept up to date
 step by step (each token is added once, see `executor.input_batch.TokenCountStep`), so a step's
 cost is one gather of the penalised rows, not a recount of their tokens. Rows without penalties
-or biases are never touched, and a batch with none of them costs nothing.
+or biases are never touched, and a batch with none of them costs nothing. `bad_word_bans`: the
+tokens a request's ``bad_words_token_ids`` ban at its next step (host-side, from its output).
 """
 
 from __future__ import annotations
@@ -136,3 +137,14 @@ class TokenCountPool:
         """The counts of sampled rows ``rows``, held in pool ``slots``."""
         index = torch.tensor(slots, dtype=torch.int64, device=self.device)
         return TokenCounts(rows, self.prompt_mask.index_select(0, index), self.output_counts.index_select(0, index))
+
+
+def bad_word_bans(bad_words: list[list[int]], tokens: list[int], output_len: int) -> list[int]:
+    """The last token of each of ``bad_words`` whose other tokens end the output (the last
+    ``output_len`` of ``tokens``); a one-token word's always (vLLM's ``bad_words``)."""
+    out: list[int] = []
+    for word in bad_words:
+        before = len(word) - 1
+        if before <= output_len and (before == 0 or tokens[len(tokens) - before :] == word[:before]):
+            out.append(word[-1])
+    return out

@@ -55,7 +55,7 @@ class Sampler:
         """Sample one token per row of ``logits`` ``[N, vocab]``.
 
         ``banned[i]`` lists tokens row ``i`` may not produce this step (e.g. EOS before
-        ``min_tokens``). ``counts``: the token counts of the rows with penalties (the executor's
+        ``min_tokens``), unless they are all it has left. ``counts``: the token counts of the rows with penalties (the executor's
         `executor.penalties.TokenCountPool` rows); without them no penalty applies. ``grammar``:
         the structured-output rows' token masks (`executor.grammar`), applied last. ``allowed[i]``:
         the only token ids row ``i`` may produce (a device tensor), or None. Returns token
@@ -72,10 +72,13 @@ class Sampler:
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
         if banned is not None and any(banned):
+            unbanned = logits
             logits = logits.clone()
             for i, toks in enumerate(banned):
                 if toks:
                     logits[i, toks] = float("-inf")
+            # A row whose bans took every token left (its allowed ones) draws as if unbanned.
+            logits = torch.where(torch.isneginf(logits).all(dim=-1, keepdim=True), unbanned, logits)
         if counts is not None:
             logits = penalize(logits, params, counts)
         if grammar is not None:

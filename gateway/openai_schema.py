@@ -68,6 +68,8 @@ class GenerationSpec:
     truncate_prompt_tokens: int | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" (a token's text may not be valid UTF-8 alone)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: words the output may not contain (tokenized with the prompt: `bad_words_token_ids`)
+    bad_words: list[str] = field(default_factory=list)
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -89,7 +91,6 @@ def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
 # would look like support). ``prompt_logprobs``: completions' ``echo`` with ``logprobs`` returns them.
 _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None),
-    ("bad_words", []),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
 )
@@ -193,6 +194,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         structured=StructuredRequest(structured_param) if structured_param else None,
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
+        bad_words=_bad_words(body, sampling),
     )
 
 
@@ -232,6 +234,23 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
             raise bad(f"'logit_bias' values must be numbers, got {typename(bias)} {preview(bias)}", "logit_bias")
         out[int(key)] = bias
     return out or None
+
+
+def _bad_words(body: dict[str, Any], sampling: SamplingParams) -> list[str]:
+    """vLLM's ``bad_words``: at most `SamplingParams.MAX_BAD_WORDS` strings with some text."""
+    most = SamplingParams.MAX_BAD_WORDS
+    words = get_field(
+        body,
+        "bad_words",
+        lambda v: isinstance(v, list) and len(v) <= most and all(isinstance(w, str) for w in v),
+        f"an array of at most {most} strings",
+        [],
+    )
+    if any(not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in words):
+        raise bad(f"'bad_words' must hold words of 1 to {MAX_STOP_STRING_CHARS} characters, not only spaces", "bad_words")
+    if words and sampling.structured_outputs is not None:
+        raise bad("'bad_words' cannot be combined with structured outputs (the grammar decides the tokens)", "bad_words")
+    return list(words)
 
 
 def _allowed_token_ids(body: dict[str, Any]) -> list[int] | None:

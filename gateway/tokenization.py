@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from common.protocol import EngineStatus
+from common.sampling_params import INT32_MAX, SamplingParams
 from common.service_cli import freeze_startup_heap
 from gateway.json_input import ApiError, all_ints, bad, parse_json, preview, typename
 from gateway.openai_schema import GenerationSpec, TokenizeSpec
@@ -136,6 +137,8 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     output's grammar is compiled here too (`check_grammar`): a large schema takes a while.
     """
     check_grammar(spec.sampling, spec.structured, tokenizer, lock, info.vocab_size)
+    if spec.bad_words and spec.sampling.bad_words_token_ids is None:  # (once for a list of prompts)
+        spec.sampling.bad_words_token_ids = bad_words_token_ids(tokenizer, lock, spec.bad_words)
     param = "messages" if spec.kind == "chat" else "prompt"
     text = spec.prompt
     if spec.kind == "chat":
@@ -257,6 +260,27 @@ def encode_text(
     with lock:
         ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     return len(ids), True, (ids if len(ids) <= max_len else None)
+
+
+def bad_words_token_ids(tokenizer: Any, lock: threading.Lock, words: list[str]) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word as it would start the text, and as it
+    would follow a space when that is another first token and as many tokens (a tokenizer that
+    marks word starts has two spellings of a word); a 400 past vLLM's total of tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = encode_text(tokenizer, lock, word.lstrip(), False, INT32_MAX)[2] or []
+        spaced = encode_text(tokenizer, lock, " " + word.lstrip(), False, INT32_MAX)[2] or []
+        out.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    most, total = SamplingParams.MAX_BAD_WORDS, SamplingParams.MAX_BAD_WORDS_TOKENS
+    if len(out) > most or sum(len(w) for w in out) > total:
+        raise bad(
+            f"'bad_words' may come to at most {most} token sequences of {total} tokens in all (each word is "
+            f"one or two: its spelling after a space); these come to {len(out)} of {sum(len(w) for w in out)}",
+            "bad_words",
+        )
+    return out
 
 
 def keep_tokens(spec: GenerationSpec, max_model_len: int) -> int | None:

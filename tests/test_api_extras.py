@@ -501,3 +501,42 @@ def test_truncate_prompt_tokens_sends_the_prompts_last_tokens(env: dict[str, Any
         assert seen == sorted([[tok.bos_token_id] + ids[-3:], ids[-4:]])
         with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
             client.completions.create(model=str(env["model"]), prompt=words, extra_body={"truncate_prompt_tokens": 0})
+
+
+def test_bad_words_reach_the_engine_as_token_sequences(env: dict[str, Any]) -> None:
+    """``bad_words`` are tokenized at the gateway, each word as it starts a text and as it follows a
+    space (vLLM's two spellings); bad lists are 400s naming the field."""
+    import openai
+
+    from gateway.tokenization import bad_words_token_ids
+
+    tok = env["tokenizer"]
+    base = str(env["a"].base_url)
+    words = ["hello", " world", "tokenization"]
+    with openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=30) as client:
+        client.completions.create(
+            model=str(env["model"]),
+            prompt="one two",
+            max_tokens=2,
+            extra_body={"bad_words": words},
+            extra_headers={"X-Request-Id": "bad-words"},
+        )
+        sent = _engine_request(env, "bad-words").sampling["bad_words_token_ids"]
+        assert sent == bad_words_token_ids(tok, threading.Lock(), words)
+        bare = tok("hello", add_special_tokens=False)["input_ids"]
+        spaced = tok(" hello", add_special_tokens=False)["input_ids"]
+        assert sent[0] == bare and (sent[1] == spaced) == (len(spaced) == len(bare) and spaced[0] != bare[0])
+        for value, words_in_error in (
+            (["  "], "not only spaces"),
+            (["x"] * 129, "at most 128 strings"),
+            (["a b c d e f g h i j " * 12] * 64, "at most 128 token sequences of 1024 tokens"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=words_in_error) as err:
+                client.completions.create(model=str(env["model"]), prompt="p", extra_body={"bad_words": value})
+            assert err.value.body is not None and err.value.body.get("param") == "bad_words"  # type: ignore[union-attr]
+        with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+            client.completions.create(
+                model=str(env["model"]),
+                prompt="p",
+                extra_body={"bad_words": ["x"], "response_format": {"type": "json_object"}},
+            )

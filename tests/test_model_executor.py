@@ -303,10 +303,13 @@ def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
     eos = ex.info.eos_token_ids
     # The tiny models almost never pick EOS, so check which tokens get banned (the sampler test
     # checks that banned tokens are never drawn).
-    banned = ex._banned([SamplingParams(min_tokens=3, stop_token_ids=[7])], [1])
-    assert banned == [[7, *eos]]
-    assert ex._banned([SamplingParams(min_tokens=3, ignore_eos=True)], [1]) == [[]]
-    assert ex._banned([SamplingParams(min_tokens=3)], [3]) is None
+
+    def banned(params: SamplingParams, output_len: int) -> list[list[int]] | None:
+        return ex._banned(Batch(request_ids=["r"], sampling_params=[params], output_lens=[output_len]), [0])
+
+    assert banned(SamplingParams(min_tokens=3, stop_token_ids=[7]), 1) == [[7, *eos]]
+    assert banned(SamplingParams(min_tokens=3, ignore_eos=True), 1) is None
+    assert banned(SamplingParams(min_tokens=3), 3) is None
     b = Batch(
         request_ids=["x"],
         input_ids=[ex.info.vocab_size],

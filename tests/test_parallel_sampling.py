@@ -208,3 +208,22 @@ def test_allowed_token_ids_in_the_engine(llm: LLM) -> None:
     eos = llm.executor.info.eos_token_ids[0]
     only_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=3, allowed_token_ids=[eos]))
     assert only_eos[0].token_ids == [eos] * 3 and only_eos[0].finish_reason == "stop"
+
+
+def test_bad_words_in_the_engine(llm: LLM) -> None:
+    """vLLM's ``bad_words`` (as token sequences): greedy output follows the unconstrained one until
+    a bad word would complete, then takes another token there; a one-token word never appears."""
+    prompt = prompt_ids(llm, 10, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    free = llm.generate([prompt], params)[0].token_ids
+    at = next(i for i in range(1, 9) if free[i] not in free[:i])  # a first occurrence
+    word = free[at - 1 : at + 1]  # completes at output position ``at``
+    params.bad_words_token_ids = [word]
+    got = llm.generate([prompt], params)[0].token_ids
+    assert got[:at] == free[:at] and got[at] != free[at]
+    assert all(got[i : i + 2] != word for i in range(len(got) - 1))
+    params.bad_words_token_ids = [[free[0]]]
+    assert free[0] not in llm.generate([prompt], params)[0].token_ids
+    # The word's first token alone in the prompt does not count: only the output is matched.
+    params.bad_words_token_ids = [[prompt[-1], free[0]]]
+    assert llm.generate([prompt], params)[0].token_ids == free

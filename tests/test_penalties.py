@@ -13,7 +13,7 @@ from common.protocol import SchedulerOutput, decode, encode
 from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
 from common.structured_outputs import StructuredOutputsParams
 from executor.input_batch import PersistentBatch
-from executor.penalties import TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties
+from executor.penalties import TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties, bad_word_bans
 from executor.sampler import Sampler
 
 VOCAB = 12
@@ -266,3 +266,12 @@ def test_wire_round_trip() -> None:
     assert sampling_from_dict(sampling_to_dict(SamplingParams())) == SamplingParams()
     with pytest.raises(ValueError, match="pairs"):
         sampling_from_dict({"logit_bias": [[1, 2, 3]]})
+
+
+def test_bad_word_bans_follow_the_output_tail() -> None:
+    words = [[9], [4, 5], [1, 2, 3], [7, 8]]
+    prompt_then_output = [4, 1, 2, 6, 1, 2]  # the last 3 are the output
+    # [9] always; [4, 5] not: its 4 is in the prompt; [1, 2, 3]: the output ends with 1, 2.
+    assert bad_word_bans(words, prompt_then_output, 3) == [9, 3]
+    assert bad_word_bans(words, prompt_then_output, 1) == [9]  # 1, 2 are not both output
+    assert bad_word_bans(words, [4], 0) == [9]

@@ -192,3 +192,13 @@ def test_allowed_token_ids_are_the_only_tokens_sampled() -> None:
     assert seen == {3, 7}
     greedy = [SamplingParams(temperature=0.0)] * 3
     assert Sampler().sample(logits, greedy, [0, 0, 0], allowed=allowed)[0] == [3, 0, 9]
+
+
+def test_a_row_whose_bans_take_every_token_left_draws_as_if_unbanned() -> None:
+    logits = torch.tensor([LOGITS, LOGITS])
+    allowed = [torch.tensor([3, 7]), None]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    # Row 0: both allowed tokens banned -> its bans are lifted; row 1 keeps its ban.
+    tokens, _ = Sampler().sample(logits, params, [0, 0], banned=[[3, 7], [0]], allowed=allowed)
+    assert tokens == [3, 1]
+    assert Sampler().sample(logits, params, [0, 0], banned=[[3], [0]], allowed=allowed)[0] == [7, 1]

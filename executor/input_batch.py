@@ -136,10 +136,12 @@ class PersistentBatch:
                 raise ValueError(f"request {new.request_id!r}: token ids must be in [0, {vocab})")
             if not 0 < new.num_prompt_tokens <= len(tokens):
                 raise ValueError(f"request {new.request_id!r}: {new.num_prompt_tokens} prompt tokens of {len(tokens)}")
+            try:
+                params = sampling_from_dict(new.sampling)
+            except TypeError as exc:  # an unknown field: a bad step, as any other (`ValueError`)
+                raise ValueError(f"request {new.request_id!r}: {exc}") from None
             self._drop(new.request_id)
-            self.requests[new.request_id] = CachedRequestState(
-                sampling_from_dict(new.sampling), new.num_prompt_tokens, tokens, new.block_ids
-            )
+            self.requests[new.request_id] = CachedRequestState(params, new.num_prompt_tokens, tokens, new.block_ids)
         for request_id, resumed, block_ids in output.cached_requests():
             state = self._state(request_id)
             if resumed:

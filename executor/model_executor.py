@@ -8,7 +8,6 @@ sampled tokens to the requests' state so that a step scheduled one ahead reads t
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
 from executor.parallel import TensorParallel
 from executor.penalties import TokenCountPool, TokenCounts, bad_word_bans
-from executor.prompt_logprobs import compute_prompt_logprobs
+from executor.prompt_logprobs import prompt_logits, prompt_logprobs_of
 from executor.sampler import Sampler
 from executor.shard_loader import load_shard
 from executor.threads import configure_cpu_threads, resolve_num_threads
@@ -217,10 +216,9 @@ class ModelExecutor:
         the scheduler then resends them all as new."""
         grammar: GrammarMask | None = None
         try:
-            with self._lockstep(ValueError):  # (every rank checks the step alike)
-                batch = self.input_batch.prepare(output)
-                # The structured-output masks are filled on a worker thread while the forward pass runs.
-                grammar = self.structured.start(batch, self.input_batch.requests)
+            batch = self.input_batch.prepare(output)
+            # The structured-output masks are filled on a worker thread while the forward pass runs.
+            grammar = self.structured.start(batch, self.input_batch.requests)
             result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
         except BaseException:
@@ -244,9 +242,16 @@ class ModelExecutor:
 
     def execute_batch(self, batch: Batch, grammar: GrammarMask | None = None) -> ExecutorOutput:
         """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode;
-        ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`)."""
+        ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`).
+
+        With tensor parallelism every rank runs the forward pass and the logits' all-gathers, and
+        rank 0 alone samples and computes prompt logprobs, then shares the tokens: the phases of
+        `TensorParallel` mark where an error leaves the ranks out of step."""
+        tp = self.tp
         n = batch.num_seqs
         if n == 0:
+            if tp is not None:
+                tp.end_step()
             return ExecutorOutput()
         if max(batch.seq_lens) > self.max_model_len:
             raise ValueError(f"sequence of {max(batch.seq_lens)} tokens exceeds max_model_len={self.max_model_len}")
@@ -257,38 +262,43 @@ class ModelExecutor:
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n
         with torch.inference_mode():
-            with self._lockstep():
-                input_ids, positions, meta, rows = self._prepare(batch)
-                hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
-                if hidden is None:
-                    hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-                prompt_lps = compute_prompt_logprobs(self.model, hidden, batch) if batch.prompt_lp else []
-                if not rows:
-                    return ExecutorOutput(tokens, logprobs, prompt_lps)
+            if tp is not None:
+                tp.enter_collectives()
+            input_ids, positions, meta, rows = self._prepare(batch)
+            hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+            if hidden is None:
+                hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            plp_logits = prompt_logits(self.model, hidden, batch) if batch.prompt_lp else None
+            logits = None
+            if rows:
                 if len(rows) < hidden.shape[0]:
                     hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
                 logits = self.model.compute_logits(hidden)
             idx = [i for i, s in enumerate(batch.sample) if s]
-            if self.tp is not None and self.tp.rank != 0:  # rank 0 samples; the others follow it
-                for i, token in zip(idx, self.tp.share_tokens(None, len(idx))):
+            if tp is not None and tp.rank != 0:  # rank 0 samples; the others follow it
+                if not idx:
+                    tp.end_step()
+                    return ExecutorOutput(tokens, logprobs)
+                for i, token in zip(idx, tp.share_tokens(None, len(idx))):
                     tokens[i] = token
                 return ExecutorOutput(tokens, logprobs)
+            if logits is None:
+                if tp is not None:
+                    tp.end_step()  # the other ranks are done with this step
+                return ExecutorOutput(tokens, logprobs, prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else [])
             try:
+                prompt_lps = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
                 sampled, lps = self._sample(batch, idx, logits, grammar)
             except BaseException:
-                if self.tp is not None:  # the other ranks wait for these tokens: tell them
-                    self.tp.share_tokens(None, len(idx))
+                if tp is not None:  # the other ranks wait for these tokens: tell them
+                    tp.share_tokens(None, len(idx))
                 raise
-            if self.tp is not None:
-                self.tp.share_tokens(sampled, len(idx))
+            if tp is not None:
+                tp.share_tokens(sampled, len(idx))
         for j, i in enumerate(idx):
             tokens[i] = sampled[j]
             logprobs[i] = lps[j]
         return ExecutorOutput(tokens, logprobs, prompt_lps)
-
-    def _lockstep(self, *shared: type[BaseException]) -> AbstractContextManager[None]:
-        """`TensorParallel.lockstep` with tensor parallelism; nothing to watch without."""
-        return self.tp.lockstep(shared) if self.tp is not None else nullcontext()
 
     def _sample(
         self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None

@@ -17,10 +17,9 @@ always a gloo group on CPU tensors, so a command never waits on a device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import IntEnum
 
 import torch
 import torch.distributed as dist
@@ -107,14 +106,22 @@ def check_divisible(cfg: HFModelConfig, world: int) -> None:
         raise ValueError(f"tensor_parallel_size={world} must divide the model's intermediate_size={inter}")
 
 
+class StepPhase(IntEnum):
+    """Where a rank is in a step (`TensorParallel.settle`)."""
+
+    AGREED = 0  # between steps: every rank is at the same point
+    STARTED = 1  # a step was sent or received, before its first collective
+    COLLECTIVES = 2  # among the step's collectives, up to its last
+
+
 class TensorParallel:
     """One rank's process group: tensor collectives, and rank 0's command channel."""
 
-    __slots__ = ("rank", "world", "layout", "control", "device", "out_of_step")
+    __slots__ = ("rank", "world", "layout", "control", "device", "phase")
 
     def __init__(self, rank: int, world: int, layout: ShardLayout, device: torch.device) -> None:
         self.rank, self.world, self.layout, self.device = rank, world, layout, device
-        self.out_of_step: str | None = None  # why this rank can no longer meet the others (`lockstep`)
+        self.phase = StepPhase.AGREED
         # Commands and tokens travel over gloo on CPU tensors whatever the device backend is.
         self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if device.type == "cuda" else None
 
@@ -124,20 +131,28 @@ class TensorParallel:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
 
-    @contextmanager
-    def lockstep(self, shared: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
-        """A part of a step every rank runs alike. An error raised here on this rank alone leaves
-        the others waiting in a collective it will never join, and any later command would be read
-        as part of that collective: the error is re-raised, and ``out_of_step`` says the ranks
-        cannot go on (the unit stops). ``shared``: errors every rank raises at the same point (a
-        step's invalid input), which keep them in step."""
-        try:
-            yield
-        except shared:
-            raise
-        except BaseException as exc:
-            self.out_of_step = f"tensor-parallel rank {self.rank} failed amid a step ({exc!r}): the ranks are out of step"
-            raise
+    # -- where this rank is in a step (which errors leave the ranks out of step) --
+    def begin_step(self) -> None:
+        """A step was sent (rank 0) or received (the others): no collective yet."""
+        self.phase = StepPhase.STARTED
+
+    def enter_collectives(self) -> None:
+        """The step's collectives begin: from here an error on one rank strands the others."""
+        self.phase = StepPhase.COLLECTIVES
+
+    def end_step(self) -> None:
+        """The step is over alike on every rank (its last collective is done, or it had none)."""
+        self.phase = StepPhase.AGREED
+
+    def settle(self, exc: BaseException) -> str | None:
+        """After ``exc`` ended this rank's step: None if the ranks are still in step (the error
+        came when the step was over everywhere, or it is a `ValueError` of a bad step, which every
+        rank raises alike before any collective); else why they are not, and any later command
+        would be read as part of a collective some rank still waits in."""
+        if self.phase == StepPhase.AGREED or (self.phase == StepPhase.STARTED and isinstance(exc, ValueError)):
+            self.phase = StepPhase.AGREED
+            return None
+        return f"tensor-parallel rank {self.rank} failed amid a step ({exc!r}): the ranks are out of step"
 
     # -- tensor collectives (the model's) --
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +212,7 @@ class TensorParallel:
             if tokens is not None:
                 buf[1:] = torch.tensor(tokens, dtype=torch.int64)
         dist.broadcast(buf, 0, group=self.control)
+        self.end_step()
         if int(buf[0]) == 0 and self.rank != 0:  # (rank 0 raises its own error)
             raise PeerStepFailed("rank 0 failed to sample this step")
         return buf[1:].tolist()

@@ -22,18 +22,23 @@ class LogitsModel(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def compute_prompt_logprobs(model: LogitsModel, hidden: torch.Tensor, batch: Batch) -> list[PromptLogprobs | None]:
-    """Per sequence of ``batch``: the logprob entries of the prompt tokens its step predicts, in
-    order (None for sequences without ``prompt_lp``). ``hidden``: every token's final hidden state."""
+def prompt_logits(model: LogitsModel, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The logits of the prompt positions ``batch.prompt_lp`` asks for (with tensor parallelism,
+    a collective every rank joins; what follows is rank 0's alone)."""
     starts = [0]
     for q in batch.query_lens:
         starts.append(starts[-1] + q)
     rows: list[int] = []
     for i, count, _ in batch.prompt_lp:
         rows.extend(range(starts[i], starts[i] + count))
-    dev = hidden.device
-    logits = model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=dev))).float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    return model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+
+
+def prompt_logprobs_of(logits: torch.Tensor, batch: Batch) -> list[PromptLogprobs | None]:
+    """Per sequence of ``batch``: the logprob entries of the prompt tokens its step predicts, in
+    order (None for sequences without ``prompt_lp``), from the logits of `prompt_logits`."""
+    dev = logits.device
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(batch.prompt_lp_targets, dtype=torch.int64, device=dev)
     chosen: list[float] = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
     top_n = max(k for _, _, k in batch.prompt_lp)

@@ -13,8 +13,10 @@ The ranks live and die as one unit, so the fault tolerance of the services sees 
   service) or refuses every later step (the offline `LLM`, which must not kill its caller);
 - ranks > 0 exit when rank 0 does (``PR_SET_PDEATHSIG`` on Linux, and a parent-pid watch), and
   on any error they cannot share with rank 0 (an error both raise, such as a bad step, is not one);
-- rank 0 failing alone amid a step (`TensorParallel.lockstep`) kills the others, which wait in a
-  collective it will not join, and refuses later steps; the service then exits (`check_device`).
+- rank 0 failing amid a step (`TensorParallel.settle`: anything but a bad step's `ValueError`
+  before the collectives, or a sampling error it shares) kills the others, which wait in a
+  collective it will not join, and refuses later steps; the service then exits (`check_device`);
+- ranks > 0 exit likewise (rank 0 then stops the unit), and on a step they cannot decode.
 - An idle rank 0 pings the others well within the collectives' timeout.
 """
 
@@ -43,8 +45,8 @@ from executor.parallel import (
     CMD_STEP,
     CMD_STOP,
     COLLECTIVE_TIMEOUT,
-    PeerStepFailed,
     ShardLayout,
+    StepPhase,
     TensorParallel,
     check_divisible,
 )
@@ -155,7 +157,8 @@ class TPExecutor:
             for rank, p in enumerate(self.procs, 1):
                 if p.exitcode is None:
                     continue
-                if self.dead is not None:  # stopped on purpose (out of step); its caller reports it
+                if self.dead is not None:  # the unit stopped already (out of step): for the record
+                    logger.warning("tensor-parallel rank %d (pid %s) exited with code %s", rank, p.pid, p.exitcode)
                     return
                 self.dead = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                 if self.closing.is_set():
@@ -173,10 +176,11 @@ class TPExecutor:
                 self._command(CMD_PING)
 
     def _command(self, cmd: int, payload: bytes = b"") -> None:
-        """Send one command (the caller holds no lock)."""
+        """Send one command (the caller holds no lock); none once the unit stopped."""
         with self.lock:
-            self.tp.send_command(cmd, payload)
-            self.last_command = time.monotonic()
+            if self.dead is None:
+                self.tp.send_command(cmd, payload)
+                self.last_command = time.monotonic()
 
     def _check(self) -> None:
         if self.dead is not None:
@@ -184,21 +188,25 @@ class TPExecutor:
 
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
         """Run one step on every rank; rank 0's sampled tokens come back. An error that leaves the
-        ranks out of step (`TensorParallel.lockstep`) stops the unit: the other ranks are killed
+        ranks out of step (`TensorParallel.settle`) stops the unit: the other ranks are killed
         (they wait in a collective rank 0 will not join) and later steps are refused."""
         self._check()
         payload = encode(output)
         with self.lock:
+            self.tp.begin_step()
             try:
-                with self.tp.lockstep():
-                    self.tp.send_command(CMD_STEP, payload)
+                self.tp.send_command(CMD_STEP, payload)
                 self.last_command = time.monotonic()
-                return self.inner.execute_model(output)
-            finally:
-                if self.tp.out_of_step is not None and self.dead is None:
-                    self.dead = self.tp.out_of_step
-                    logger.error("%s: the executor stops as one unit", self.dead)
+                result = self.inner.execute_model(output)
+            except BaseException as exc:
+                why = self.tp.settle(exc)
+                if why is not None and self.dead is None:
+                    self.dead = why
+                    logger.error("%s: the executor stops as one unit", why)
                     self._stop_workers(grace_s=0.0)
+                raise
+            assert self.tp.phase == StepPhase.AGREED, "a step returned with the ranks out of step"
+            return result
 
     def check_device(self) -> None:
         """Raise if the unit stopped (the service then exits, and its requests are recovered), or
@@ -286,14 +294,19 @@ def worker_main(
 
 
 def serve_rank(tp: TensorParallel, executor: Any) -> None:
-    """The command loop of a rank > 0. An error rank 0 raises too (a bad step: `ValueError`, or
-    its failed sampling: `PeerStepFailed`) drops the state and goes on; any other error ends the rank."""
+    """The command loop of a rank > 0. An error that leaves the ranks in step (`TensorParallel.settle`:
+    a bad step's `ValueError` before the collectives, or rank 0's failed sampling: `PeerStepFailed`)
+    drops the state and goes on; any other error ends the rank, and rank 0 stops the unit."""
     while True:
         cmd, payload = tp.recv_command()
         if cmd == CMD_STEP:
+            output = decode(payload, (SchedulerOutput,))  # (rank 0 encoded it: it cannot be bad)
+            tp.begin_step()
             try:
-                executor.execute_model(decode(payload, (SchedulerOutput,)))
-            except (ValueError, PeerStepFailed) as exc:
+                executor.execute_model(output)
+            except Exception as exc:
+                if tp.settle(exc) is not None:
+                    raise
                 logger.debug("step failed on every rank: %s", exc)
         elif cmd == CMD_RESET:
             executor.reset()

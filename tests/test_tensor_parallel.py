@@ -218,3 +218,112 @@ def test_step_failing_on_rank0_inside_the_forward_stops_the_unit(tiny_model, mon
             ex.check_device()  # the service then exits, and its requests are recovered elsewhere
     finally:
         llm.shutdown()
+
+
+def test_interrupt_on_rank0_before_the_forward_stops_the_unit(tiny_model, monkeypatch) -> None:
+    """An interrupt (Ctrl-C in a notebook) that reaches rank 0 after the step was sent, before the
+    forward pass: rank 1 goes on into the forward's collectives alone. Before, the reset that
+    followed waited for rank 1 until the collectives' timeout (10 minutes); now the unit stops."""
+    from executor.model_executor import ModelExecutor
+
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, **OPTIONS)
+    try:
+        ex: Any = llm.executor
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        prepare = ModelExecutor._prepare
+
+        def interrupted(self: ModelExecutor, batch: Any) -> Any:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(ModelExecutor, "_prepare", interrupted)  # in this process: rank 0 only
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], params)
+        monkeypatch.setattr(ModelExecutor, "_prepare", prepare)
+        assert ex.dead is not None and "KeyboardInterrupt" in ex.dead and "out of step" in ex.dead
+        with pytest.raises(RuntimeError, match="out of step"):
+            llm.generate([[8, 9]], params)
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.shutdown()
+
+
+def test_prompt_logprobs_failing_on_rank0_is_a_step_error(tiny_model, monkeypatch) -> None:
+    """Prompt logprobs are rank 0's alone, after the last collective: their failure (a large
+    prompt's out-of-memory, say) fails the step as on one rank, in a prefill chunk that samples
+    nothing and in one that samples, and the unit goes on."""
+    import executor.model_executor as model_executor
+
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2, **OPTIONS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+        long_prompt, short_prompt = list(range(3, 103)), [5, 6, 7]  # 100 tokens: chunks of 48
+        want = [o.token_ids for o in llm.generate([long_prompt, short_prompt], params)]
+        real = model_executor.prompt_logprobs_of
+        for prompt in (long_prompt, short_prompt):
+            calls: list[int] = []
+
+            def failing(*args: Any, calls: list[int] = calls) -> Any:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("injected prompt-logprobs failure on rank 0")
+                return real(*args)
+
+            monkeypatch.setattr(model_executor, "prompt_logprobs_of", failing)
+            with pytest.raises(RuntimeError, match="injected prompt-logprobs failure"):
+                llm.generate([prompt], params)
+            assert llm.executor.dead is None  # type: ignore[union-attr]
+            monkeypatch.setattr(model_executor, "prompt_logprobs_of", real)
+        got = llm.generate([long_prompt, short_prompt], params)
+        assert [o.token_ids for o in got] == want and all(o.prompt_logprobs for o in got)
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_leaves_only_on_errors_that_break_the_lockstep(tiny_model) -> None:
+    """`serve_rank` (a rank > 0): a bad step's `ValueError` before the collectives, and rank 0's
+    failed sampling, leave the ranks in step (the rank goes on); the same `ValueError` amid the
+    collectives, or a step it cannot decode, end the rank."""
+    from common.protocol import SchedulerOutput, encode
+    from executor.parallel import CMD_STEP, CMD_STOP, PeerStepFailed, StepPhase
+    from executor.tp_executor import serve_rank
+
+    layout = ShardLayout.build(load_config(tiny_model("llama")), 1, 2)
+    step = encode(SchedulerOutput(step=1, epoch=1))
+
+    class Channel(TensorParallel):
+        def __init__(self, commands: list[tuple[int, bytes]]) -> None:
+            super().__init__(1, 2, layout, torch.device("cpu"))
+            self.commands = commands
+
+        def recv_command(self) -> tuple[int, bytes]:
+            return self.commands.pop(0)
+
+    def run(fail: Any, commands: list[tuple[int, bytes]]) -> Channel:
+        channel = Channel(commands)
+
+        class Executor:
+            def execute_model(self, output: Any) -> None:
+                fail(channel)
+
+        serve_rank(channel, Executor())
+        return channel
+
+    def bad_step(channel: Channel) -> None:
+        raise ValueError("bad step")
+
+    def amid(channel: Channel) -> None:
+        channel.enter_collectives()
+        raise ValueError("raised on this rank alone, amid the forward")
+
+    def rank0_failed(channel: Channel) -> None:
+        channel.enter_collectives()
+        channel.end_step()  # (what share_tokens does once rank 0's failure is broadcast)
+        raise PeerStepFailed("rank 0 failed to sample this step")
+
+    for fail in (bad_step, rank0_failed):
+        assert run(fail, [(CMD_STEP, step), (CMD_STEP, step), (CMD_STOP, b"")]).phase == StepPhase.AGREED
+    with pytest.raises(ValueError, match="amid the forward"):
+        run(amid, [(CMD_STEP, step), (CMD_STOP, b"")])
+    with pytest.raises(ValueError):
+        run(bad_step, [(CMD_STEP, b"\xc1 not msgpack"), (CMD_STOP, b"")])

@@ -57,6 +57,7 @@ class GenerationSpec:
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries the usage so far, not only the last
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -125,8 +126,8 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     if options is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = get_bool(options or {}, "include_usage", False)
-    if get_bool(options or {}, "continuous_usage_stats", False):  # vLLM's; ignoring it would look like support
-        raise bad("'stream_options.continuous_usage_stats' is not supported by this server", "stream_options")
+    # vLLM's: every chunk carries the usage so far (with ``include_usage``, as vLLM's)
+    continuous_usage = include_usage and get_bool(options or {}, "continuous_usage_stats", False)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -186,6 +187,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         stop=list(stop),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),

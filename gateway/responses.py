@@ -57,6 +57,7 @@ class ResponseFormatter:
         self.chat = spec.kind == "chat"
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
         self.tool_text = ""  # a tool-call request's text so far (streaming)
+        self.completion_tokens = 0  # streaming: the choice's tokens so far (``continuous_usage``)
         # streaming: the echo chunk waits for the prompt's logprobs (on the first piece)
         self.echo_pending = bool(echo_text) and not self.chat and spec.logprobs is not None
 
@@ -193,7 +194,7 @@ class ResponseFormatter:
             "choices": [choice],
         }
         if self.spec.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage(self.completion_tokens) if self.spec.continuous_usage else None
         return chunk
 
     def stream_start(self) -> list[dict[str, Any]]:
@@ -221,6 +222,7 @@ class ResponseFormatter:
     def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
         """The chunks of one piece: after the echo chunk, if it waited for this (the first) piece."""
         chunks: list[dict[str, Any]] = []
+        self.completion_tokens = completion_tokens
         if self.echo_pending:
             self.echo_pending = False
             chunks.append(self._echo_chunk(self._prompt_logprobs(piece.prompt_logprobs)))

@@ -389,3 +389,47 @@ def test_allowed_token_ids_over_http(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError, match=words) as err:
             client.completions.create(model="", prompt="hi", max_tokens=2, extra_body=body)
         assert err.value.body is not None and err.value.body.get("param") == "allowed_token_ids"  # type: ignore[union-attr]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk's usage
+    counts the choice's tokens so far, a completion's and a chat's; the last chunk has the total."""
+    prompt = ids(7, 8)
+    stream = client.completions.create(
+        model="",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body=NO_EOS,
+    )
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert all(c.usage is not None and c.usage.prompt_tokens == 7 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].choices == []
+    assert len([c for c in chunks if c.choices]) >= 2  # (at least two chunks, so "so far" was seen growing)
+    chat = list(
+        client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body=NO_EOS,
+        )
+    )
+    assert all(c.usage is not None for c in chat)
+    assert chat[0].usage is not None and chat[0].usage.completion_tokens == 0  # the role chunk
+    assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 4
+    # Without include_usage it asks for nothing (as vLLM's): no usage at all.
+    plain = client.completions.create(
+        model="",
+        prompt=prompt,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body=NO_EOS,
+    )
+    assert all(c.usage is None for c in plain)

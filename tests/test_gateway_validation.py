@@ -97,11 +97,6 @@ def test_malformed_json_and_non_object(env: dict[str, Any]) -> None:
         ({"prompt": ""}, "prompt", ["empty"]),
         ({"max_tokens": 3}, "prompt", ["required"]),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
-        (  # vLLM's; it was ignored
-            {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options",
-            ["continuous_usage_stats", "not supported"],
-        ),
         ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", ["[-2.0, 2.0]", "2.5"]),
         ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", ["[-2.0, 2.0]", "-3"]),
         ({"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty", ["number"]),

@@ -94,6 +94,7 @@ _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
+    ("priority", 0),  # (vLLM refuses it too, unless started with the priority scheduling policy)
 )
 
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders

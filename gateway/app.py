@@ -62,6 +62,7 @@ from gateway.tokenization import (
     detokenize,
     prepare_prompt,
     read_json,
+    resolve_bad_words,
     tokenize_only,
     tokenizes_inline,
 )
@@ -370,6 +371,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
         spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
         spec.sampling.max_tokens = header.max_tokens
+        await resolve_bad_words(workers, tokenizer, tokenizers.call_lock, spec)
         try:
             handle = await client.adopt(
                 response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, journal.outputs

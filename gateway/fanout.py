@@ -42,7 +42,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient, RequestIdInUse
-from gateway.tokenization import InputWorkers, prepare_prompt, tokenizes_inline
+from gateway.tokenization import InputWorkers, prepare_prompt, resolve_bad_words, tokenizes_inline
 
 
 @dataclass(slots=True)
@@ -293,6 +293,7 @@ async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal,
     seen = ChoiceCursor.parse(last_event_id, len(ids))
     first = journal.headers[0]
     spec = parse_chat(json.loads(first.body)) if first.kind == "chat" else parse_completion(json.loads(first.body))
+    await resolve_bad_words(ctx.workers, ctx.tokenizer, ctx.lock, spec)
     k = len(first.choice_ids)
     gens: list[Generation] = []
     formatters: list[ResponseFormatter] = []

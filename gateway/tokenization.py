@@ -55,8 +55,9 @@ def tokenizes_inline(spec: GenerationSpec, tokenizer: Any) -> bool:
     """Whether `tokenize` may run on the event loop for ``spec``: a small prompt (token ids, or text
     for a fast tokenizer's lock-free backend, see `encode_text`) without a grammar to compile or
     tools for the chat template to render (neither is counted in the input's size). Such a prompt
-    takes well under a millisecond; waiting for a worker thread took tens on a busy gateway."""
-    if spec.input_size() > INLINE_INPUT_BYTES or spec.sampling.structured_outputs is not None:
+    takes well under a millisecond; waiting for a worker thread took tens on a busy gateway. Bad
+    words (up to 256 encodings) take the worker too."""
+    if spec.input_size() > INLINE_INPUT_BYTES or spec.sampling.structured_outputs is not None or spec.bad_words:
         return False
     if spec.structured is not None and spec.structured.tools:
         return False
@@ -270,8 +271,9 @@ def bad_words_token_ids(tokenizer: Any, lock: threading.Lock, words: list[str]) 
     for word in words:
         bare = encode_text(tokenizer, lock, word.lstrip(), False, INT32_MAX)[2] or []
         spaced = encode_text(tokenizer, lock, " " + word.lstrip(), False, INT32_MAX)[2] or []
-        out.append(bare)
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+        if bare:  # (a word a normalizer erases has no tokens to ban)
+            out.append(bare)
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
             out.append(spaced)
     most, total = SamplingParams.MAX_BAD_WORDS, SamplingParams.MAX_BAD_WORDS_TOKENS
     if len(out) > most or sum(len(w) for w in out) > total:
@@ -281,6 +283,13 @@ def bad_words_token_ids(tokenizer: Any, lock: threading.Lock, words: list[str]) 
             "bad_words",
         )
     return out
+
+
+async def resolve_bad_words(workers: InputWorkers, tokenizer: Any, lock: threading.Lock, spec: GenerationSpec) -> None:
+    """The token sequences of a resumed stream's ``bad_words`` (its body parsed again; a new
+    request's are made by `tokenize`), on a worker thread."""
+    if spec.bad_words:
+        spec.sampling.bad_words_token_ids = await workers.run(False, bad_words_token_ids, tokenizer, lock, spec.bad_words)
 
 
 def keep_tokens(spec: GenerationSpec, max_model_len: int) -> int | None:
@@ -310,15 +319,32 @@ def encode_tail(tokenizer: Any, lock: threading.Lock, text: str, add_special_tok
             wrapped = list(tokenizer(text, add_special_tokens=True)["input_ids"]) if add_special_tokens else ids
         head, tail = _around(wrapped, ids)
     else:
-        ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
         head = tail = []
         if add_special_tokens:  # where the special tokens go: around one token, wrapped
             probe = backend.encode_batch(["a"], add_special_tokens=False)[0]
             head, tail = _around(backend.post_process(probe, None, True).ids, probe.ids)
+        ids = _tail_ids(backend, text, keep - len(head) - len(tail))
     room = keep - len(head) - len(tail)
-    if len(ids) <= room:
+    if len(ids) <= room:  # (`_tail_ids` gives more than ``room`` of a text it did not encode whole)
         return head + ids + tail, False
     return (head + ids[len(ids) - room :] + tail if room > 0 else (head + tail)[-keep:]), True
+
+
+def _tail_ids(backend: Any, text: str, room: int) -> list[int]:
+    """The tokens of ``text`` (without special tokens), or, of a text too long to encode whole (see
+    `COUNT_WINDOW_CHARS`), more than ``room`` of its last ones: those of a window at its end,
+    grown until it holds enough, the first `CUT_OVERCOUNT` dropped (the window's edge may cut a
+    word). Inside a run of that many tokens with no break a pre-tokenizer splits at (a long word,
+    a run of one character), the tokens after a cut may differ from the whole text's."""
+    window = COUNT_WINDOW_CHARS
+    while True:
+        start = max(0, len(text) - window)
+        ids: list[int] = backend.encode_batch([text[start:]], add_special_tokens=False)[0].ids
+        if start == 0:
+            return ids
+        if len(ids) > max(room, 0) + CUT_OVERCOUNT:
+            return ids[CUT_OVERCOUNT:]
+        window *= 4
 
 
 def _around(wrapped: list[int], ids: list[int]) -> tuple[list[int], list[int]]:

@@ -540,3 +540,25 @@ def test_bad_words_reach_the_engine_as_token_sequences(env: dict[str, Any]) -> N
                 prompt="p",
                 extra_body={"bad_words": ["x"], "response_format": {"type": "json_object"}},
             )
+
+
+def test_a_resumed_stream_keeps_its_bad_words(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream resumed on another gateway re-parses its body: its bad words are tokenized again,
+    so the engine it may move to later still bans them (they were dropped)."""
+    from gateway.tokenization import bad_words_token_ids
+
+    words = ["hello", "tokenization"]
+    body = {"prompt": "one two three", "max_tokens": 3, "stream": True, "bad_words": words}
+    assert env["a"].post("/v1/completions", json=body, headers={"X-Request-Id": "resume-bad"}).status_code == 200
+    client = env["apps"][1].state.client
+    adopt, seen = client.adopt, []
+
+    async def recording(*args: Any) -> Any:
+        seen.append(args[2])  # the sampling map
+        return await adopt(*args)
+
+    monkeypatch.setattr(client, "adopt", recording)
+    resumed = env["b"].get("/v1/streams/resume-bad")
+    assert resumed.status_code == 200 and _sse(resumed)
+    want = bad_words_token_ids(env["tokenizer"], threading.Lock(), words)
+    assert seen and seen[0]["bad_words_token_ids"] == want == _engine_request(env, "resume-bad").sampling["bad_words_token_ids"]

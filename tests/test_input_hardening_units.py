@@ -272,6 +272,11 @@ def test_truncated_prompts_keep_their_last_tokens_as_transformers_does(tokenizer
                         got, cut = encode_tail(path, threading.Lock(), text, special, keep)
                         assert got == want and cut == (len(full) > keep), (path is ref, text[:20], special, keep)
         assert tok.backend_tokenizer.truncation is None  # untouched by the truncation
+        # Past COUNT_WINDOW_CHARS only a window at the end is encoded: a run of spaces with no break
+        # to cut at tokenizes with another alignment there, but still to the text's last tokens.
+        spaces = _texts()[5]
+        got, cut = encode_tail(tok, threading.Lock(), spaces, False, 17)
+        assert cut and len(got) == 17 and set(got) <= set(tok(spaces, add_special_tokens=False)["input_ids"])
 
 
 def test_truncate_prompt_tokens_in_requests(tiny_model: Any) -> None:

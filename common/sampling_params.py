@@ -6,6 +6,8 @@ import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import msgpack
+
 from common.structured_outputs import StructuredOutputsParams
 
 # Range of the engine's integer columns (token ids, counts) and of a sampling seed.
@@ -110,12 +112,7 @@ class SamplingParams:
         value can overflow downstream; with ``vocab_size``, stop token ids and ``logit_bias`` token
         ids must lie in the vocabulary.
         """
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
-            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
-            raise ValueError(f"min_tokens must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self.validate_lengths()
         if not _is_num(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -158,6 +155,16 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+
+    def validate_lengths(self) -> None:
+        """`validate`'s checks of ``max_tokens`` and ``min_tokens`` alone: enough for a copy of
+        validated parameters with another ``max_tokens`` (the prompts of one request)."""
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+            raise ValueError(f"min_tokens must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
     def _validate_allowed_token_ids(self, vocab_size: int | None) -> None:
         ids = self.allowed_token_ids
@@ -237,6 +244,11 @@ def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
     if params.structured_outputs is not None:
         out["structured_outputs"] = params.structured_outputs.to_dict()
     return out
+
+
+def wire_size(params: SamplingParams) -> int:
+    """The bytes ``params`` take in a message (`sampling_to_dict`, encoded)."""
+    return len(msgpack.packb(sampling_to_dict(params), use_bin_type=True))
 
 
 def sampling_from_dict(sampling: dict[str, Any]) -> SamplingParams:

@@ -102,6 +102,7 @@ class CachedRequestState:
     num_counted: int = 0  # output tokens already counted in that row
     grammar: Any = None  # its `executor.grammar.GrammarState` (structured outputs), made on first sampling
     allowed: Any = None  # its ``allowed_token_ids`` on the device (`executor.sampler`), made on first sampling
+    bad_words: Any = None  # its `executor.penalties.BadWords`, made on first sampling
 
 
 class PersistentBatch:

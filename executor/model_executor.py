@@ -24,7 +24,7 @@ from executor.loader import load_weights
 from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
 from executor.parallel import TensorParallel
-from executor.penalties import TokenCountPool, TokenCounts, bad_word_bans
+from executor.penalties import BadWords, TokenCountPool, TokenCounts
 from executor.prompt_logprobs import prompt_logits, prompt_logprobs_of
 from executor.sampler import Sampler
 from executor.shard_loader import load_shard
@@ -343,8 +343,14 @@ class ModelExecutor:
             if batch.output_lens[i] < p.min_tokens and p.structured_outputs is None:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
             if p.bad_words_token_ids:
-                tokens = self.input_batch.requests[batch.request_ids[i]].token_ids
-                ban += bad_word_bans(p.bad_words_token_ids, tokens, batch.output_lens[i])
+                state = self.input_batch.requests[batch.request_ids[i]]
+                if state.bad_words is None:
+                    state.bad_words = BadWords(p.bad_words_token_ids)
+                bad = state.bad_words.bans(state.token_ids, batch.output_lens[i])
+                # Bans that leave no allowed token are lifted (`Sampler.sample`); min_tokens' first.
+                if ban and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(ban + bad):
+                    ban = []
+                ban += bad
             if ban:
                 if banned is None:
                     banned = [[] for _ in idx]

@@ -5,7 +5,7 @@ request has seen, from its rows of a `TokenCountPool`: per request with penaltie
 token is in its prompt and how many times it was generated. The pool's rows are kept up to date
 step by step (each token is added once, see `executor.input_batch.TokenCountStep`), so a step's
 cost is one gather of the penalised rows, not a recount of their tokens. Rows without penalties
-or biases are never touched, and a batch with none of them costs nothing. `bad_word_bans`: the
+or biases are never touched, and a batch with none of them costs nothing. `BadWords`: the
 tokens a request's ``bad_words_token_ids`` ban at its next step (host-side, from its output).
 """
 
@@ -139,12 +139,25 @@ class TokenCountPool:
         return TokenCounts(rows, self.prompt_mask.index_select(0, index), self.output_counts.index_select(0, index))
 
 
-def bad_word_bans(bad_words: list[list[int]], tokens: list[int], output_len: int) -> list[int]:
-    """The last token of each of ``bad_words`` whose other tokens end the output (the last
-    ``output_len`` of ``tokens``); a one-token word's always (vLLM's ``bad_words``)."""
-    out: list[int] = []
-    for word in bad_words:
-        before = len(word) - 1
-        if before <= output_len and (before == 0 or tokens[len(tokens) - before :] == word[:before]):
-            out.append(word[-1])
-    return out
+class BadWords:
+    """A request's ``bad_words_token_ids`` (vLLM's ``bad_words``), indexed by each word's next-to-last
+    token: a step compares only the words its output's last token may be completing."""
+
+    __slots__ = ("always", "by_last")
+
+    def __init__(self, words: list[list[int]]) -> None:
+        self.always = [w[0] for w in words if len(w) == 1]  # one-token words: banned at every step
+        self.by_last: dict[int, list[list[int]]] = {}
+        for w in words:
+            if len(w) > 1:
+                self.by_last.setdefault(w[-2], []).append(w)
+
+    def bans(self, tokens: list[int], output_len: int) -> list[int]:
+        """The last token of each word whose other tokens end the output (the last ``output_len``
+        of ``tokens``)."""
+        out = list(self.always)
+        for word in self.by_last.get(tokens[-1], ()) if output_len else ():
+            before = len(word) - 1
+            if before <= output_len and tokens[len(tokens) - before :] == word[:before]:
+                out.append(word[-1])
+        return out

@@ -72,13 +72,15 @@ class Sampler:
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
         if banned is not None and any(banned):
-            unbanned = logits
+            rows = [i for i, toks in enumerate(banned) if toks]
+            idx = torch.tensor(rows, device=logits.device)
+            unbanned = logits.index_select(0, idx)
             logits = logits.clone()
-            for i, toks in enumerate(banned):
-                if toks:
-                    logits[i, toks] = float("-inf")
+            for i in rows:
+                logits[i, banned[i]] = float("-inf")
             # A row whose bans took every token left (its allowed ones) draws as if unbanned.
-            logits = torch.where(torch.isneginf(logits).all(dim=-1, keepdim=True), unbanned, logits)
+            kept = logits.index_select(0, idx)
+            logits.index_copy_(0, idx, torch.where(torch.isneginf(kept).all(dim=-1, keepdim=True), unbanned, kept))
         if counts is not None:
             logits = penalize(logits, params, counts)
         if grammar is not None:

@@ -32,7 +32,7 @@ from fastapi import Request
 
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, ranks_by_logprob, select_best
 from common.protocol import EngineStatus, JournalHeader, encode
-from common.sampling_params import sampling_to_dict
+from common.sampling_params import sampling_to_dict, wire_size
 from common.transport import Outgoing
 from gateway.choice_stream import ChoiceCursor, stream_choices
 from gateway.generation import Generation, Piece, RequestLog
@@ -88,6 +88,12 @@ async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prom
     return out, budgets
 
 
+# What one request's sequences may carry of sampling parameters in all: each is a request of its
+# own to the engine, which decodes, sizes and checks every copy between steps (32K allowed ids are
+# 98 KB and ~5 ms a copy there). Plain parameters are ~300 bytes: 4,096 sequences take 1.2 MB.
+MAX_FANOUT_SAMPLING_BYTES = 4 << 20
+
+
 async def serve_choices(
     ctx: FanoutContext,
     request: Request,
@@ -108,11 +114,23 @@ async def serve_choices(
             "rate_limit_error",
             code="too_many_requests",
         )
+    size = wire_size(spec.sampling) * k * len(prompts)
+    if size > MAX_FANOUT_SAMPLING_BYTES:
+        raise ApiError(
+            400,
+            f"this request's {k * len(prompts)} sequences would carry {size} bytes of sampling parameters "
+            f"(allowed_token_ids, bad_words, a grammar...), over {MAX_FANOUT_SAMPLING_BYTES}: send fewer prompts, "
+            "a smaller n or best_of, or shorter lists",
+            param="n",
+        )
     gens: list[list[Generation]] = []
     for i, (prompt, max_tokens) in enumerate(zip(prompts, budgets)):
         sampling = dataclasses.replace(spec.sampling, max_tokens=max_tokens)
-        try:
-            sampling.validate(ctx.info.vocab_size)
+        try:  # (in full once: the prompts differ only in max_tokens, and a long list takes ms)
+            if i == 0:
+                sampling.validate(ctx.info.vocab_size)
+            else:
+                sampling.validate_lengths()
         except ValueError as exc:
             raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
         gens.append(

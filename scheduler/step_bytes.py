@@ -14,9 +14,7 @@ the same size (`scheduler.outputs`). In process (`LLM`) nothing crosses Redis: n
 
 from __future__ import annotations
 
-import msgpack
-
-from common.sampling_params import sampling_to_dict
+from common.sampling_params import wire_size
 from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES
 from scheduler.request import Request
 
@@ -25,7 +23,7 @@ REQUEST_OVERHEAD_BYTES = 256  # its id and the fixed fields of its entry in a st
 
 def sampling_bytes(request: Request) -> int:
     """The encoded size of ``request``'s sampling parameters (computed once: `Scheduler.add_request`)."""
-    return len(msgpack.packb(sampling_to_dict(request.sampling_params), use_bin_type=True))
+    return wire_size(request.sampling_params)
 
 
 def new_request_bytes(request: Request, block_size: int) -> int:

@@ -562,3 +562,16 @@ def test_a_resumed_stream_keeps_its_bad_words(env: dict[str, Any], monkeypatch: 
     assert resumed.status_code == 200 and _sse(resumed)
     want = bad_words_token_ids(env["tokenizer"], threading.Lock(), words)
     assert seen and seen[0]["bad_words_token_ids"] == want == _engine_request(env, "resume-bad").sampling["bad_words_token_ids"]
+
+
+def test_a_fan_out_is_bounded_by_the_sampling_bytes_it_carries(env: dict[str, Any]) -> None:
+    """Each prompt and sample is a request of its own to the engine, with its own copy of the
+    sampling parameters: a long allowed_token_ids list times 64 sequences is a 400 (the engine
+    would decode and check every copy between steps), that list on its own is served."""
+    allowed = list(range(VOCAB_SIZE)) * (32768 // VOCAB_SIZE)
+    body = {"prompt": ["one two"] * 32, "n": 2, "max_tokens": 2, "allowed_token_ids": allowed}
+    err = _error(env["a"].post("/v1/completions", json=body), 400, "sampling parameters", "over 4194304")
+    assert err["param"] == "n"
+    assert not any(len(r.sampling.get("allowed_token_ids") or ()) == len(allowed) for r in env["engine"].seen)
+    ok = env["a"].post("/v1/completions", json={**body, "prompt": "one two", "n": 1})
+    assert ok.status_code == 200

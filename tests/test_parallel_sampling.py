@@ -227,3 +227,13 @@ def test_bad_words_in_the_engine(llm: LLM) -> None:
     # The word's first token alone in the prompt does not count: only the output is matched.
     params.bad_words_token_ids = [[prompt[-1], free[0]]]
     assert llm.generate([prompt], params)[0].token_ids == free
+
+
+def test_contradictory_bans_give_up_min_tokens_first(llm: LLM) -> None:
+    """allowed_token_ids = {EOS, x}, x a bad word, min_tokens 2: every allowed token is banned. The
+    bad word holds and min_tokens gives way (EOS), rather than the row drawing from nothing."""
+    prompt = prompt_ids(llm, 6, seed=5)
+    eos, x = llm.executor.info.eos_token_ids[0], 42
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, allowed_token_ids=[eos, x], bad_words_token_ids=[[x]])
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == [eos, eos] and out.finish_reason == "stop"

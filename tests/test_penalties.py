@@ -13,7 +13,7 @@ from common.protocol import SchedulerOutput, decode, encode
 from common.sampling_params import SamplingParams, sampling_from_dict, sampling_to_dict
 from common.structured_outputs import StructuredOutputsParams
 from executor.input_batch import PersistentBatch
-from executor.penalties import TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties, bad_word_bans
+from executor.penalties import BadWords, TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties
 from executor.sampler import Sampler
 
 VOCAB = 12
@@ -269,9 +269,11 @@ def test_wire_round_trip() -> None:
 
 
 def test_bad_word_bans_follow_the_output_tail() -> None:
-    words = [[9], [4, 5], [1, 2, 3], [7, 8]]
+    bad = BadWords([[9], [4, 5], [1, 2, 3], [7, 8], [5, 2, 4]])
     prompt_then_output = [4, 1, 2, 6, 1, 2]  # the last 3 are the output
-    # [9] always; [4, 5] not: its 4 is in the prompt; [1, 2, 3]: the output ends with 1, 2.
-    assert bad_word_bans(words, prompt_then_output, 3) == [9, 3]
-    assert bad_word_bans(words, prompt_then_output, 1) == [9]  # 1, 2 are not both output
-    assert bad_word_bans(words, [4], 0) == [9]
+    # [9] always; [4, 5] not: its 4 is in the prompt; [1, 2, 3]: the output ends with 1, 2; not
+    # [5, 2, 4] (indexed under 2 too).
+    assert bad.bans(prompt_then_output, 3) == [9, 3]
+    assert bad.bans(prompt_then_output, 1) == [9]  # 1, 2 are not both output
+    assert bad.bans([4], 0) == [9]
+    assert bad.bans([6, 4], 1) == [9, 5]

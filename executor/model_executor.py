@@ -15,6 +15,7 @@ import torch
 from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
+from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
 from executor.cuda_graphs import CudaGraphRunner
@@ -307,46 +308,38 @@ class ModelExecutor:
         (``grammar``: the masks of its structured-output rows)."""
         params = [batch.sampling_params[i] for i in idx]
         out_lens = [batch.output_lens[i] for i in idx]
-        banned = self._banned(batch, idx)
+        banned, allowed = self._constraints(batch, idx, params, out_lens)
         counts: TokenCounts | None = None
         step = batch.token_counts
         if step is not None:  # some sampled request has penalties
             self.token_counts.update(step)
             rows = [j for j, i in enumerate(idx) if step.slots[i] >= 0]
             counts = self.token_counts.gather(rows, [step.slots[idx[j]] for j in rows])
-        return self.sampler.sample(logits, params, out_lens, banned, counts, grammar, self._allowed(batch, idx))
+        return self.sampler.sample(logits, params, out_lens, banned, counts, grammar, allowed)
 
-    def _allowed(self, batch: Batch, idx: list[int]) -> list[torch.Tensor | None] | None:
-        """The ``allowed_token_ids`` of the sampled rows ``idx`` on the device (copied there once
-        per request); None when no row has them."""
-        out: list[torch.Tensor | None] | None = None
-        for j, i in enumerate(idx):
-            ids = batch.sampling_params[i].allowed_token_ids
-            if ids is None:
-                continue
-            state = self.input_batch.requests[batch.request_ids[i]]
-            if state.allowed is None:
-                state.allowed = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            if out is None:
-                out = [None] * len(idx)
-            out[j] = state.allowed
-        return out
+    def _constraints(
+        self, batch: Batch, idx: list[int], params: list[SamplingParams], out_lens: list[int]
+    ) -> tuple[list[list[int]] | None, list[torch.Tensor | None] | None]:
+        """Per sampled row ``idx`` of ``batch`` (``params``, ``out_lens``: theirs): what it may not
+        produce this step, and the only tokens it may produce (on the device, copied there once per
+        request); None for all rows when none has any.
 
-    def _banned(self, batch: Batch, idx: list[int]) -> list[list[int]] | None:
-        """What each sampled row ``idx`` of ``batch`` may not produce this step: EOS and stop tokens
-        while a request is below its ``min_tokens`` (not under a grammar: when it is complete, EOS
-        is all it allows), and the last token of each bad word whose other tokens end the output."""
+        Banned: EOS and stop tokens while a request is below its ``min_tokens`` (not under a
+        grammar: when it is complete, EOS is all it allows), and the last token of each bad word
+        whose other tokens end the output."""
         banned: list[list[int]] | None = None
-        for j, i in enumerate(idx):
-            p = batch.sampling_params[i]
+        allowed: list[torch.Tensor | None] | None = None
+        for j, p in enumerate(params):
+            if not (p.min_tokens or p.bad_words_token_ids or p.allowed_token_ids):
+                continue  # (most rows: one test each)
             ban: list[int] = []
-            if batch.output_lens[i] < p.min_tokens and p.structured_outputs is None:
+            if out_lens[j] < p.min_tokens and p.structured_outputs is None:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.info.eos_token_ids))
+            state = self.input_batch.requests[batch.request_ids[idx[j]]]
             if p.bad_words_token_ids:
-                state = self.input_batch.requests[batch.request_ids[i]]
                 if state.bad_words is None:
                     state.bad_words = BadWords(p.bad_words_token_ids)
-                bad = state.bad_words.bans(state.token_ids, batch.output_lens[i])
+                bad = state.bad_words.bans(state.token_ids, out_lens[j])
                 # Bans that leave no allowed token are lifted (`Sampler.sample`); min_tokens' first.
                 if ban and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(ban + bad):
                     ban = []
@@ -355,7 +348,13 @@ class ModelExecutor:
                 if banned is None:
                     banned = [[] for _ in idx]
                 banned[j] = ban
-        return banned
+            if p.allowed_token_ids is not None:
+                if state.allowed is None:
+                    state.allowed = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)
+                if allowed is None:
+                    allowed = [None] * len(idx)
+                allowed[j] = state.allowed
+        return banned, allowed
 
     def shutdown(self) -> None:
         """Free the KV cache and weights."""

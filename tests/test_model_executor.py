@@ -12,7 +12,7 @@ import torch
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.sampling_params import SamplingParams
-from executor.input_batch import Batch
+from executor.input_batch import Batch, CachedRequestState
 from executor.model_config import load_config, parse_config
 from executor.model_executor import ModelExecutor
 from executor.ops_torch import write_kv
@@ -305,7 +305,9 @@ def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
     # checks that banned tokens are never drawn).
 
     def banned(params: SamplingParams, output_len: int) -> list[list[int]] | None:
-        return ex._banned(Batch(request_ids=["r"], sampling_params=[params], output_lens=[output_len]), [0])
+        ex.input_batch.requests["r"] = CachedRequestState(params, 1, [5], [0])
+        batch = Batch(request_ids=["r"], sampling_params=[params], output_lens=[output_len])
+        return ex._constraints(batch, [0], [params], [output_len])[0]
 
     assert banned(SamplingParams(min_tokens=3, stop_token_ids=[7]), 1) == [[7, *eos]]
     assert banned(SamplingParams(min_tokens=3, ignore_eos=True), 1) is None

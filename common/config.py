@@ -115,6 +115,9 @@ class ParallelConfig:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Per-step limits of continuous batching, and the prefix cache.
@@ -131,6 +134,9 @@ class SchedulerConfig:
     ``max_step_bytes``: what a step may carry of new requests and prompt logprobs, in bytes
     (`scheduler.step_bytes`); None (in process): no limit. The scheduler service sets half its
     Redis message limit.
+    ``scheduling_policy`` (vLLM's): ``fcfs``, or ``priority``: waiting requests are admitted by
+    their ``priority`` (lower first), then arrival, and the lowest priority is preempted first
+    (`scheduler.request_queue`). Under ``fcfs`` a request's priority must be 0.
     """
 
     max_num_batched_tokens: int = 2048
@@ -139,9 +145,12 @@ class SchedulerConfig:
     async_scheduling: bool = True
     steps_in_flight: int = 2
     max_step_bytes: int | None = None
+    scheduling_policy: str = "fcfs"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (a zero limit would never schedule)."""
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_int("max_num_seqs", self.max_num_seqs)
         _check_int("steps_in_flight", self.steps_in_flight, 1, MAX_STEPS_IN_FLIGHT)

@@ -52,6 +52,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # they went out (with its first output of this engine)
     sampling_bytes: int = 0  # its sampling parameters' encoded size (`scheduler.step_bytes`)
+    priority: int = 0  # lower is served first under the priority policy (`scheduler.request_queue`)
 
     @property
     def queue_time_s(self) -> float | None:

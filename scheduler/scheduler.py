@@ -12,7 +12,8 @@ steps (one with two steps in flight); their tokens are dropped here and never re
 No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_tokens`` behind its
 ``num_tokens``; running requests are served first, then waiting ones FCFS, all under one token
 budget, so a step freely mixes decodes with prefill chunks. When blocks run out, the most
-recently admitted running request is preempted by recompute. A preempted request is not
+recently admitted running request is preempted by recompute (under the priority policy, the
+lowest priority, latest arrival: `scheduler.request_queue`). A preempted request is not
 admitted again while a step it was in is still in flight (possible with three or more in flight):
 that step's output belongs to its old blocks.
 
@@ -52,6 +53,7 @@ from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
 from scheduler.cache_manager import CacheManager
 from scheduler.request import Request, RequestStatus, StepOutput
+from scheduler.request_queue import WaitingQueue, pick_victim
 from scheduler.step_bytes import check_fits, new_request_bytes, prompt_logprob_bytes, sampling_bytes
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ class Scheduler:
         self.info = info
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}  # live siblings by ``group_id``
@@ -160,11 +162,13 @@ class Scheduler:
                 f"prompt has {request.num_tokens} tokens (with any earlier output), more than "
                 f"max_model_len ({self.max_model_len})"
             )
+        if request.priority and not self.waiting.by_priority:
+            raise ValueError(f"priority {request.priority} needs the priority scheduling policy (this engine's is fcfs)")
         request.sampling_bytes = sampling_bytes(request)
         check_fits(request, self.cache.block_size, self.max_model_len, self.max_step_bytes)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         if request.group_id is not None:
             self.groups.setdefault(request.group_id, []).append(request)
 
@@ -212,7 +216,7 @@ class Scheduler:
         request.num_preemptions += 1
         if counted:
             self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     # -- one engine step --------------------------------------------------------------------
@@ -223,6 +227,7 @@ class Scheduler:
             return self._decide_alone(self.requests[self.suspects[0]])
         budget, wire = self.config.max_num_batched_tokens, self.max_step_bytes  # tokens, bytes (`step_bytes`)
         scheduled: dict[str, int] = {}
+        wired: dict[str, int] = {}  # bytes of prompt logprobs each scheduled request takes
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -236,17 +241,23 @@ class Scheduler:
                 i += 1
                 continue
             while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = pick_victim(self.running, self.waiting.by_priority)
+                self._stop_running(victim)
+                if victim.request_id in scheduled:  # (priority) scheduled earlier in this step: undone
+                    budget += scheduled.pop(victim.request_id)
+                    wire += wired.pop(victim.request_id, 0)
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                break
+                continue  # it was the victim: the next request is at ``i`` now (fcfs: none, it was last)
             scheduled[request.request_id] = n
             budget -= n
             if per:
                 wire -= n * per
+                wired[request.request_id] = n * per
             i += 1
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         w = 0
@@ -335,13 +346,20 @@ class Scheduler:
                     n = None
             if n is not None:
                 break
-            victim = next(r for r in reversed(self.running) if r is not request)  # the pool holds one max-length request
-            self.running.remove(victim)
+            victim = pick_victim(self.running, self.waiting.by_priority, spare=request)  # the pool holds one max-length request
+            self._stop_running(victim)
             self._preempt(victim)
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self._start_running(request)
         return {request.request_id: n}
+
+    def _stop_running(self, request: Request) -> None:
+        """Take ``request`` out of the running ones (the last, most often: no search)."""
+        if self.running[-1] is request:
+            self.running.pop()
+        else:
+            self.running.remove(request)
 
     def _start_running(self, request: Request) -> None:
         """A waiting request (out of its queue) joins the running ones; the first time ends its queue time."""

@@ -1,0 +1,123 @@
+"""The priority scheduling policy (vLLM's): admission by ``(priority, arrival)``, preemption of the
+lowest priority first, and the same outputs as without it. The scripted executor of
+tests/test_scheduler.py makes every expected output known exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.config import SchedulerConfig
+from common.sampling_params import SamplingParams
+from scheduler.cache_manager import CacheManager
+from scheduler.engine_core import EngineCore, InlineExecutor
+from scheduler.request import Request
+from scheduler.request_queue import WaitingQueue, pick_victim
+from scheduler.scheduler import Scheduler
+from tests.test_scheduler import ScriptedExecutor, expected_output, run, step
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prioritized(num_blocks: int = 64, budget: int = 64, max_seqs: int = 8) -> tuple[Scheduler, EngineCore]:
+    ex = ScriptedExecutor(num_blocks)
+    config = SchedulerConfig(budget, max_seqs, async_scheduling=False, scheduling_policy="priority")
+    sched = Scheduler(config, CacheManager(num_blocks, ex.info.block_size), ex.info)
+    return sched, EngineCore(sched, InlineExecutor(ex), async_scheduling=False)
+
+
+def request(name: str, priority: int, arrival: float, prompt_len: int = 7) -> Request:
+    return Request(name, [1 + len(name)] * prompt_len, GREEDY, arrival_time=arrival, priority=priority)
+
+
+def test_waiting_queue_orders_by_priority_then_arrival() -> None:
+    queue = WaitingQueue("priority")
+    for name, priority, arrival in [("a", 3, 1.0), ("b", 1, 2.0), ("c", 2, 3.0), ("d", 1, 4.0), ("e", 2, 5.0)]:
+        queue.add(request(name, priority, arrival))
+    assert [r.request_id for r in queue] == ["b", "d", "c", "e", "a"]
+    early = request("p", 2, 0.5)  # preempted: it arrived before its peers
+    queue.requeue(early)
+    assert [r.request_id for r in queue] == ["b", "d", "p", "c", "e", "a"]
+    queue.remove(queue[2])
+    del queue[0]
+    assert [r.request_id for r in queue] == ["d", "c", "e", "a"] and queue.keys == [(1, 4.0), (2, 3.0), (2, 5.0), (3, 1.0)]
+    fcfs = WaitingQueue("fcfs")
+    for r in (request("a", 0, 1.0), request("b", 0, 2.0)):
+        fcfs.add(r)
+    fcfs.requeue(request("p", 0, 3.0))
+    assert [r.request_id for r in fcfs] == ["p", "a", "b"]
+
+
+def test_victims_are_the_lowest_priority_latest_arrival() -> None:
+    running = [request("a", 1, 1.0), request("b", 5, 2.0), request("c", 5, 3.0), request("d", 0, 4.0)]
+    assert pick_victim(running, by_priority=True).request_id == "c"
+    assert pick_victim(running, by_priority=True, spare=running[2]).request_id == "b"
+    assert pick_victim(running, by_priority=False).request_id == "d"
+
+
+def test_lower_priority_values_are_admitted_first() -> None:
+    sched, core = prioritized(max_seqs=2)
+    for r in (request("low", 5, 1.0), request("mid", 1, 2.0), request("high", 0, 3.0)):
+        sched.add_request(r)
+    core.step()
+    assert sorted(r.request_id for r in sched.running) == ["high", "mid"]
+
+
+def test_the_lowest_priority_is_preempted_even_when_scheduled_first_in_the_step() -> None:
+    """``low`` runs first in the running queue and is scheduled first in the step; ``high`` then
+    needs a block: ``low`` is preempted and its scheduled tokens given back."""
+    sched, core = prioritized(num_blocks=4)  # 16 tokens: either request alone, to its end
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    low = Request("low", [3] * 6, params, arrival_time=1.0, priority=9)
+    high = Request("high", [4] * 8, params, arrival_time=2.0, priority=0)
+    got: dict[str, list[int]] = {}
+    sched.add_request(low)
+    step(core, got)
+    sched.add_request(high)
+    step(core, got)  # low: 7 tokens, high: 8, in 2 blocks each
+    assert [r.request_id for r in sched.running] == ["low", "high"] and sched.cache.get_num_free_blocks() == 0
+    step(core, got)  # low's 8th token fits (scheduled first), high's 9th needs a block
+    assert [r.request_id for r in sched.running] == ["high"] and low.num_preemptions == 1
+    assert ex_steps(core)[-1] == {"high": 1}
+    while core.has_work():
+        step(core, got)
+    assert got["high"] == expected_output(high.prompt_token_ids, params)
+    assert got["low"] == expected_output(low.prompt_token_ids, params)
+
+
+def ex_steps(core: EngineCore) -> list[dict[str, int]]:
+    """What each step the executor ran scheduled, per request."""
+    ex = core.executor.executor  # type: ignore[attr-defined]
+    return [dict(zip(o.scheduled_req_ids, o.num_scheduled_tokens)) for o in ex.outputs]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_outputs_under_memory_pressure_are_those_of_fcfs(seed: int) -> None:
+    """Random priorities, arrivals in bursts and a small pool (many preemptions, some of requests
+    already scheduled in the step): every output is exactly the unconstrained one."""
+    rng = random.Random(seed)
+    sched, core = prioritized(num_blocks=12, budget=24, max_seqs=6)
+    requests = [
+        Request(
+            f"r{i}",
+            [rng.randrange(1, 90) for _ in range(rng.randrange(2, 20))],
+            SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20), ignore_eos=True),
+            arrival_time=float(i),
+            priority=rng.randrange(-2, 3),
+        )
+        for i in range(16)
+    ]
+    run(core, requests)
+    for r in requests:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params)
+    assert sched.num_preemptions > 0
+
+
+def test_fcfs_refuses_a_priority() -> None:
+    ex = ScriptedExecutor(16)
+    sched = Scheduler(SchedulerConfig(), CacheManager(16, ex.info.block_size), ex.info)
+    with pytest.raises(ValueError, match="priority 3 needs the priority scheduling policy"):
+        sched.add_request(request("x", 3, 1.0))
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        SchedulerConfig(scheduling_policy="lifo").validate()

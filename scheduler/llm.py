@@ -139,9 +139,11 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
+        ``priority``: one per prompt, lower first (vLLM's; needs ``scheduling_policy="priority"``).
         All input is validated before any request is queued, so a bad prompt raises
         ``ValueError`` and leaves the engine as it was.
         """
@@ -155,9 +157,14 @@ class LLM:
         params_list = [sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
+        priorities = [0] * len(batch) if priority is None else list(priority)
+        if len(priorities) != len(batch) or not all(type(p) is int for p in priorities):
+            raise ValueError(f"priority must hold one integer per prompt ({len(batch)})")
+        if any(priorities) and self.scheduler.config.scheduling_policy != "priority":
+            raise ValueError("priority needs scheduling_policy='priority' (this engine's is fcfs)")
         groups: list[tuple[SamplingParams, list[Request]]] = []  # per prompt: its params and children
         vocab = self.executor.info.vocab_size
-        for prompt, params in zip(batch, params_list):
+        for prompt, params, rank in zip(batch, params_list, priorities):
             params.validate(vocab)
             spec = params.structured_outputs
             if spec is not None and (error := spec.compile_error(grammar_tokenizer(self.tokenizer, vocab))):
@@ -169,7 +176,9 @@ class LLM:
             k = num_children(params)
             group = base if k > 1 else None
             children = [
-                Request(base if k == 1 else f"{base}_{i}", ids, child_params(params, i), prompt=text, group_id=group)
+                Request(
+                    base if k == 1 else f"{base}_{i}", ids, child_params(params, i), prompt=text, group_id=group, priority=rank
+                )
                 for i in range(k)
             ]
             groups.append((params, children))

@@ -5,6 +5,7 @@ tests/test_scheduler.py makes every expected output known exactly."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,29 @@ def test_fcfs_refuses_a_priority() -> None:
         sched.add_request(request("x", 3, 1.0))
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         SchedulerConfig(scheduling_policy="lifo").validate()
+
+
+def test_the_offline_engine_runs_prompts_by_priority(tiny_model) -> None:
+    """``LLM(scheduling_policy="priority").generate(prompts, params, priority=[...])``: one sequence
+    at a time, prompts start in priority order; outputs come back in prompt order, unchanged."""
+    from scheduler import LLM
+
+    options = dict(dtype="float32", max_num_seqs=1, num_threads=1)
+    llm = LLM(tiny_model(), scheduling_policy="priority", **options)  # type: ignore[arg-type]
+    started: list[str] = []
+    execute = llm.executor.execute_model
+
+    def recording(output: Any) -> Any:
+        started.extend(new.request_id for new in output.new_requests())
+        return execute(output)
+
+    llm.executor.execute_model = recording  # type: ignore[method-assign]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    got = llm.generate(prompts, params, priority=[2, 0, 1])
+    assert [started.index(o.request_id) for o in got] == [2, 0, 1]
+    assert [o.token_ids for o in got] == [o.token_ids for o in LLM(tiny_model(), **options).generate(prompts, params)]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one integer per prompt"):
+        llm.generate(prompts, params, priority=[1])
+    with pytest.raises(ValueError, match="needs scheduling_policy='priority'"):
+        LLM(tiny_model(), **options).generate(prompts, params, priority=[0, 1, 0])  # type: ignore[arg-type]

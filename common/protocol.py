@@ -126,7 +126,8 @@ class GenerateRequest:
     after them; ``max_tokens`` and seeds count them). ``journal_id`` is set for a resumable
     stream: if the gateway dies, the scheduler journals its outputs there until one adopts it.
     ``group_id`` is shared by the sibling requests of one prompt's ``n`` samples: the scheduler
-    admits a sibling once another's prompt blocks are cached, so they share them.
+    admits a sibling once another's prompt blocks are cached, so they share them. ``priority``:
+    lower first, under the scheduler's priority policy (`SchedulerConfig.scheduling_policy`).
     """
 
     request_id: str
@@ -139,6 +140,7 @@ class GenerateRequest:
     arrival_time: float = 0.0
     journal_id: str = ""
     group_id: str = ""
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -378,6 +380,7 @@ class EngineStatus:
     # tokens found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    scheduling_policy: str = "fcfs"  # `SchedulerConfig.scheduling_policy`: whether it takes priorities
 
     @property
     def load(self) -> int:

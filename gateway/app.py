@@ -289,6 +289,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         arrival = time.monotonic()
         info = ready_info()
         name = check_model(spec.model, info)
+        if spec.priority and info.scheduling_policy != "priority":
+            raise ApiError(
+                400,
+                f"'priority' = {spec.priority} needs an engine started with --scheduling-policy priority "
+                f"(this one's is {info.scheduling_policy})",
+                param="priority",
+            )
         tokenizer = await tokenizers.get(info)
         if needs_fanout(spec):
             response_id, engine_id = response_ids(request, spec, client_id)
@@ -327,6 +334,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             spec.skip_special_tokens,
             metrics.request(name, n_prompt, arrival),
             RequestLog(response_id, name, spec.kind, spec.stream, arrival),
+            spec.priority,
         )
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
         fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo, 0, prompt_ids)
@@ -374,7 +382,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await resolve_bad_words(workers, tokenizer, tokenizers.call_lock, spec)
         try:
             handle = await client.adopt(
-                response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, journal.outputs
+                response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, journal.outputs, spec.priority
             )
         except RequestIdInUse as exc:
             raise ApiError(409, str(exc), code="stream_in_use") from None

@@ -146,6 +146,7 @@ async def serve_choices(
                     spec.skip_special_tokens,
                     ctx.metrics.request(ctx.model, len(prompt.ids), arrival),
                     RequestLog(response_id, ctx.model, spec.kind, spec.stream, arrival),
+                    spec.priority,
                 )
                 for j in range(k)
             ]
@@ -324,7 +325,7 @@ async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal,
             for j, rid in enumerate(header.choice_ids):
                 child = child_params(sampling, j)
                 handle = await ctx.client.adopt(
-                    response_id, prompt.ids, sampling_to_dict(child), journal.routes[rid], journal.outputs
+                    response_id, prompt.ids, sampling_to_dict(child), journal.routes[rid], journal.outputs, spec.priority
                 )
                 gen = Generation(
                     ctx.client,

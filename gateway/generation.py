@@ -112,8 +112,10 @@ class Generation:
         skip_special_tokens: bool,
         metrics: RequestMetrics | None = None,
         log: RequestLog | None = None,
+        priority: int = 0,
     ) -> None:
         self.client = client
+        self.priority = priority  # (`GenerateRequest.priority`)
         self.request_id = request_id  # unique: `RequestHandle.request_id`
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -146,6 +148,7 @@ class Generation:
                 claim,
                 group_id,
                 prefer_engine,
+                self.priority,
             )
         except RequestIdInUse:
             raise ApiError(

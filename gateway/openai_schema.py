@@ -71,6 +71,7 @@ class GenerationSpec:
     return_tokens_as_token_ids: bool = False
     # vLLM's: words the output may not contain (tokenized with the prompt: `bad_words_token_ids`)
     bad_words: list[str] = field(default_factory=list)
+    priority: int = 0  # vLLM's: lower first, for an engine with the priority scheduling policy
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -94,7 +95,6 @@ _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
-    ("priority", 0),  # (vLLM refuses it too, unless started with the priority scheduling policy)
 )
 
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders
@@ -198,6 +198,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
         bad_words=_bad_words(body, sampling),
+        priority=_priority(body),
     )
 
 
@@ -237,6 +238,14 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
             raise bad(f"'logit_bias' values must be numbers, got {typename(bias)} {preview(bias)}", "logit_bias")
         out[int(key)] = bias
     return out or None
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM's ``priority``: an int32 (the engine's integer columns), lower first."""
+    value = get_int(body, "priority", 0)
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise bad(f"'priority' must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {value}", "priority")
+    return value
 
 
 def _bad_words(body: dict[str, Any], sampling: SamplingParams) -> list[str]:

@@ -49,6 +49,7 @@ class RequestHandle:
     group_id: str = ""  # shared by one prompt's ``n`` sibling requests (`GenerateRequest.group_id`)
     prefer_engine: str = ""  # a sibling's engine: the first attempt goes there if it is live
     journaled_at: float = 0.0  # time.monotonic() of this gateway's last write to the journal (0: none yet)
+    priority: int = 0  # `GenerateRequest.priority`, sent again with every attempt
 
     @property
     def next_index(self) -> int:

@@ -164,6 +164,7 @@ class EngineClient(EngineWatch):
         claim: Outgoing | None = None,
         group_id: str = "",
         prefer_engine: str = "",
+        priority: int = 0,
     ) -> RequestHandle:
         """Send a new request (``request_id``: unique, see `RequestHandle`) to the best live engine.
 
@@ -177,7 +178,9 @@ class EngineClient(EngineWatch):
             raise EngineUnavailable(self.down_reason)
         if claim is not None and not await self.transport.create_stream(claim, deadline_s=5):
             raise RequestIdInUse(f"a stream with id {journal_id!r} is in flight or still resumable")
-        handle = RequestHandle(request_id, prompt_token_ids, sampling, journal_id, group_id=group_id, prefer_engine=prefer_engine)
+        handle = RequestHandle(
+            request_id, prompt_token_ids, sampling, journal_id, group_id=group_id, prefer_engine=prefer_engine, priority=priority
+        )
         self.requests[request_id] = handle
         try:
             if not await self._route(handle, journal or []):
@@ -242,6 +245,7 @@ class EngineClient(EngineWatch):
             time.time(),
             handle.journal_id,
             handle.group_id,
+            handle.priority,
         )
         sends = list(extra)
         if handle.journal_id:
@@ -291,7 +295,13 @@ class EngineClient(EngineWatch):
 
     # -- resuming a stream another gateway served ------------------------------------------------
     async def adopt(
-        self, response_id: str, prompt_token_ids: list[int], sampling: dict[str, Any], route: Route, outputs: list[StepOutputs]
+        self,
+        response_id: str,
+        prompt_token_ids: list[int],
+        sampling: dict[str, Any],
+        route: Route,
+        outputs: list[StepOutputs],
+        priority: int = 0,
     ) -> RequestHandle:
         """A handle for a journaled stream: its journaled events first, then (unless it finished)
         the live ones, once its engine routes the request here (`SyncRequest`)."""
@@ -306,6 +316,7 @@ class EngineClient(EngineWatch):
             engine_request_id=route.request_id,
             scheduler_id=route.scheduler_id,
             attempts=attempt_of(route.request_id) + 1,
+            priority=priority,
         )
         for event in replay(handle, outputs):  # as `_dispatch` delivered them
             self._deliver(handle, event)

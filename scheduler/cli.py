@@ -6,7 +6,7 @@ import argparse
 import os
 import socket
 
-from common.config import SchedulerConfig, ServiceDefaults
+from common.config import SCHEDULING_POLICIES, SchedulerConfig, ServiceDefaults
 from common.service_cli import (
     add_engine_id,
     add_recovery_flags,
@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         "round trip to the executor, e.g. a Redis a network hop away",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=env("CONVEYOR_SCHEDULING_POLICY", SchedulerConfig().scheduling_policy),
+        help="fcfs (default), or priority: requests' priority field (lower first) orders admission and "
+        "preemption, as vLLM's --scheduling-policy priority",
+    )
+    p.add_argument(
         "--result-timeout",
         type=float,
         default=float(env("CONVEYOR_RESULT_TIMEOUT", ServiceDefaults.result_timeout_s)),
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         steps_in_flight=args.steps_in_flight,
+        scheduling_policy=args.scheduling_policy,
         result_timeout_s=args.result_timeout,
         stall_timeout_s=args.stall_timeout,
         recovery_timeout_s=args.recovery_timeout,

@@ -62,6 +62,7 @@ class SchedulerServiceConfig:
     enable_prefix_caching: bool = SchedulerConfig().enable_prefix_caching
     async_scheduling: bool = SchedulerConfig().async_scheduling
     steps_in_flight: int = SchedulerConfig().steps_in_flight
+    scheduling_policy: str = SchedulerConfig().scheduling_policy
     heartbeat_ttl_ms: int = ServiceDefaults.heartbeat_ttl_ms
     result_timeout_s: float = ServiceDefaults.result_timeout_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
@@ -78,6 +79,7 @@ class SchedulerServiceConfig:
             async_scheduling=self.async_scheduling,
             steps_in_flight=self.steps_in_flight,
             max_step_bytes=self.max_message_bytes // 2,
+            scheduling_policy=self.scheduling_policy,
         )
         config.validate()
         return config
@@ -225,6 +227,7 @@ class SchedulerService:
             step_count=self.step_count,
             prefix_cache_queries=engine.prefix_cache_queries if engine else 0,
             prefix_cache_hits=engine.prefix_cache_hits if engine else 0,
+            scheduling_policy=self.config.scheduling_policy,
         )
 
     def _on_redis_restart(self) -> None:
@@ -412,7 +415,7 @@ class SchedulerService:
             params.validate(self.binding.hello.vocab_size)
             if len(msg.output_token_ids) >= params.max_tokens:
                 raise ValueError(f"{len(msg.output_token_ids)} tokens already generated of max_tokens {params.max_tokens}")
-            request = Request(msg.request_id, msg.prompt_token_ids, params, group_id=msg.group_id or None)
+            request = Request(msg.request_id, msg.prompt_token_ids, params, group_id=msg.group_id or None, priority=msg.priority)
             request.output_token_ids = list(msg.output_token_ids)
             request.output_logprobs = [None] * len(msg.output_token_ids)
             request.check_servable(engine.max_model_len, self.binding.hello.vocab_size)

@@ -575,3 +575,20 @@ def test_a_fan_out_is_bounded_by_the_sampling_bytes_it_carries(env: dict[str, An
     assert not any(len(r.sampling.get("allowed_token_ids") or ()) == len(allowed) for r in env["engine"].seen)
     ok = env["a"].post("/v1/completions", json={**body, "prompt": "one two", "n": 1})
     assert ok.status_code == 200
+
+
+def test_priority_needs_an_engine_with_the_priority_policy(env: dict[str, Any]) -> None:
+    """vLLM's ``priority``: a 400 for an engine that serves first come, first served (vLLM's rule
+    without its priority policy); to one with the policy it goes with the request."""
+    err = _error(_completion(env["a"], "one two", priority=3), 400, "--scheduling-policy priority", "fcfs")
+    assert err["param"] == "priority"
+    _error(_completion(env["a"], "one two", priority=2**40), 400, "'priority' must be in")
+    register_engine(env["redis"], env["names"], env["model"], scheduling_policy="priority")
+    try:
+        deadline = time.time() + 10
+        while (response := _completion(env["a"], "one two", "prio-1", priority=-3)).status_code == 400:
+            assert time.time() < deadline, response.text  # until the gateway re-reads the engine
+            time.sleep(0.2)
+        assert response.status_code == 200 and _engine_request(env, "prio-1").priority == -3
+    finally:
+        register_engine(env["redis"], env["names"], env["model"])

@@ -28,7 +28,14 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tiny_model(), Path(tmp_path_factory.mktemp("parallel")), gateways=2, executor_args=("--num-blocks", "256"))
+    # The priority policy: with every priority 0 (all but one test here) it serves as fcfs does.
+    s = Stack(
+        tiny_model(),
+        Path(tmp_path_factory.mktemp("parallel")),
+        gateways=2,
+        executor_args=("--num-blocks", "256"),
+        scheduler_args=("--scheduling-policy", "priority"),
+    )
     s.start()
     yield s
     s.stop()
@@ -433,3 +440,15 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: open
         extra_body=NO_EOS,
     )
     assert all(c.usage is None for c in plain)
+
+
+def test_priorities_reach_an_engine_with_the_priority_policy(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``priority`` through the services (the scheduler's order is tests/test_priority_scheduling.py):
+    requests of several priorities, at once and fanned out, come back as without them."""
+    assert settled(stack).scheduling_policy == "priority"
+    prompt = ids(9, 9)
+    args: dict[str, Any] = dict(model="", prompt=prompt, max_tokens=4, temperature=0)
+    plain = client.completions.create(**args, extra_body=NO_EOS).choices[0].text
+    for priority in (-5, 0, 7):
+        out = client.completions.create(**args, n=2, extra_body={**NO_EOS, "priority": priority})
+        assert [c.text for c in out.choices] == [plain, plain]

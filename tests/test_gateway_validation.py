@@ -31,11 +31,14 @@ VOCAB_SIZE = 1024
 ENGINE = "s0"  # the scheduler id the test plays
 
 
-def register_engine(r: redis.Redis, names: Names, model: str | Path, max_model_len: int = MAX_MODEL_LEN) -> None:
+def register_engine(
+    r: redis.Redis, names: Names, model: str | Path, max_model_len: int = MAX_MODEL_LEN, scheduling_policy: str = "fcfs"
+) -> None:
     """Make gateways see one live engine (scheduler ``ENGINE`` with an executor) serving ``model``."""
     status = EngineStatus(
         ENGINE, "i0", "tiny", str(model), max_model_len, VOCAB_SIZE, 16, 64, "e0", 1, 64, 0, 0, 0, 0, 0, time.time()
     )
+    status.scheduling_policy = scheduling_policy
     r.zadd(names.engines, {ENGINE: time.time()})
     r.set(names.engine(ENGINE), encode(status), px=600_000)
 

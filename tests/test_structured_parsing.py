@@ -87,7 +87,6 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
         ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}}, "structured_outputs"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"priority": -1}, "priority"),  # was ignored
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": ["add"]}}}, "tool_choice"),  # was a 500
         ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": {"x": 1}}}}, "tool_choice"),

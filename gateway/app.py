@@ -289,11 +289,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         arrival = time.monotonic()
         info = ready_info()
         name = check_model(spec.model, info)
-        if spec.priority and info.scheduling_policy != "priority":
+        if spec.priority and not any(e.scheduling_policy == "priority" for e in client.engines.values()):
             raise ApiError(
                 400,
                 f"'priority' = {spec.priority} needs an engine started with --scheduling-policy priority "
-                f"(this one's is {info.scheduling_policy})",
+                "(the engines here serve fcfs)",
                 param="priority",
             )
         tokenizer = await tokenizers.get(info)

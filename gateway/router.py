@@ -218,14 +218,19 @@ class EngineClient(EngineWatch):
     def load_of(self, status: EngineStatus) -> int:
         return status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
 
-    def pick_engine(self, prompt_token_ids: Sequence[int] = ()) -> EngineStatus | None:
-        """Where a request should run (`gateway.engine_choice.choose_engine`)."""
-        return choose_engine(list(self.engines.values()), self.load_of, prompt_token_ids)
+    def pick_engine(self, prompt_token_ids: Sequence[int] = (), priority: int = 0) -> EngineStatus | None:
+        """Where a request should run (`gateway.engine_choice.choose_engine`); one with a priority
+        only where the priority scheduling policy takes it (an fcfs engine would refuse it)."""
+        engines = list(self.engines.values())
+        if priority:
+            engines = [e for e in engines if e.scheduling_policy == "priority"]
+        return choose_engine(engines, self.load_of, prompt_token_ids)
 
     async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
         """Submit ``handle``'s next attempt to the best engine; False if none is live."""
-        sibling = self.engines.get(handle.prefer_engine) if handle.attempts == 0 else None
-        engine = sibling if sibling is not None and sibling.executor_id else self.pick_engine(handle.prompt_token_ids)
+        engine = self.engines.get(handle.prefer_engine) if handle.attempts == 0 else None  # a sibling's
+        if engine is None or not engine.executor_id:
+            engine = self.pick_engine(handle.prompt_token_ids, handle.priority)
         if engine is None:
             return False
         self.attempts.pop(handle.engine_request_id, None)

@@ -81,9 +81,9 @@ class LLM:
     Options: ``dtype``, ``device``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
     ``max_model_len``, ``kv_cache_memory`` (bytes), ``num_blocks``, ``attention_backend``, ``seed``,
     ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``steps_in_flight``
-    (default 2), ``num_threads``
-    (CPU intra-op threads), ``tensor_parallel_size`` (ranks spawned by this process; call
-    `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs).
+    (default 2), ``scheduling_policy`` (``fcfs``, or ``priority``: `generate`'s ``priority``),
+    ``num_threads`` (CPU intra-op threads), ``tensor_parallel_size`` (ranks spawned by this process;
+    call `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs).
     """
 
     def __init__(self, model: str, **options: Any) -> None:

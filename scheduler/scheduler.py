@@ -229,9 +229,15 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         wired: dict[str, int] = {}  # bytes of prompt logprobs each scheduled request takes
         preempted = False
+        # (priority) A victim scheduled earlier in this step gives its budget back: the requests
+        # passed over for want of it are looked at again, from the start, skipping the scheduled.
+        rescan = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if rescan and request.request_id in scheduled:
+                i += 1
+                continue
             n = self._num_new_tokens(request, budget)
             per = 0
             if request.needs_prompt_logprobs:
@@ -240,25 +246,30 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            undone = False
             while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
-                victim = pick_victim(self.running, self.waiting.by_priority)
-                self._stop_running(victim)
-                if victim.request_id in scheduled:  # (priority) scheduled earlier in this step: undone
+                victim = pick_victim(self.running, self.waiting.by_priority)  # fcfs: the last
+                at = next(k for k in range(len(self.running) - 1, -1, -1) if self.running[k] is victim)
+                del self.running[at]
+                if at < i:
+                    i -= 1
+                if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
                     wire += wired.pop(victim.request_id, 0)
-                    i -= 1
+                    undone = rescan = True
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # it was the victim: the next request is at ``i`` now (fcfs: none, it was last)
+            if request.status is not RequestStatus.RUNNING:  # it was the victim: the next is at ``i``
+                i = 0 if undone else i
+                continue
             scheduled[request.request_id] = n
             budget -= n
             if per:
                 wire -= n * per
                 wired[request.request_id] = n * per
-            i += 1
+            i = 0 if undone else i + 1
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         w = 0
         while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -772,3 +772,18 @@ async def test_a_stream_resumes_twice_after_its_engine_journaled_it_as_an_orphan
     h3 = await g3.adopt("resp", [1, 2], SAMPLING, read.single()[1], read.outputs)
     assert [e.token_ids for e in drain(h3)] == delivered_by_g2
     assert [m for m in await sent(g3, "s0") if isinstance(m, SyncRequest)][-1] == SyncRequest("resp", "g3", 9)
+
+
+@async_test
+async def test_a_request_with_a_priority_goes_only_to_an_engine_that_takes_it() -> None:
+    """In a deployment that mixes scheduling policies, a priority only reaches an engine with the
+    priority policy (an fcfs one would refuse the request, a migration included); none: no engine."""
+    client = make_client()
+    busy = engine("p", running=9)
+    busy.scheduling_policy = "priority"
+    await publish(client, busy, engine("f"))
+    assert client.pick_engine().scheduler_id == "f"  # the least loaded
+    assert client.pick_engine(priority=-2).scheduler_id == "p"
+    fcfs_only = make_client()
+    await publish(fcfs_only, engine("f"))
+    assert fcfs_only.pick_engine(priority=1) is None and fcfs_only.pick_engine().scheduler_id == "f"

@@ -16,6 +16,7 @@ from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.request_queue import WaitingQueue, pick_victim
 from scheduler.scheduler import Scheduler
+from scheduler.step_bytes import prompt_logprob_bytes
 from tests.test_scheduler import ScriptedExecutor, expected_output, run, step
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -148,3 +149,49 @@ def test_the_offline_engine_runs_prompts_by_priority(tiny_model) -> None:
         llm.generate(prompts, params, priority=[1])
     with pytest.raises(ValueError, match="needs scheduling_policy='priority'"):
         LLM(tiny_model(), **options).generate(prompts, params, priority=[0, 1, 0])  # type: ignore[arg-type]
+
+
+def test_a_victim_before_the_current_request_does_not_make_the_next_one_skipped() -> None:
+    """``a`` (lowest priority) has its last token in flight and is passed over; ``b`` needs a block
+    and ``a`` is preempted for it: ``c``, after ``b``, is still scheduled in this step."""
+    ex = ScriptedExecutor(5)
+    sched = Scheduler(
+        SchedulerConfig(64, 8, enable_prefix_caching=False, scheduling_policy="priority"), CacheManager(5, 4), ex.info
+    )
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    sched.add_request(Request("a", [5] * 3, one, arrival_time=1.0, priority=9))
+    sched.schedule()  # a's prompt, sampling its only token: it has nothing more to schedule
+    for name, size, arrival in (("b", 8, 2.0), ("c", 7, 3.0)):
+        sched.add_request(Request(name, [6] * size, GREEDY, arrival_time=arrival, priority=0))
+    sched.schedule()  # b and c's prompts: the pool is full
+    assert [r.request_id for r in sched.running] == ["a", "b", "c"] and sched.cache.get_num_free_blocks() == 0
+    assert sched.decide() == {"b": 1, "c": 1}  # b's 9th token takes a's blocks; c's 8th fits its own
+    assert [r.request_id for r in sched.running] == ["b", "c"]
+
+
+def test_budget_given_back_by_a_victim_goes_to_the_requests_passed_over() -> None:
+    """Two low-priority prompt-logprob requests fill the step's bytes, so ``p2``'s are passed over;
+    ``x`` then needs blocks: both are preempted (their bytes given back), and ``x`` too. ``p2`` gets
+    the bytes: the step is not empty (an empty step with live requests stopped the engine)."""
+    ex = ScriptedExecutor(16)
+    logprobs = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=10)
+    per = prompt_logprob_bytes(Request("t", [1], logprobs))
+    config = SchedulerConfig(
+        128, 8, enable_prefix_caching=False, async_scheduling=False, max_step_bytes=13 * per, scheduling_policy="priority"
+    )
+    sched = Scheduler(config, CacheManager(16, 4), ex.info)
+    for name, prompt, params, priority, computed in (
+        ("p1a", [3] * 13, logprobs, 9, 1),
+        ("p1b", [4] * 13, logprobs, 9, 1),
+        ("p2", [5] * 13, logprobs, 0, 9),
+        ("x", [6] * 60, GREEDY, 5, 4),
+    ):
+        r = Request(name, prompt, params, arrival_time=float(len(sched.requests)), priority=priority)
+        sched.add_request(r)
+        sched.waiting.remove(r)
+        assert sched.cache.allocate_slots(name, computed)
+        r.num_computed_tokens = computed
+        sched._start_running(r)
+    assert sched.decide() == {"p2": 4}
+    assert [r.request_id for r in sched.running] == ["p2"] and [r.request_id for r in sched.waiting] == ["x", "p1a", "p1b"]
+    sched.cache.check_invariants()

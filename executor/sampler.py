@@ -55,8 +55,9 @@ class Sampler:
         """Sample one token per row of ``logits`` ``[N, vocab]``.
 
         ``banned[i]`` lists tokens row ``i`` may not produce this step (e.g. EOS before
-        ``min_tokens``), unless they are all it has left. ``counts``: the token counts of the rows with penalties (the executor's
-        `executor.penalties.TokenCountPool` rows); without them no penalty applies. ``grammar``:
+        ``min_tokens``), unless they are all it has left. ``counts``: the token counts of the rows
+        with penalties (the executor's `executor.penalties.TokenCountPool` rows); without them no
+        penalty applies. ``grammar``:
         the structured-output rows' token masks (`executor.grammar`), applied last. ``allowed[i]``:
         the only token ids row ``i`` may produce (a device tensor), or None. Returns token
         ids and, per row, ``{token: logprob}`` for the sampled token plus the top

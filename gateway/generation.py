@@ -37,6 +37,8 @@ class Piece:
     ``stop_reason`` (vLLM's, on the last piece): the stop string or the stop token id that ended
     the generation; None when EOS or the length limit did. ``prompt_logprobs`` (on the piece of the
     engine's first output, when the request asked for them): one entry per prompt token, None first.
+    ``completion_tokens``: the request's tokens up to this piece's last (a consumer may format it
+    after later pieces arrived: the count must be the piece's own).
     """
 
     text: str
@@ -45,6 +47,7 @@ class Piece:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -194,7 +197,9 @@ class Generation:
                         self.client.abort(self.request_id)  # the engine would go on generating
                     self.finished = True
                     self._finish("stop")
-                    yield Piece(out, event.token_ids, event.logprobs, "stop", self.stop.matched, prompt_lps)
+                    yield Piece(
+                        out, event.token_ids, event.logprobs, "stop", self.stop.matched, prompt_lps, self.num_completion_tokens
+                    )
                     return
                 if event.finished:
                     self.finished = True
@@ -207,10 +212,17 @@ class Generation:
                         reason,
                         event.stop_reason if reason == "stop" else None,
                         prompt_lps,
+                        self.num_completion_tokens,
                     )
                     return
                 if out or event.token_ids:
-                    yield Piece(out, event.token_ids, event.logprobs, prompt_logprobs=prompt_lps)
+                    yield Piece(
+                        out,
+                        event.token_ids,
+                        event.logprobs,
+                        prompt_logprobs=prompt_lps,
+                        completion_tokens=self.num_completion_tokens,
+                    )
         finally:
             if self.finished:
                 self.client.release(self.request_id)

@@ -222,10 +222,10 @@ class ResponseFormatter:
     def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
         """The chunks of one piece: after the echo chunk, if it waited for this (the first) piece."""
         chunks: list[dict[str, Any]] = []
-        self.completion_tokens = completion_tokens
-        if self.echo_pending:
+        if self.echo_pending:  # (before this piece's tokens: the echo's usage counts none of them)
             self.echo_pending = False
             chunks.append(self._echo_chunk(self._prompt_logprobs(piece.prompt_logprobs)))
+        self.completion_tokens = piece.completion_tokens
         logprobs = self.logprobs([piece], with_prompt=False)
         if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
             if self.chat:

@@ -5,6 +5,8 @@ tests/test_chaos.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gateway.choice_stream import ChoiceCursor
@@ -66,3 +68,46 @@ def test_replay_takes_only_its_choice_from_a_shared_journal() -> None:
     second = RequestHandle("r-0-1", [1], SAMPLING)
     events = replay(second, journal)
     assert tokens_of(events) == [7, 8] and not any(e.finished for e in events)
+
+
+def test_continuous_usage_counts_each_pieces_own_tokens_with_several_choices() -> None:
+    """With ``n`` > 1 the choices' pieces are queued as they come and formatted later (a resumed
+    stream's journal arrives all at once): each chunk's usage is that of its piece, 1, 2, 3, 4 per
+    choice, not the choice's count when the chunk happened to be formatted (4, 4, 4, 4)."""
+    import asyncio
+    import json
+
+    from common.sampling_params import SamplingParams
+    from gateway.choice_stream import stream_choices
+    from gateway.generation import Piece
+    from gateway.openai_schema import GenerationSpec
+    from gateway.responses import ResponseFormatter
+
+    class Tokenizer:
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "x"
+
+    class Replayed:  # every event already there, as after a resume
+        def __init__(self) -> None:
+            self.num_completion_tokens = 0
+
+        async def pieces(self) -> Any:
+            for k in range(4):
+                self.num_completion_tokens += 1
+                yield Piece("x", [k], [None], "length" if k == 3 else None, completion_tokens=self.num_completion_tokens)
+
+    spec = GenerationSpec("completion", None, SamplingParams(), 4, stream=True, include_usage=True, continuous_usage=True)
+    formatters = [ResponseFormatter(spec, "r", "m", Tokenizer(), 3, None, i, [1, 2, 3]) for i in range(2)]
+    for f in formatters:
+        f.final_usage = False
+    envelope = ResponseFormatter(spec, "r", "m", Tokenizer(), 6, None)
+
+    async def counts() -> dict[int, list[int]]:
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        async for item in stream_choices([Replayed(), Replayed()], formatters, envelope, 2):  # type: ignore[list-item]
+            for line in item.splitlines():
+                if line.startswith("data: {") and (chunk := json.loads(line[6:]))["choices"]:
+                    seen[chunk["choices"][0]["index"]].append(chunk["usage"]["completion_tokens"])
+        return seen
+
+    assert asyncio.run(counts()) == {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]}

@@ -145,10 +145,11 @@ class TensorParallel:
         self.phase = StepPhase.AGREED
 
     def settle(self, exc: BaseException) -> str | None:
-        """After ``exc`` ended this rank's step: None if the ranks are still in step (the error
-        came when the step was over everywhere, or it is a `ValueError` of a bad step, which every
-        rank raises alike before any collective); else why they are not, and any later command
-        would be read as part of a collective some rank still waits in."""
+        """Rank 0's view after ``exc`` ended its step (it reports its own errors, and the scheduler
+        then resets every rank): None if the ranks are still in step (the error came when the step
+        was over everywhere, or it is a `ValueError` of a bad step, which every rank raises alike
+        before any collective); else why they are not, and any later command would be read as
+        part of a collective some rank still waits in. Ranks > 0: `executor.tp_executor.serve_rank`."""
         if self.phase == StepPhase.AGREED or (self.phase == StepPhase.STARTED and isinstance(exc, ValueError)):
             self.phase = StepPhase.AGREED
             return None

@@ -45,6 +45,7 @@ from executor.parallel import (
     CMD_STEP,
     CMD_STOP,
     COLLECTIVE_TIMEOUT,
+    PeerStepFailed,
     ShardLayout,
     StepPhase,
     TensorParallel,
@@ -200,13 +201,21 @@ class TPExecutor:
                 result = self.inner.execute_model(output)
             except BaseException as exc:
                 why = self.tp.settle(exc)
-                if why is not None and self.dead is None:
-                    self.dead = why
-                    logger.error("%s: the executor stops as one unit", why)
-                    self._stop_workers(grace_s=0.0)
+                if why is not None:
+                    self._stop_unit(why)
                 raise
-            assert self.tp.phase == StepPhase.AGREED, "a step returned with the ranks out of step"
+            if self.tp.phase != StepPhase.AGREED:  # (a bug: a step path that did not end the step)
+                self._stop_unit("a step returned with the tensor-parallel ranks out of step")
+                raise RuntimeError(self.dead)
             return result
+
+    def _stop_unit(self, why: str) -> None:
+        """The ranks are out of step: kill the others (they wait in a collective rank 0 will not
+        join) and refuse every later step."""
+        if self.dead is None:
+            self.dead = why
+            logger.error("%s: the executor stops as one unit", why)
+            self._stop_workers(grace_s=0.0)
 
     def check_device(self) -> None:
         """Raise if the unit stopped (the service then exits, and its requests are recovered), or
@@ -276,6 +285,9 @@ def worker_main(
 ) -> None:
     """Rank ``rank`` > 0: load its shard, then run whatever rank 0 broadcasts until told to stop."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    # A terminal's Ctrl-C reaches the whole process group: rank 0 handles it (a step interrupted
+    # there stops the unit, one between steps does not); here it would end a rank for nothing.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid, pdeathsig)
     try:
         device = rank_device(model_config, rank)
@@ -294,9 +306,10 @@ def worker_main(
 
 
 def serve_rank(tp: TensorParallel, executor: Any) -> None:
-    """The command loop of a rank > 0. An error that leaves the ranks in step (`TensorParallel.settle`:
-    a bad step's `ValueError` before the collectives, or rank 0's failed sampling: `PeerStepFailed`)
-    drops the state and goes on; any other error ends the rank, and rank 0 stops the unit."""
+    """The command loop of a rank > 0. An error rank 0 raised too (a bad step's `ValueError` before
+    the collectives, or rank 0's failed sampling: `PeerStepFailed`) drops the state and goes on;
+    any other error ends the rank (its state would differ from rank 0's, which reports only its
+    own errors), and rank 0 stops the unit."""
     while True:
         cmd, payload = tp.recv_command()
         if cmd == CMD_STEP:
@@ -305,8 +318,12 @@ def serve_rank(tp: TensorParallel, executor: Any) -> None:
             try:
                 executor.execute_model(output)
             except Exception as exc:
-                if tp.settle(exc) is not None:
+                # Rank 0 reports its own errors and the scheduler resets every rank; this rank's
+                # errors reach no one. It goes on only after one rank 0 raised too: a bad step's
+                # `ValueError` before any collective, or rank 0's failed sampling.
+                if not (isinstance(exc, PeerStepFailed) or (isinstance(exc, ValueError) and tp.phase == StepPhase.STARTED)):
                     raise
+                tp.end_step()
                 logger.debug("step failed on every rank: %s", exc)
         elif cmd == CMD_RESET:
             executor.reset()

@@ -283,7 +283,8 @@ def test_prompt_logprobs_failing_on_rank0_is_a_step_error(tiny_model, monkeypatc
 def test_a_rank_leaves_only_on_errors_that_break_the_lockstep(tiny_model) -> None:
     """`serve_rank` (a rank > 0): a bad step's `ValueError` before the collectives, and rank 0's
     failed sampling, leave the ranks in step (the rank goes on); the same `ValueError` amid the
-    collectives, or a step it cannot decode, end the rank."""
+    collectives or after the last one (rank 0 succeeded: the states now differ), or a step it
+    cannot decode, end the rank."""
     from common.protocol import SchedulerOutput, encode
     from executor.parallel import CMD_STEP, CMD_STOP, PeerStepFailed, StepPhase
     from executor.tp_executor import serve_rank
@@ -316,6 +317,11 @@ def test_a_rank_leaves_only_on_errors_that_break_the_lockstep(tiny_model) -> Non
         channel.enter_collectives()
         raise ValueError("raised on this rank alone, amid the forward")
 
+    def after_the_step(channel: Channel) -> None:  # rank 0 succeeded: this rank's state now differs
+        channel.enter_collectives()
+        channel.end_step()
+        raise ValueError("failed on this rank alone after the last collective")
+
     def rank0_failed(channel: Channel) -> None:
         channel.enter_collectives()
         channel.end_step()  # (what share_tokens does once rank 0's failure is broadcast)
@@ -325,5 +331,7 @@ def test_a_rank_leaves_only_on_errors_that_break_the_lockstep(tiny_model) -> Non
         assert run(fail, [(CMD_STEP, step), (CMD_STEP, step), (CMD_STOP, b"")]).phase == StepPhase.AGREED
     with pytest.raises(ValueError, match="amid the forward"):
         run(amid, [(CMD_STEP, step), (CMD_STOP, b"")])
+    with pytest.raises(ValueError, match="after the last collective"):
+        run(after_the_step, [(CMD_STEP, step), (CMD_STOP, b"")])
     with pytest.raises(ValueError):
         run(bad_step, [(CMD_STEP, b"\xc1 not msgpack"), (CMD_STOP, b"")])

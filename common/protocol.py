@@ -42,7 +42,7 @@ from common.sampling_params import SamplingParams, sampling_to_dict
 from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the one schema module
 from common.step_outputs import unpack_prompt_logprobs
 
-PROTOCOL_VERSION = 4  # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities
+PROTOCOL_VERSION = 4  # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities, cache salts
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -128,6 +128,8 @@ class GenerateRequest:
     ``group_id`` is shared by the sibling requests of one prompt's ``n`` samples: the scheduler
     admits a sibling once another's prompt blocks are cached, so they share them. ``priority``:
     lower first, under the scheduler's priority policy (`SchedulerConfig.scheduling_policy`).
+    ``cache_salt`` (vLLM's; "" for none): its prefix-cache entries are apart from those of
+    requests with another salt or none (`Request.cache_salt`).
     """
 
     request_id: str
@@ -141,6 +143,7 @@ class GenerateRequest:
     journal_id: str = ""
     group_id: str = ""
     priority: int = 0
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)

@@ -335,6 +335,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             metrics.request(name, n_prompt, arrival),
             RequestLog(response_id, name, spec.kind, spec.stream, arrival),
             spec.priority,
+            spec.cache_salt,
         )
         echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
         fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo, 0, prompt_ids)
@@ -382,7 +383,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await resolve_bad_words(workers, tokenizer, tokenizers.call_lock, spec)
         try:
             handle = await client.adopt(
-                response_id, header.prompt_token_ids, sampling_to_dict(spec.sampling), route, journal.outputs, spec.priority
+                response_id,
+                header.prompt_token_ids,
+                sampling_to_dict(spec.sampling),
+                route,
+                journal.outputs,
+                spec.priority,
+                spec.cache_salt,
             )
         except RequestIdInUse as exc:
             raise ApiError(409, str(exc), code="stream_in_use") from None

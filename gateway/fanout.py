@@ -147,6 +147,7 @@ async def serve_choices(
                     ctx.metrics.request(ctx.model, len(prompt.ids), arrival),
                     RequestLog(response_id, ctx.model, spec.kind, spec.stream, arrival),
                     spec.priority,
+                    spec.cache_salt,
                 )
                 for j in range(k)
             ]
@@ -325,7 +326,13 @@ async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal,
             for j, rid in enumerate(header.choice_ids):
                 child = child_params(sampling, j)
                 handle = await ctx.client.adopt(
-                    response_id, prompt.ids, sampling_to_dict(child), journal.routes[rid], journal.outputs, spec.priority
+                    response_id,
+                    prompt.ids,
+                    sampling_to_dict(child),
+                    journal.routes[rid],
+                    journal.outputs,
+                    spec.priority,
+                    spec.cache_salt,
                 )
                 gen = Generation(
                     ctx.client,

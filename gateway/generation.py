@@ -116,9 +116,10 @@ class Generation:
         metrics: RequestMetrics | None = None,
         log: RequestLog | None = None,
         priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
         self.client = client
-        self.priority = priority  # (`GenerateRequest.priority`)
+        self.priority, self.cache_salt = priority, cache_salt  # (`GenerateRequest`'s)
         self.request_id = request_id  # unique: `RequestHandle.request_id`
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -152,6 +153,7 @@ class Generation:
                 group_id,
                 prefer_engine,
                 self.priority,
+                self.cache_salt,
             )
         except RequestIdInUse:
             raise ApiError(

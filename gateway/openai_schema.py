@@ -41,6 +41,8 @@ MAX_STOP_STRING_CHARS = 256
 BYTES_PER_TOKEN_ID = 4
 # The most prompts one /v1/completions request may list (each runs as ``best_of or n`` requests).
 MAX_PROMPTS = 256
+# A cache salt longer than this protects no better (vLLM suggests 43 base64 characters, 256 bits).
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(slots=True)
@@ -72,6 +74,7 @@ class GenerationSpec:
     # vLLM's: words the output may not contain (tokenized with the prompt: `bad_words_token_ids`)
     bad_words: list[str] = field(default_factory=list)
     priority: int = 0  # vLLM's: lower first, for an engine with the priority scheduling policy
+    cache_salt: str = ""  # vLLM's: keeps the request's prefix-cache entries apart ("": none)
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -199,6 +202,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
         bad_words=_bad_words(body, sampling),
         priority=_priority(body),
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -238,6 +242,19 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
             raise bad(f"'logit_bias' values must be numbers, got {typename(bias)} {preview(bias)}", "logit_bias")
         out[int(key)] = bias
     return out or None
+
+
+def _cache_salt(body: dict[str, Any]) -> str:
+    """vLLM's ``cache_salt``: a non-empty string (a secret, random and long: it keeps a tenant's
+    prompts from being guessed through prefix-cache hits), at most `MAX_CACHE_SALT_CHARS`."""
+    value = get_field(
+        body,
+        "cache_salt",
+        lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS,
+        f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+        "",
+    )
+    return str(value)
 
 
 def _priority(body: dict[str, Any]) -> int:

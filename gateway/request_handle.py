@@ -50,6 +50,7 @@ class RequestHandle:
     prefer_engine: str = ""  # a sibling's engine: the first attempt goes there if it is live
     journaled_at: float = 0.0  # time.monotonic() of this gateway's last write to the journal (0: none yet)
     priority: int = 0  # `GenerateRequest.priority`, sent again with every attempt
+    cache_salt: str = ""  # `GenerateRequest.cache_salt`, likewise
 
     @property
     def next_index(self) -> int:

@@ -165,6 +165,7 @@ class EngineClient(EngineWatch):
         group_id: str = "",
         prefer_engine: str = "",
         priority: int = 0,
+        cache_salt: str = "",
     ) -> RequestHandle:
         """Send a new request (``request_id``: unique, see `RequestHandle`) to the best live engine.
 
@@ -179,7 +180,14 @@ class EngineClient(EngineWatch):
         if claim is not None and not await self.transport.create_stream(claim, deadline_s=5):
             raise RequestIdInUse(f"a stream with id {journal_id!r} is in flight or still resumable")
         handle = RequestHandle(
-            request_id, prompt_token_ids, sampling, journal_id, group_id=group_id, prefer_engine=prefer_engine, priority=priority
+            request_id,
+            prompt_token_ids,
+            sampling,
+            journal_id,
+            group_id=group_id,
+            prefer_engine=prefer_engine,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         self.requests[request_id] = handle
         try:
@@ -251,6 +259,7 @@ class EngineClient(EngineWatch):
             handle.journal_id,
             handle.group_id,
             handle.priority,
+            handle.cache_salt,
         )
         sends = list(extra)
         if handle.journal_id:
@@ -307,6 +316,7 @@ class EngineClient(EngineWatch):
         route: Route,
         outputs: list[StepOutputs],
         priority: int = 0,
+        cache_salt: str = "",
     ) -> RequestHandle:
         """A handle for a journaled stream: its journaled events first, then (unless it finished)
         the live ones, once its engine routes the request here (`SyncRequest`)."""
@@ -322,6 +332,7 @@ class EngineClient(EngineWatch):
             scheduler_id=route.scheduler_id,
             attempts=attempt_of(route.request_id) + 1,
             priority=priority,
+            cache_salt=cache_salt,
         )
         for event in replay(handle, outputs):  # as `_dispatch` delivered them
             self._deliver(handle, event)

@@ -415,7 +415,14 @@ class SchedulerService:
             params.validate(self.binding.hello.vocab_size)
             if len(msg.output_token_ids) >= params.max_tokens:
                 raise ValueError(f"{len(msg.output_token_ids)} tokens already generated of max_tokens {params.max_tokens}")
-            request = Request(msg.request_id, msg.prompt_token_ids, params, group_id=msg.group_id or None, priority=msg.priority)
+            request = Request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                params,
+                group_id=msg.group_id or None,
+                priority=msg.priority,
+                cache_salt=msg.cache_salt or None,
+            )
             request.output_token_ids = list(msg.output_token_ids)
             request.output_logprobs = [None] * len(msg.output_token_ids)
             request.check_servable(engine.max_model_len, self.binding.hello.vocab_size)

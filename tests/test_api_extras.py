@@ -592,3 +592,15 @@ def test_priority_needs_an_engine_with_the_priority_policy(env: dict[str, Any]) 
         assert response.status_code == 200 and _engine_request(env, "prio-1").priority == -3
     finally:
         register_engine(env["redis"], env["names"], env["model"])
+
+
+def test_cache_salt_reaches_the_engine_and_bad_ones_are_400s(env: dict[str, Any]) -> None:
+    """vLLM's ``cache_salt`` goes with the request (the engine keeps its prefix-cache entries
+    apart: tests/test_api_parallel.py); an empty or non-string salt is a 400 naming it."""
+    assert _completion(env["a"], "one two", "salted-1", cache_salt="tenant-secret-0123").status_code == 200
+    assert _engine_request(env, "salted-1").cache_salt == "tenant-secret-0123"
+    assert _completion(env["a"], "one two", "unsalted-1").status_code == 200
+    assert _engine_request(env, "unsalted-1").cache_salt == ""
+    for bad_salt in ("", 7, "x" * 1025):
+        err = _error(_completion(env["a"], "one two", cache_salt=bad_salt), 400, "cache_salt")
+        assert err["param"] == "cache_salt"

@@ -452,3 +452,21 @@ def test_priorities_reach_an_engine_with_the_priority_policy(stack: Stack, clien
     for priority in (-5, 0, 7):
         out = client.completions.create(**args, n=2, extra_body={**NO_EOS, "priority": priority})
         assert [c.text for c in out.choices] == [plain, plain]
+
+
+def test_cache_salt_keeps_prefix_cache_entries_apart(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``cache_salt``: the same prompt hits the prefix cache under the same salt only, so
+    one tenant cannot learn another's prompts from how fast they come back."""
+    prompt = ids(3 * BLOCK + 5, 11)
+
+    def hits(salt: str | None) -> int:
+        before = settled(stack).prefix_cache_hits
+        extra = {**NO_EOS, **({"cache_salt": salt} if salt is not None else {})}
+        client.completions.create(model="", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return settled(stack).prefix_cache_hits - before
+
+    assert hits("tenant-a-secret") == 0  # first seen
+    assert hits("tenant-a-secret") == 3 * BLOCK  # the same salt: its full blocks hit
+    assert hits("tenant-b-secret") == 0  # another salt: nothing
+    assert hits(None) == 0  # no salt: nothing of the salted ones
+    assert hits(None) == 3 * BLOCK

@@ -177,6 +177,7 @@ def _raw_req(**overrides: object) -> bytes:
         "journal_id": "",
         "group_id": "",
         "priority": 0,
+        "cache_salt": "",
     }
     body.update(overrides)
     return msgpack.packb({k: v for k, v in body.items() if v is not _MISSING}, use_bin_type=True)

@@ -98,6 +98,12 @@ _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     ("prompt_logprobs", None),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
+    # (inputs and hooks of vLLM's own: prompts as embeddings, custom logits processors, its
+    # disaggregated prefill's KV transfer, and its extra-arguments escape hatch)
+    ("prompt_embeds", None),
+    ("logits_processors", None),
+    ("kv_transfer_params", None),
+    ("vllm_xargs", None),
 )
 
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders

@@ -153,7 +153,8 @@ async def serve_choices(
             ]
         )
     num_prompt_tokens = sum(len(p.ids) for p in prompts)
-    envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None)
+    # (a chat's one prompt: its token ids go on the response, with return_token_ids)
+    envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None, 0, prompts[0].ids)
     journal = _journal_headers(ctx, spec, body, response_id, envelope.created, prompts, budgets, gens) if spec.stream else []
     await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))], response_id if spec.stream else "", journal, client_chose)
     n = spec.sampling.n
@@ -356,6 +357,6 @@ async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal,
             raise ApiError(409, str(exc), code="stream_in_use") from None
         raise
     num_prompt_tokens = sum(len(h.prompt_token_ids) for h in journal.headers)
-    envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None)
+    envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None, 0, first.prompt_token_ids)
     envelope.created = first.created
     return stream_choices(gens, formatters, envelope, k, seen)

@@ -75,6 +75,7 @@ class GenerationSpec:
     bad_words: list[str] = field(default_factory=list)
     priority: int = 0  # vLLM's: lower first, for an engine with the priority scheduling policy
     cache_salt: str = ""  # vLLM's: keeps the request's prefix-cache entries apart ("": none)
+    return_token_ids: bool = False  # vLLM's: responses carry the prompt's and the output's token ids
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -209,6 +210,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         bad_words=_bad_words(body, sampling),
         priority=_priority(body),
         cache_salt=_cache_salt(body),
+        return_token_ids=get_bool(body, "return_token_ids", False),
     )
 
 

@@ -58,6 +58,7 @@ class ResponseFormatter:
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
         self.tool_text = ""  # a tool-call request's text so far (streaming)
         self.completion_tokens = 0  # streaming: the choice's tokens so far (``continuous_usage``)
+        self.prompt_ids_pending = spec.return_token_ids  # streaming: the first chunk carries them
         # streaming: the echo chunk waits for the prompt's logprobs (on the first piece)
         self.echo_pending = bool(echo_text) and not self.chat and spec.logprobs is not None
 
@@ -144,8 +145,9 @@ class ResponseFormatter:
         return self.response([self.choice(pieces)], completion_tokens)
 
     def response(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
-        """The whole response body around ``choices``."""
-        return {
+        """The whole response body around ``choices`` (a chat's prompt token ids on it, with
+        ``return_token_ids``; a completion's are on each choice: each may have its own prompt)."""
+        body: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -153,6 +155,19 @@ class ResponseFormatter:
             "choices": choices,
             "usage": self.usage(completion_tokens),
         }
+        if self.chat and self.spec.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids
+        return body
+
+    def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        """``choice`` with vLLM's ``return_token_ids``: its tokens, and a completion's prompt tokens
+        (on its first streamed chunk)."""
+        if self.spec.return_token_ids:
+            choice["token_ids"] = token_ids
+            if not self.chat and self.prompt_ids_pending:
+                choice["prompt_token_ids"] = self.prompt_token_ids
+                self.prompt_ids_pending = False
+        return choice
 
     def choice(self, pieces: list[Piece]) -> dict[str, Any]:
         """This choice of a non-streaming response, from all its pieces."""
@@ -169,20 +184,22 @@ class ResponseFormatter:
             )
             if calls:
                 message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-            return {
+            out = {
                 "index": self.index,
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": reason,
                 "stop_reason": stop_reason,
             }
-        return {
-            "index": self.index,
-            "text": (self.echo_text or "") + text,
-            "logprobs": logprobs,
-            "finish_reason": reason,
-            "stop_reason": stop_reason,
-        }
+        else:
+            out = {
+                "index": self.index,
+                "text": (self.echo_text or "") + text,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }
+        return self._with_token_ids(out, [t for p in pieces for t in p.token_ids])
 
     # -- streaming ---------------------------------------------------------------------------
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -199,25 +216,25 @@ class ResponseFormatter:
 
     def stream_start(self) -> list[dict[str, Any]]:
         if self.chat:
-            return [
-                self._chunk(
-                    {
-                        "index": self.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                        "stop_reason": None,
-                    }
-                )
-            ]
+            chunk = self._chunk(
+                {
+                    "index": self.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+            )
+            if self.prompt_ids_pending:  # (a chat's on the chunk, as on its response)
+                chunk["prompt_token_ids"], self.prompt_ids_pending = self.prompt_token_ids, False
+            return [chunk]
         if self.echo_text and not self.echo_pending:
             return [self._echo_chunk(None)]
         return []
 
     def _echo_chunk(self, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return self._chunk(
-            {"index": self.index, "text": self.echo_text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
-        )
+        choice = {"index": self.index, "text": self.echo_text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
+        return self._chunk(self._with_token_ids(choice, []))
 
     def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
         """The chunks of one piece: after the echo chunk, if it waited for this (the first) piece."""
@@ -227,7 +244,9 @@ class ResponseFormatter:
             chunks.append(self._echo_chunk(self._prompt_logprobs(piece.prompt_logprobs)))
         self.completion_tokens = piece.completion_tokens
         logprobs = self.logprobs([piece], with_prompt=False)
-        if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None:
+        # (with return_token_ids a piece's tokens always go out, text or not: a client counts on them)
+        wants_ids = self.spec.return_token_ids and bool(piece.token_ids)
+        if piece.text or (logprobs is not None and piece.token_ids) or piece.finish_reason is not None or wants_ids:
             if self.chat:
                 delta: dict[str, Any] = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
                 reason = piece.finish_reason
@@ -240,7 +259,7 @@ class ResponseFormatter:
                     "finish_reason": reason,
                     "stop_reason": piece.stop_reason,
                 }
-                if not delta and reason is None and logprobs is None:
+                if not delta and reason is None and logprobs is None and not wants_ids:
                     choice = {}  # a tool call's text, held back
             else:
                 choice = {
@@ -251,7 +270,7 @@ class ResponseFormatter:
                     "stop_reason": piece.stop_reason,
                 }
             if choice:
-                chunks.append(self._chunk(choice))
+                chunks.append(self._chunk(self._with_token_ids(choice, list(piece.token_ids))))
         if piece.finish_reason is not None and self.spec.include_usage and self.final_usage:
             chunks.append(self.usage_chunk(completion_tokens))
         return chunks

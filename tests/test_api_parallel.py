@@ -470,3 +470,36 @@ def test_cache_salt_keeps_prefix_cache_entries_apart(stack: Stack, client: opena
     assert hits("tenant-b-secret") == 0  # another salt: nothing
     assert hits(None) == 0  # no salt: nothing of the salted ones
     assert hits(None) == 3 * BLOCK
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_tokens(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's ``return_token_ids``: a completion's choices carry ``prompt_token_ids`` and
+    ``token_ids`` (streamed: the prompt's on the first chunk, each chunk's own tokens); a chat's
+    response carries the prompt's (streamed: on the role chunk), its choices their tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    prompt = ids(10, 12)
+    wanted = {**NO_EOS, "return_token_ids": True}
+    args: dict[str, Any] = dict(model="", prompt=prompt, max_tokens=5, temperature=0)
+    out = client.completions.create(**args, n=2, extra_body=wanted)
+    for choice in out.choices:
+        extra = choice.model_extra or {}
+        assert extra["prompt_token_ids"] == prompt and len(extra["token_ids"]) == 5
+        assert tok.decode(extra["token_ids"]) == choice.text
+    chunks = list(client.completions.create(**args, stream=True, extra_body=wanted))
+    extras = [c.choices[0].model_extra or {} for c in chunks if c.choices]
+    assert extras[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in e for e in extras[1:])
+    assert [t for e in extras for t in e["token_ids"]] == (out.choices[0].model_extra or {})["token_ids"]
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model="", messages=messages, max_tokens=4, temperature=0, extra_body=wanted)  # type: ignore[arg-type]
+    chat_prompt = (chat.model_extra or {})["prompt_token_ids"]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat_prompt == tok(text, add_special_tokens=False)["input_ids"]
+    chat_ids = (chat.choices[0].model_extra or {})["token_ids"]
+    assert tok.decode(chat_ids) == chat.choices[0].message.content
+    stream = list(
+        client.chat.completions.create(model="", messages=messages, max_tokens=4, temperature=0, stream=True, extra_body=wanted)  # type: ignore[arg-type]
+    )
+    assert (stream[0].model_extra or {})["prompt_token_ids"] == chat_prompt
+    assert [t for c in stream[1:] for t in (c.choices[0].model_extra or {}).get("token_ids", [])] == chat_ids

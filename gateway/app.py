@@ -247,14 +247,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_key(request)
         client_id = client_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        return await serve(request, parse_completion(body), body, client_id)
+        return await serve(request, parse_completion(body), body, client_id or body_request_id(request, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         client_id = client_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        return await serve(request, parse_chat(body), body, client_id)
+        return await serve(request, parse_chat(body), body, client_id or body_request_id(request, body))
+
+    def body_request_id(request: Request, body: Any) -> str | None:
+        """vLLM's ``request_id`` field, for a request without ``X-Request-Id`` (the header wins, as in
+        vLLM): the same id, with the same rules."""
+        client_id = parse_request_id(body.get("request_id"), "request_id") if isinstance(body, dict) else None
+        if client_id is not None:
+            request.state.response_id = client_id
+        return client_id
 
     def client_request_id(request: Request) -> str | None:
         """The client's valid ``X-Request-Id`` (a 400 if it is not valid), echoed from here on."""

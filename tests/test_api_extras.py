@@ -604,3 +604,25 @@ def test_cache_salt_reaches_the_engine_and_bad_ones_are_400s(env: dict[str, Any]
     for bad_salt in ("", 7, "x" * 1025):
         err = _error(_completion(env["a"], "one two", cache_salt=bad_salt), 400, "cache_salt")
         assert err["param"] == "cache_salt"
+
+
+def test_vllms_request_id_field_is_the_request_id_without_the_header(env: dict[str, Any]) -> None:
+    """vLLM's body field ``request_id`` stands for ``X-Request-Id`` when the header is absent (the
+    header wins, as in vLLM), with the same rules and the same journal claim for a stream; it was
+    ignored."""
+    c = env["a"]
+    response = c.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 3, "request_id": "body-0001"})
+    assert response.status_code == 200 and response.json()["id"] == "body-0001"
+    assert response.headers["x-request-id"] == "body-0001"
+    assert re.fullmatch(r"body-0001-[0-9a-f]{8}", _engine_request(env, "body-0001-").request_id)
+    both = c.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "request_id": "body-0002"},
+        headers={"X-Request-Id": "header-0002"},
+    )
+    assert both.status_code == 200 and both.json()["id"] == "header-0002"
+    streamed = c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2, "stream": True, "request_id": "body-0003"})
+    assert {ch["id"] for ch in _sse(streamed)} == {"body-0003"} and env["redis"].exists(env["names"].journal("body-0003"))
+    for bad_id in ("has space", 12):
+        err = _error(c.post("/v1/completions", json={"prompt": "a", "request_id": bad_id}), 400, "request_id")
+        assert err["param"] == "request_id" and err["code"] == "invalid_request_id"

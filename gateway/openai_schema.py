@@ -113,6 +113,7 @@ _CHAT_TEMPLATE_FIELDS: tuple[tuple[str, Any], ...] = (
     ("continue_final_message", False),
     ("chat_template", None),
     ("chat_template_kwargs", {}),
+    ("documents", None),  # (a RAG template's input; it was ignored, the documents silently gone)
 )
 
 

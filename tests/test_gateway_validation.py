@@ -156,6 +156,7 @@ def test_chat_min_tokens_without_max_tokens_is_valid() -> None:
         {"continue_final_message": True},
         {"add_generation_prompt": False},
         {"echo": True},
+        {"documents": [{"title": "a", "text": "b"}]},
     ],
 )
 def test_chat_template_fields_it_cannot_honour_are_refused(env: dict[str, Any], field: dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ from common.sampling_params import SamplingParams, sampling_to_dict
 from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the one schema module
 from common.step_outputs import unpack_prompt_logprobs
 
-PROTOCOL_VERSION = 4  # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities, cache salts
+PROTOCOL_VERSION = 5  # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities; 5: cache salts
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

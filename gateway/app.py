@@ -245,24 +245,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        client_id = client_request_id(request)
+        header_id = client_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        return await serve(request, parse_completion(body), body, client_id or body_request_id(request, body))
+        client_id = body_request_id(request, header_id, body)  # (first: a 400 below echoes it too)
+        return await serve(request, parse_completion(body), body, client_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        client_id = client_request_id(request)
+        header_id = client_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        return await serve(request, parse_chat(body), body, client_id or body_request_id(request, body))
+        client_id = body_request_id(request, header_id, body)
+        return await serve(request, parse_chat(body), body, client_id)
 
-    def body_request_id(request: Request, body: Any) -> str | None:
-        """vLLM's ``request_id`` field, for a request without ``X-Request-Id`` (the header wins, as in
-        vLLM): the same id, with the same rules."""
-        client_id = parse_request_id(body.get("request_id"), "request_id") if isinstance(body, dict) else None
-        if client_id is not None:
-            request.state.response_id = client_id
-        return client_id
+    def body_request_id(request: Request, header_id: str | None, body: Any) -> str | None:
+        """The request's id: ``X-Request-Id``, else vLLM's body field ``request_id`` (the header
+        wins, as in vLLM), under the same rules; the field is checked either way. Echoed from here on."""
+        body_id = parse_request_id(body.get("request_id"), "request_id") if isinstance(body, dict) else None
+        if header_id is None and body_id is not None:
+            request.state.response_id = body_id
+            return body_id
+        return header_id
 
     def client_request_id(request: Request) -> str | None:
         """The client's valid ``X-Request-Id`` (a 400 if it is not valid), echoed from here on."""

@@ -158,8 +158,8 @@ class Generation:
         except RequestIdInUse:
             raise ApiError(
                 409,
-                f"X-Request-Id {journal_id!r} names a stream in flight or still resumable (GET "
-                f"/v1/streams/{journal_id} resumes it); send another id",
+                f"request id {journal_id!r} (X-Request-Id, or the request_id field) names a stream in flight or "
+                f"still resumable (GET /v1/streams/{journal_id} resumes it); send another id",
                 param="X-Request-Id",
                 code="duplicate_request_id",
             ) from None

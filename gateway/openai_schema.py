@@ -102,9 +102,9 @@ _UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
     # (inputs and hooks of vLLM's own: prompts as embeddings, custom logits processors, its
     # disaggregated prefill's KV transfer, and its extra-arguments escape hatch)
     ("prompt_embeds", None),
-    ("logits_processors", None),
-    ("kv_transfer_params", None),
-    ("vllm_xargs", None),
+    ("logits_processors", []),
+    ("kv_transfer_params", {}),
+    ("vllm_xargs", {}),
 )
 
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders

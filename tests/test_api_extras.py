@@ -626,3 +626,9 @@ def test_vllms_request_id_field_is_the_request_id_without_the_header(env: dict[s
     for bad_id in ("has space", 12):
         err = _error(c.post("/v1/completions", json={"prompt": "a", "request_id": bad_id}), 400, "request_id")
         assert err["param"] == "request_id" and err["code"] == "invalid_request_id"
+        # Checked with the header too (which would win): a bad field is a 400 all the same.
+        bad_too = c.post("/v1/completions", json={"prompt": "a", "request_id": bad_id}, headers={"X-Request-Id": "h-1"})
+        assert _error(bad_too, 400, "request_id")["param"] == "request_id"
+    # An error of the request itself echoes the body's id, as it does the header's.
+    invalid = c.post("/v1/completions", json={"prompt": "a", "temperature": "hot", "request_id": "echo-me"})
+    assert invalid.status_code == 400 and invalid.headers["x-request-id"] == "echo-me"

@@ -202,3 +202,8 @@ def test_a_template_that_cannot_render_a_message_is_a_400() -> None:
     tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda *a, **k: "x" + {"a": 1})  # type: ignore[operator]
     with pytest.raises(ApiError, match="chat template rejected"):
         chat_text(tok, MESSAGES, True)
+
+
+def test_vllms_refused_hooks_are_fine_when_empty() -> None:
+    """Refused unless neutral: null or empty, as a client that always sends the keys has them."""
+    parse_completion({"prompt": "p", "logits_processors": [], "kv_transfer_params": {}, "vllm_xargs": {}, "prompt_embeds": None})

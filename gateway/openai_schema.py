@@ -4,7 +4,7 @@ Parsing is by hand rather than with pydantic models so every rejection carries O
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
 values we cannot honour (``suffix``, ``best_of`` on chat...) are rejected. Structured outputs
-and tools are parsed in `gateway.structured`.
+and tools are parsed in `gateway.structured`, vLLM's own fields in `gateway.vllm_fields`.
 
 No input gets past here as a 500 or as work that would slow other requests: the body has been
 through `gateway.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
@@ -32,6 +32,16 @@ from gateway.json_input import (
     typename,
 )
 from gateway.structured import StructuredRequest, parse_structured, parse_tools
+from gateway.vllm_fields import (
+    CHAT_TEMPLATE_FIELDS,
+    UNSUPPORTED_VLLM_FIELDS,
+    parse_allowed_token_ids,
+    parse_bad_words,
+    parse_cache_salt,
+    parse_priority,
+    parse_truncate_prompt_tokens,
+    refuse_unless_neutral,
+)
 
 MAX_STOP_STRINGS = 16
 # Stop strings are matched (and partial matches held back) on every streamed token; the cost of
@@ -41,8 +51,6 @@ MAX_STOP_STRING_CHARS = 256
 BYTES_PER_TOKEN_ID = 4
 # The most prompts one /v1/completions request may list (each runs as ``best_of or n`` requests).
 MAX_PROMPTS = 256
-# A cache salt longer than this protects no better (vLLM suggests 43 base64 characters, 256 bits).
-MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(slots=True)
@@ -87,46 +95,16 @@ class GenerationSpec:
         )
 
 
-def _unsupported(body: dict[str, Any], name: str, neutral: Any) -> None:
-    value = body.get(name)
-    if value is not None and value != neutral:
-        raise bad(f"'{name}' = {preview(value)} is not supported by this server (only {neutral!r})", name)
-
-
-# vLLM's sampling extensions this server does not honour: refused unless neutral (ignored, they
-# would look like support). ``prompt_logprobs``: completions' ``echo`` with ``logprobs`` returns them.
-_UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("prompt_logprobs", None),
-    ("use_beam_search", False),
-    ("length_penalty", 1.0),
-    # (inputs and hooks of vLLM's own: prompts as embeddings, custom logits processors, its
-    # disaggregated prefill's KV transfer, and its extra-arguments escape hatch)
-    ("prompt_embeds", None),
-    ("logits_processors", []),
-    ("kv_transfer_params", {}),
-    ("vllm_xargs", {}),
-)
-
-# vLLM's chat-template fields this server does not honour (the checkpoint's own template renders
-# every chat): refused when they ask for anything else, by /v1/chat/completions and /tokenize alike.
-_CHAT_TEMPLATE_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("continue_final_message", False),
-    ("chat_template", None),
-    ("chat_template_kwargs", {}),
-    ("documents", None),  # (a RAG template's input; it was ignored, the documents silently gone)
-)
-
-
 # -- shared parameters -------------------------------------------------------------------------
 def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: int | None) -> GenerationSpec:
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {typename(body)}")
     model = get_field(body, "model", lambda v: isinstance(v, str), "a string", None)
-    _unsupported(body, "suffix", None)
-    for name, neutral in _UNSUPPORTED_VLLM_FIELDS:
-        _unsupported(body, name, neutral)
+    refuse_unless_neutral(body, "suffix", None)
+    for name, neutral in UNSUPPORTED_VLLM_FIELDS:
+        refuse_unless_neutral(body, name, neutral)
     if kind == "chat":
-        _unsupported(body, "best_of", 1)
+        refuse_unless_neutral(body, "best_of", 1)
     n = get_int(body, "n", 1)
     best_of = get_int(body, "best_of", None)
     logit_bias = _logit_bias(body)
@@ -183,7 +161,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         n=n,
         best_of=best_of,
         structured_outputs=structured_outputs,
-        allowed_token_ids=_allowed_token_ids(body),
+        allowed_token_ids=parse_allowed_token_ids(body),
     )
     if sampling.top_k == -1:
         sampling.top_k = 0
@@ -206,24 +184,13 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
         structured=StructuredRequest(structured_param) if structured_param else None,
-        truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        truncate_prompt_tokens=parse_truncate_prompt_tokens(body),
         return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", False),
-        bad_words=_bad_words(body, sampling),
-        priority=_priority(body),
-        cache_salt=_cache_salt(body),
+        bad_words=parse_bad_words(body, sampling),
+        priority=parse_priority(body),
+        cache_salt=parse_cache_salt(body),
         return_token_ids=get_bool(body, "return_token_ids", False),
     )
-
-
-def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
-    """vLLM's ``truncate_prompt_tokens``: -1 (the model's context) or a count of at least 1."""
-    value = get_int(body, "truncate_prompt_tokens", None)
-    if value is not None and not (value == -1 or 1 <= value <= INT32_MAX):
-        raise bad(
-            f"'truncate_prompt_tokens' must be -1 (the model's context) or in [1, {INT32_MAX}], got {value}",
-            "truncate_prompt_tokens",
-        )
-    return value
 
 
 def _add_special_tokens(body: dict[str, Any], chat: bool) -> bool:
@@ -251,58 +218,6 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, Any] | None:
             raise bad(f"'logit_bias' values must be numbers, got {typename(bias)} {preview(bias)}", "logit_bias")
         out[int(key)] = bias
     return out or None
-
-
-def _cache_salt(body: dict[str, Any]) -> str:
-    """vLLM's ``cache_salt``: a non-empty string (a secret, random and long: it keeps a tenant's
-    prompts from being guessed through prefix-cache hits), at most `MAX_CACHE_SALT_CHARS`."""
-    value = get_field(
-        body,
-        "cache_salt",
-        lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_SALT_CHARS,
-        f"a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
-        "",
-    )
-    return str(value)
-
-
-def _priority(body: dict[str, Any]) -> int:
-    """vLLM's ``priority``: an int32 (the engine's integer columns), lower first."""
-    value = get_int(body, "priority", 0)
-    if not -INT32_MAX - 1 <= value <= INT32_MAX:
-        raise bad(f"'priority' must be in [{-INT32_MAX - 1}, {INT32_MAX}], got {value}", "priority")
-    return value
-
-
-def _bad_words(body: dict[str, Any], sampling: SamplingParams) -> list[str]:
-    """vLLM's ``bad_words``: at most `SamplingParams.MAX_BAD_WORDS` strings with some text."""
-    most = SamplingParams.MAX_BAD_WORDS
-    words = get_field(
-        body,
-        "bad_words",
-        lambda v: isinstance(v, list) and len(v) <= most and all(isinstance(w, str) for w in v),
-        f"an array of at most {most} strings",
-        [],
-    )
-    if any(not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in words):
-        raise bad(f"'bad_words' must hold words of 1 to {MAX_STOP_STRING_CHARS} characters, not only spaces", "bad_words")
-    if words and sampling.structured_outputs is not None:
-        raise bad("'bad_words' cannot be combined with structured outputs (the grammar decides the tokens)", "bad_words")
-    return list(words)
-
-
-def _allowed_token_ids(body: dict[str, Any]) -> list[int] | None:
-    """vLLM's ``allowed_token_ids``, a bounded list of integers (checked against the vocabulary once
-    it is known: `SamplingParams.validate`)."""
-    most = SamplingParams.MAX_ALLOWED_TOKEN_IDS
-    value = get_field(
-        body,
-        "allowed_token_ids",
-        lambda v: isinstance(v, list) and 1 <= len(v) <= most and all_ints(v),
-        f"an array of 1 to {most} token ids",
-        None,
-    )
-    return None if value is None else list(value)
 
 
 def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
@@ -375,8 +290,8 @@ def parse_chat(body: Any) -> GenerationSpec:
         if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
-    for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
-        _unsupported(body, name, neutral)
+    for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
+        refuse_unless_neutral(body, name, neutral)
     spec.messages = parse_messages(body)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None)
     return spec
@@ -414,8 +329,8 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise bad("give either 'prompt' or 'messages', not both", "prompt")
-        for name, neutral in (*_CHAT_TEMPLATE_FIELDS, ("tools", [])):
-            _unsupported(body, name, neutral)
+        for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("tools", [])):
+            refuse_unless_neutral(body, name, neutral)
         return TokenizeSpec(
             model,
             None,

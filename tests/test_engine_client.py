@@ -787,3 +787,21 @@ async def test_a_request_with_a_priority_goes_only_to_an_engine_that_takes_it() 
     fcfs_only = make_client()
     await publish(fcfs_only, engine("f"))
     assert fcfs_only.pick_engine(priority=1) is None and fcfs_only.pick_engine().scheduler_id == "f"
+
+
+@async_test
+async def test_priority_and_cache_salt_go_with_every_attempt() -> None:
+    """A request's priority and cache salt are sent with its first attempt and again with the next
+    (a migration: `_route` once more, to another engine), tokens so far included."""
+    client = make_client()
+    first, second = engine("p1", running=0), engine("p2", running=5)
+    first.scheduling_policy = second.scheduling_policy = "priority"
+    await publish(client, first, second)
+    h = await client.submit("r", [1, 2, 3], SAMPLING, priority=-4, cache_salt="tenant-salt")
+    await dispatch_steps(client, outputs(("r", 0, [7])))
+    [msg] = await sent(client, "p1")
+    assert (msg.priority, msg.cache_salt) == (-4, "tenant-salt")
+    await publish(client, engine("p1", executor=""))  # p1 loses its executor: the request moves
+    assert await client._route(h, [])
+    [moved] = await sent(client, "p2")
+    assert (moved.priority, moved.cache_salt, moved.output_token_ids) == (-4, "tenant-salt", [7])

@@ -50,9 +50,9 @@ from gateway.openai_schema import (
     parse_chat,
     parse_completion,
     parse_detokenize,
-    parse_request_id,
     parse_tokenize,
 )
+from gateway.request_ids import header_request_id, request_id_of
 from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
 from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import (
@@ -66,6 +66,7 @@ from gateway.tokenization import (
     tokenize_only,
     tokenizes_inline,
 )
+from gateway.vllm_fields import check_priority
 
 logger = logging.getLogger("conveyor.gateway")
 SHUTDOWN_TIMEOUT_S = 5.0  # the most the lifespan's clean-up may take (aborts, key deletes, close)
@@ -245,33 +246,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_key(request)
-        header_id = client_request_id(request)
+        header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        client_id = body_request_id(request, header_id, body)  # (first: a 400 below echoes it too)
+        client_id = request_id_of(request, header_id, body)  # (first: a 400 below echoes it too)
         return await serve(request, parse_completion(body), body, client_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         check_key(request)
-        header_id = client_request_id(request)
+        header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
-        client_id = body_request_id(request, header_id, body)
+        client_id = request_id_of(request, header_id, body)
         return await serve(request, parse_chat(body), body, client_id)
-
-    def body_request_id(request: Request, header_id: str | None, body: Any) -> str | None:
-        """The request's id: ``X-Request-Id``, else vLLM's body field ``request_id`` (the header
-        wins, as in vLLM), under the same rules; the field is checked either way. Echoed from here on."""
-        body_id = parse_request_id(body.get("request_id"), "request_id") if isinstance(body, dict) else None
-        if header_id is None and body_id is not None:
-            request.state.response_id = body_id
-            return body_id
-        return header_id
-
-    def client_request_id(request: Request) -> str | None:
-        """The client's valid ``X-Request-Id`` (a 400 if it is not valid), echoed from here on."""
-        client_id = parse_request_id(request.headers.get("x-request-id"))
-        request.state.response_id = client_id
-        return client_id
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> Response:
@@ -300,13 +286,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         arrival = time.monotonic()
         info = ready_info()
         name = check_model(spec.model, info)
-        if spec.priority and not any(e.scheduling_policy == "priority" for e in client.engines.values()):
-            raise ApiError(
-                400,
-                f"'priority' = {spec.priority} needs an engine started with --scheduling-policy priority "
-                "(the engines here serve fcfs)",
-                param="priority",
-            )
+        check_priority(spec.priority, client.engines.values())
         tokenizer = await tokenizers.get(info)
         if needs_fanout(spec):
             response_id, engine_id = response_ids(request, spec, client_id)

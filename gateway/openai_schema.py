@@ -365,29 +365,3 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[Any]]:
             "tokens",
         )
     return model, tokens
-
-
-# -- the X-Request-Id header -------------------------------------------------------------------
-# A client's request id becomes the response id and a prefix of the engine request id: it shows in
-# logs, Redis key names and URLs (``/v1/streams/{id}``), so it is short and visible ASCII only.
-MAX_REQUEST_ID_CHARS = 128
-
-
-def parse_request_id(value: Any, name: str = "X-Request-Id") -> str | None:
-    """The client's ``X-Request-Id`` (or vLLM's body field ``request_id``: ``name``; None when
-    absent or blank); a 400 unless it is at most `MAX_REQUEST_ID_CHARS` visible ASCII characters
-    (no spaces or control characters)."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if not isinstance(value, str):
-        raise bad(f"{name} must be a string, got {typename(value)}", name, "invalid_request_id")
-    value = value.strip()
-    if len(value) > MAX_REQUEST_ID_CHARS:
-        raise bad(f"{name} may be at most {MAX_REQUEST_ID_CHARS} characters, got {len(value)}", name, "invalid_request_id")
-    if not all("!" <= c <= "~" for c in value):
-        raise bad(
-            f"{name} must be visible ASCII characters (no spaces or control characters), got {ascii(value)[:80]}",
-            name,
-            "invalid_request_id",
-        )
-    return value

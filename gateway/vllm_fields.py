@@ -5,8 +5,10 @@ support). Each parser gives a 400 naming its field.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
 from gateway.json_input import all_ints, bad, get_field, get_int, preview
 
@@ -108,3 +110,13 @@ def parse_allowed_token_ids(body: dict[str, Any]) -> list[int] | None:
         None,
     )
     return None if value is None else list(value)
+
+
+def check_priority(priority: int, engines: Iterable[EngineStatus]) -> None:
+    """A 400 for a non-zero ``priority`` where no engine runs the priority scheduling policy
+    (vLLM's rule; an fcfs engine would refuse the request)."""
+    if priority and not any(e.scheduling_policy == "priority" for e in engines):
+        raise bad(
+            f"'priority' = {priority} needs an engine started with --scheduling-policy priority (the engines here serve fcfs)",
+            "priority",
+        )

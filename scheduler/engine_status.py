@@ -5,7 +5,8 @@ scheduler by its ``incarnation``. It beats on its own thread (a long step must n
 every interval and at once when poked (after aborts, so freed blocks show without delay); a
 stalled engine thread ends it, and the process (`common.watchdog`). It also watches Redis's
 ``run_id``: a new one means Redis restarted and lost what it held, and the scheduler must
-re-create its side (it rebinds its executor; the key itself is rewritten here).
+re-create its side (it rebinds its executor; the key itself is rewritten here). What it
+publishes is read off the scheduler service by `engine_status`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from common.protocol import ENGINE_FORGET_S, EngineStatus, Names, encode
+from common.protocol import ENGINE_FORGET_S, EngineStatus, ExecutorHello, Names, encode
 from common.redis_errors import TRANSIENT_ERRORS, refuses_writes
 from common.redis_url import sync_client
 from common.transport import CLIENT_OPTIONS, server_run_id
 from common.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from scheduler.service import SchedulerService
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +114,34 @@ class EngineBeat:
                 time.sleep(min(self.interval_s, 0.2))
             if self.watchdog is not None:
                 self.watchdog.check(self.remove, self.interval_s, reachable)
+
+
+def engine_status(service: SchedulerService) -> EngineStatus:
+    """``service``'s liveness, model and load: what `EngineBeat` publishes."""
+    engine, hello, executor = service.engine, service.binding.hello, service.executor
+    h = hello if hello is not None else ExecutorHello("", "", "", 0, 0, 0, 0)
+    return EngineStatus(
+        scheduler_id=service.sid,
+        incarnation=service.incarnation,
+        model_name=h.model_name,
+        model_path=h.model_path,
+        max_model_len=h.max_model_len,
+        vocab_size=h.vocab_size,
+        block_size=h.block_size,
+        num_blocks=h.num_blocks,
+        executor_id=executor.executor_id if executor else "",
+        epoch=service.binding.epoch,
+        num_free_blocks=engine.cache.get_num_free_blocks() if engine else 0,
+        num_running=len(engine.running) if engine else 0,
+        num_waiting=len(engine.waiting) if engine else 0,
+        num_steps=engine.num_steps if engine else 0,
+        num_preemptions=engine.num_preemptions if engine else 0,
+        num_dead_letters=service.transport.num_dead_letters,
+        updated_at=time.time(),
+        step_wall_s=service.step_wall_s,
+        step_forward_s=service.step_forward_s,
+        step_count=service.step_count,
+        prefix_cache_queries=engine.prefix_cache_queries if engine else 0,
+        prefix_cache_hits=engine.prefix_cache_hits if engine else 0,
+        scheduling_policy=service.config.scheduling_policy,
+    )

@@ -20,13 +20,12 @@ from scheduler.request import Request
 class WaitingQueue:
     """Waiting requests in admission order (see the module docstring)."""
 
-    __slots__ = ("by_priority", "queue", "keys")
+    __slots__ = ("by_priority", "queue")
 
     def __init__(self, policy: str) -> None:
         assert policy in SCHEDULING_POLICIES, policy
         self.by_priority = policy == "priority"
         self.queue: deque[Request] = deque()
-        self.keys: list[tuple[int, float]] = []  # (priority only) each request's sort key, in order
 
     def add(self, request: Request) -> None:
         """A request that just arrived."""
@@ -43,19 +42,15 @@ class WaitingQueue:
             self.queue.appendleft(request)
 
     def _insert(self, request: Request) -> None:
-        key = (request.priority, request.arrival_time)
-        at = bisect.bisect_right(self.keys, key)  # after its equals: they came first
-        self.keys.insert(at, key)
+        at = bisect.bisect_right(self.queue, _key(request), key=_key)  # after its equals: they came first
         self.queue.insert(at, request)
 
     def remove(self, request: Request) -> None:
         """Take ``request`` out, wherever it is (found by identity: `Request` has no ``==`` of its own)."""
-        del self[self.queue.index(request)]
+        self.queue.remove(request)
 
     def __delitem__(self, index: int) -> None:
         del self.queue[index]
-        if self.by_priority:
-            del self.keys[index]
 
     def __getitem__(self, index: int) -> Request:
         return self.queue[index]
@@ -67,9 +62,14 @@ class WaitingQueue:
         return iter(self.queue)
 
 
+def _key(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_time
+
+
 def pick_victim(running: list[Request], by_priority: bool, spare: Request | None = None) -> Request:
     """The running request to preempt when blocks run out: the last admitted (fcfs), or the lowest
     priority, latest arrival (priority; vLLM's); never ``spare``."""
     if not by_priority:
         return next(r for r in reversed(running) if r is not spare)
-    return max((r for r in running if r is not spare), key=lambda r: (r.priority, r.arrival_time))
+    return max((r for r in running if r is not spare), key=_key)

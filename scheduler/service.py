@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from common.config import SchedulerConfig, ServiceDefaults
 from common.pairing import AUTO
-from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, ExecutorHello, GenerateRequest, Names, SyncRequest
+from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, GenerateRequest, Names, SyncRequest
 from common.redis_errors import TRANSIENT_ERRORS
 from common.sampling_params import sampling_from_dict
 from common.service_cli import record_process_id
@@ -41,7 +41,7 @@ from common.watchdog import Watchdog
 from scheduler.binding import ExecutorBinding
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore
-from scheduler.engine_status import EngineBeat
+from scheduler.engine_status import EngineBeat, engine_status
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -202,33 +202,7 @@ class SchedulerService:
 
     def status(self) -> EngineStatus:
         """This engine's liveness, model and load (read by `EngineBeat` on its thread)."""
-        engine, hello, executor = self.engine, self.binding.hello, self.executor
-        h = hello if hello is not None else ExecutorHello("", "", "", 0, 0, 0, 0)
-        return EngineStatus(
-            scheduler_id=self.sid,
-            incarnation=self.incarnation,
-            model_name=h.model_name,
-            model_path=h.model_path,
-            max_model_len=h.max_model_len,
-            vocab_size=h.vocab_size,
-            block_size=h.block_size,
-            num_blocks=h.num_blocks,
-            executor_id=executor.executor_id if executor else "",
-            epoch=self.binding.epoch,
-            num_free_blocks=engine.cache.get_num_free_blocks() if engine else 0,
-            num_running=len(engine.running) if engine else 0,
-            num_waiting=len(engine.waiting) if engine else 0,
-            num_steps=engine.num_steps if engine else 0,
-            num_preemptions=engine.num_preemptions if engine else 0,
-            num_dead_letters=self.transport.num_dead_letters,
-            updated_at=time.time(),
-            step_wall_s=self.step_wall_s,
-            step_forward_s=self.step_forward_s,
-            step_count=self.step_count,
-            prefix_cache_queries=engine.prefix_cache_queries if engine else 0,
-            prefix_cache_hits=engine.prefix_cache_hits if engine else 0,
-            scheduling_policy=self.config.scheduling_policy,
-        )
+        return engine_status(self)
 
     def _on_redis_restart(self) -> None:
         self.settle_until = time.monotonic() + self.config.heartbeat_ttl_ms / 1000

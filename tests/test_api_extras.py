@@ -28,7 +28,7 @@ from common.logs import STRUCTURED, formatter
 from common.protocol import AbortRequests, GenerateRequest, Names, StepOutputs, decode, encode
 from common.redact import RedactingFilter
 from gateway.config import GatewayConfig
-from gateway.openai_schema import MAX_REQUEST_ID_CHARS
+from gateway.request_ids import MAX_REQUEST_ID_CHARS
 from infra.launcher import free_port, wait_healthy
 from infra.stack import find_redis
 from tests.test_gateway_validation import ENGINE, MAX_MODEL_LEN, VOCAB_SIZE, _error, register_engine

@@ -43,7 +43,14 @@ def test_waiting_queue_orders_by_priority_then_arrival() -> None:
     assert [r.request_id for r in queue] == ["b", "d", "p", "c", "e", "a"]
     queue.remove(queue[2])
     del queue[0]
-    assert [r.request_id for r in queue] == ["d", "c", "e", "a"] and queue.keys == [(1, 4.0), (2, 3.0), (2, 5.0), (3, 1.0)]
+    assert [(r.request_id, r.priority, r.arrival_time) for r in queue] == [
+        ("d", 1, 4.0),
+        ("c", 2, 3.0),
+        ("e", 2, 5.0),
+        ("a", 3, 1.0),
+    ]
+    queue.add(request("q", 2, 3.0))  # an equal key: after the one already there
+    assert [r.request_id for r in queue] == ["d", "c", "q", "e", "a"]
     fcfs = WaitingQueue("fcfs")
     for r in (request("a", 0, 1.0), request("b", 0, 2.0)):
         fcfs.add(r)

@@ -42,7 +42,9 @@ from common.sampling_params import SamplingParams, sampling_to_dict
 from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the one schema module
 from common.step_outputs import unpack_prompt_logprobs
 
-PROTOCOL_VERSION = 5  # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities; 5: cache salts
+# 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities; 5: cache
+# salts; 6: journaled tool-call parsers
+PROTOCOL_VERSION = 6
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -410,6 +412,7 @@ class JournalHeader:
     prompt_token_ids: list[int] = packed("i")
     echo_text: str | None = None
     choice_ids: list[str] = field(default_factory=list)
+    tool_parser: str = ""  # the parser the accepting gateway reads "auto" tool calls with ("" none)
 
 
 @dataclass(slots=True)

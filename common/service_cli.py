@@ -18,6 +18,11 @@ from common.redis_errors import RedisAuthFailed
 from common.redis_url import URL_HELP, RedisUrlError, check_redis_url, redis_password
 
 
+def env_flag(name: str) -> bool:
+    """A boolean flag's default from the environment: set and not "0" or "false" means on."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false")
+
+
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:
     """A parser with ``--redis-url``, ``--namespace``, ``--model``, ``--heartbeat-ttl-ms``, ``--stall-timeout``,
     ``--log-level``, ``--log-format``."""

@@ -32,6 +32,7 @@ from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor,
 from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS
 from common.service_cli import (
     add_engine_id,
+    env_flag,
     freeze_startup_heap,
     record_process_id,
     run_service,
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        default=env("CONVEYOR_ENFORCE_EAGER", "") not in ("", "0"),
+        default=env_flag("CONVEYOR_ENFORCE_EAGER"),
         help="no CUDA graphs: run every decode step eagerly",
     )
     p.add_argument(

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import hmac
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
@@ -41,7 +40,7 @@ from common.transport import Outgoing
 from gateway.config import GatewayConfig
 from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import journal_body, read_journal, stream_not_found
+from gateway.journal import journal_body, journaled_spec, read_journal, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
@@ -257,7 +256,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
         client_id = request_id_of(request, header_id, body)
-        return await serve(request, parse_chat(body), body, client_id)
+        return await serve(request, parse_chat(body, config.auto_tool_parser), body, client_id)
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> Response:
@@ -290,7 +289,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tokenizer = await tokenizers.get(info)
         if needs_fanout(spec):
             response_id, engine_id = response_ids(request, spec, client_id)
-            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, config.max_inflight)
+            limit, parser = config.max_inflight, config.auto_tool_parser
+            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, limit, parser)
             out = await serve_choices(ctx, request, spec, (response_id, engine_id, client_id is not None), body, arrival)
             return (
                 JSONResponse(out, headers={"X-Request-Id": response_id})
@@ -334,7 +334,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await gen.start()
             return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
         header = JournalHeader(
-            response_id, spec.kind, journal_body(body, spec.kind), name, fmt.created, max_tokens, prompt_ids, echo
+            response_id,
+            spec.kind,
+            journal_body(body, spec.kind),
+            name,
+            fmt.created,
+            max_tokens,
+            prompt_ids,
+            echo,
+            tool_parser=config.auto_tool_parser or "",
         )
         first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
         if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip
@@ -369,7 +377,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return event_stream(await resume_choices(ctx, response_id, journal, last), response_id)
         if not (last.isascii() and last.isdigit()) or len(last) > 9:
             raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
-        spec = parse_chat(json.loads(header.body)) if header.kind == "chat" else parse_completion(json.loads(header.body))
+        spec = journaled_spec(header)
         spec.sampling.max_tokens = header.max_tokens
         await resolve_bad_words(workers, tokenizer, tokenizers.call_lock, spec)
         try:

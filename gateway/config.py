@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(slots=True)
@@ -24,3 +25,19 @@ class GatewayConfig:
     resume_window_s: float = ServiceDefaults.resume_window_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
     api_key: str | None = field(default=None, repr=False)
+    # vLLM's pair: "auto" tool choice reads the output with this parser (`gateway.tool_parsers`).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown tool-call parser {self.tool_call_parser!r} (known: {', '.join(sorted(TOOL_CALL_PARSERS))})"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser that ``tool_choice`` "auto" uses; None: "auto" is a 400."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None

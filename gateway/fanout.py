@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,10 +35,10 @@ from common.sampling_params import sampling_to_dict, wire_size
 from common.transport import Outgoing
 from gateway.choice_stream import ChoiceCursor, stream_choices
 from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import Journal, journal_body, stream_not_found
+from gateway.journal import Journal, journal_body, journaled_spec, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
+from gateway.openai_schema import GenerationSpec
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import InputWorkers, prepare_prompt, resolve_bad_words, tokenizes_inline
@@ -57,6 +56,7 @@ class FanoutContext:
     info: EngineStatus
     model: str  # the served name
     max_inflight: int
+    tool_parser: str | None = None  # what "auto" tool calls are read with (journaled with the stream)
 
 
 @dataclass(slots=True)
@@ -208,6 +208,7 @@ def _journal_headers(
                     prompt.ids,
                     prompt.echo,
                     [g.request_id for g in group],
+                    ctx.tool_parser or "",
                 )
             ),
             None,
@@ -313,7 +314,7 @@ async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal,
         raise stream_not_found(response_id)
     seen = ChoiceCursor.parse(last_event_id, len(ids))
     first = journal.headers[0]
-    spec = parse_chat(json.loads(first.body)) if first.kind == "chat" else parse_completion(json.loads(first.body))
+    spec = journaled_spec(first)
     await resolve_bad_words(ctx.workers, ctx.tokenizer, ctx.lock, spec)
     k = len(first.choice_ids)
     gens: list[Generation] = []

@@ -16,6 +16,7 @@ from typing import Any
 
 from common.protocol import ENTRY_FIELD, JournalHeader, Route, StepOutputs, decode
 from gateway.json_input import ApiError, preview
+from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
 from gateway.request_handle import base_request_id
 from gateway.router import EngineClient
 
@@ -35,6 +36,13 @@ def journal_body(body: dict[str, Any], kind: str) -> str:
     echo text) beside it, and the parsers only need a valid stand-in to rebuild the parameters."""
     stand_in = {"prompt": [0]} if kind == "completion" else {"messages": [{"role": "user", "content": ""}]}
     return json.dumps({**body, **stand_in})
+
+
+def journaled_spec(header: JournalHeader) -> GenerationSpec:
+    """The parameters of the request ``header`` journaled, parsed as the gateway that accepted it
+    did (with its tool-call parser, whatever this gateway's is)."""
+    body = json.loads(header.body)
+    return parse_chat(body, header.tool_parser or None) if header.kind == "chat" else parse_completion(body)
 
 
 @dataclass(slots=True)

@@ -278,8 +278,9 @@ def _prompt_list(prompts: list[Any]) -> list[str | list[int]]:
     return prompts
 
 
-def parse_chat(body: Any) -> GenerationSpec:
-    """Validate a ``/v1/chat/completions`` body."""
+def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationSpec:
+    """Validate a ``/v1/chat/completions`` body; ``tool_parser`` reads the output of a request
+    with ``tool_choice`` "auto" (None: such a request is a 400)."""
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {typename(body)}")
     want_logprobs = get_bool(body, "logprobs", False)
@@ -293,7 +294,9 @@ def parse_chat(body: Any) -> GenerationSpec:
     for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
         refuse_unless_neutral(body, name, neutral)
     spec.messages = parse_messages(body)
-    spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None)
+    spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, tool_parser)
+    if spec.structured is not None and spec.structured.tool_call is not None and spec.structured.tool_call.kind == "parsed":
+        spec.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
     return spec
 
 

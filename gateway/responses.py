@@ -2,7 +2,9 @@
 
 A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.structured`) answers
 with ``tool_calls`` and finish reason "tool_calls"; streamed, its text is held back and the calls
-come whole in the final chunk (`gateway.tool_calls`).
+come whole in the final chunk (`gateway.tool_calls`). Under "auto", a tool-call parser splits the
+output into content and calls (`gateway.tool_parsers`); streamed, the content before the first
+call goes out as it comes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from gateway.generation import Generation, Piece
 from gateway.json_input import ApiError
 from gateway.openai_schema import GenerationSpec
 from gateway.structured import ToolCallMode
-from gateway.tool_calls import stream_tool_calls, tool_calls
+from gateway.tool_calls import stream_tool_calls, tool_calls, with_ids
+from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -57,6 +60,9 @@ class ResponseFormatter:
         self.chat = spec.kind == "chat"
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
         self.tool_text = ""  # a tool-call request's text so far (streaming)
+        parser = self.tool_call.parser if self.tool_call is not None else None
+        self.parser = TOOL_CALL_PARSERS[parser] if parser is not None else None  # "auto" tool calls
+        self.call_stream = CallStream(self.parser) if self.parser is not None else None
         self.completion_tokens = 0  # streaming: the choice's tokens so far (``continuous_usage``)
         self.prompt_ids_pending = spec.return_token_ids  # streaming: the first chunk carries them
         # streaming: the echo chunk waits for the prompt's logprobs (on the first piece)
@@ -177,12 +183,12 @@ class ResponseFormatter:
         logprobs = self.logprobs(pieces)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls = (
-                tool_calls(self.tool_call, text, self.request_id, self.created, self.index)
-                if self.tool_call and reason == "stop"
-                else None
-            )
-            if calls:
+            if self.parser is not None:
+                content, parsed = split_calls(self.parser, text, reason == "stop")
+                if parsed:
+                    found = with_ids(parsed, self.request_id, self.created, self.index)
+                    message, reason = {"role": "assistant", "content": content or None, "tool_calls": found}, "tool_calls"
+            elif self.tool_call and reason == "stop" and (calls := self._constrained_calls(text)):
                 message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
             out = {
                 "index": self.index,
@@ -250,7 +256,9 @@ class ResponseFormatter:
             if self.chat:
                 delta: dict[str, Any] = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
                 reason = piece.finish_reason
-                if self.tool_call is not None:
+                if self.call_stream is not None:
+                    delta, reason = self._parsed_delta(self.call_stream, piece)
+                elif self.tool_call is not None:
                     delta, reason = self._tool_delta(piece)
                 choice = {
                     "index": self.index,
@@ -286,14 +294,27 @@ class ResponseFormatter:
         self.tool_text += piece.text
         if piece.finish_reason is None:
             return {}, None
-        calls = (
-            tool_calls(self.tool_call, self.tool_text, self.request_id, self.created, self.index)
-            if piece.finish_reason == "stop"
-            else None
-        )
+        calls = self._constrained_calls(self.tool_text) if piece.finish_reason == "stop" else None
         if calls:
             return {"tool_calls": stream_tool_calls(calls)}, "tool_calls"
         return {"content": self.tool_text}, piece.finish_reason
+
+    def _constrained_calls(self, text: str) -> list[dict[str, Any]] | None:
+        assert self.tool_call is not None
+        return tool_calls(self.tool_call, text, self.request_id, self.created, self.index)
+
+    def _parsed_delta(self, calls: CallStream, piece: Piece) -> tuple[dict[str, Any], str | None]:
+        """An "auto" tool-call request's delta and finish reason: the content before the first
+        call as it comes, then, at the end, the calls (or, when they do not parse, the held text)."""
+        text = calls.feed(piece.text)
+        if piece.finish_reason is None:
+            return ({"content": text} if text else {}), None
+        rest, parsed = calls.finish(piece.finish_reason == "stop")
+        delta: dict[str, Any] = {"content": text + rest} if text or rest else {}
+        if parsed:
+            delta["tool_calls"] = stream_tool_calls(with_ids(parsed, self.request_id, self.created, self.index))
+            return delta, "tool_calls"
+        return delta, piece.finish_reason
 
 
 # Built once: `json.dumps` with any non-default argument builds a new encoder per call, which was

@@ -8,8 +8,9 @@ import os
 
 from common.config import ServiceDefaults
 from common.redact import redact_url
-from common.service_cli import add_recovery_flags, service_parser, setup_logging
+from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from gateway.config import GatewayConfig
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -43,11 +44,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("CONVEYOR_API_KEY"),
         help="require this bearer token (prefer CONVEYOR_API_KEY: a flag shows in the process list)",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=env_flag("CONVEYOR_ENABLE_AUTO_TOOL_CHOICE"),
+        help='serve tool_choice "auto" (the default with tools), reading calls with --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=env("CONVEYOR_TOOL_CALL_PARSER"),
+        help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.1+)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = GatewayConfig(
+            redis_url=args.redis_url,
+            namespace=args.namespace,
+            gateway_id=args.gateway_id,
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            served_model_name=args.served_model_name,
+            max_body_bytes=args.max_body_bytes,
+            max_inflight=args.max_inflight,
+            api_key=args.api_key,
+            heartbeat_ttl_ms=args.heartbeat_ttl_ms,
+            migration_limit=args.migration_limit,
+            recovery_timeout_s=args.recovery_timeout,
+            resume_window_s=args.resume_window,
+            stall_timeout_s=args.stall_timeout,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+        )
+    except ValueError as exc:  # settings that do not go together
+        parser.error(str(exc))
     # The key never reaches a log, whoever logs it.
     setup_logging(args.log_level, secrets=[args.api_key], log_format=args.log_format)
     logger.info(
@@ -60,23 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from gateway.app import create_app
 
-    config = GatewayConfig(
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        gateway_id=args.gateway_id,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes,
-        max_inflight=args.max_inflight,
-        api_key=args.api_key,
-        heartbeat_ttl_ms=args.heartbeat_ttl_ms,
-        migration_limit=args.migration_limit,
-        recovery_timeout_s=args.recovery_timeout,
-        resume_window_s=args.resume_window,
-        stall_timeout_s=args.stall_timeout,
-    )
     # log_config=None: uvicorn's records go to the root handler too, through its redaction filter.
     uvicorn.run(
         create_app(config),

@@ -10,7 +10,9 @@ Tools: ``tool_choice`` ``"required"`` constrains the output to a JSON array of c
 ``[{"name": ..., "parameters": {...}}]`` (vLLM's form), one of the tools' names with that tool's
 parameter schema each; a named function constrains it to that tool's parameters (the arguments
 object). The response carries them as OpenAI ``tool_calls`` (`gateway.tool_calls`).
-``"none"`` and ``"auto"`` generate plain text: there is no tool-call parser for free-form output.
+``"auto"`` (the default with tools) needs a gateway started with vLLM's ``--enable-auto-tool-choice
+--tool-call-parser NAME``: the output is free-form, and the parser finds the calls in it
+(`gateway.tool_parsers`); without one it is a 400, as from vLLM. ``"none"`` generates plain text.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ _IGNORED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "backend")
 @dataclass(slots=True)
 class ToolCallMode:
     """How a chat request's output becomes tool calls: ``kind`` "required" (a JSON array of
-    ``{"name", "parameters"}``) or "named" (the arguments of the function ``name``)."""
+    ``{"name", "parameters"}``), "named" (the arguments of the function ``name``) or "parsed"
+    (free-form text, read by the tool-call parser ``parser``)."""
 
     kind: str
     name: str | None = None
+    parser: str | None = None
 
 
 @dataclass(slots=True)
@@ -111,10 +115,13 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
     raise bad(f"'response_format.type' must be text, json_object or json_schema, got {preview(kind)}", "response_format")
 
 
-def parse_tools(body: dict[str, Any], sampling: SamplingParams, param: str | None) -> StructuredRequest | None:
+def parse_tools(
+    body: dict[str, Any], sampling: SamplingParams, param: str | None, tool_parser: str | None = None
+) -> StructuredRequest | None:
     """Validate chat ``tools`` and ``tool_choice``; for "required" or a named function, set the
     matching constraint on ``sampling`` (a 400 if another one is set). ``param``: the field of a
-    constraint already parsed (`parse_structured`). Returns the request's `StructuredRequest`."""
+    constraint already parsed (`parse_structured`); ``tool_parser``: the parser "auto" reads the
+    output with (None: "auto" is a 400). Returns the request's `StructuredRequest`."""
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
             raise bad(f"'{legacy}' is not supported by this server; use 'tools' and 'tool_choice'", legacy)
@@ -126,11 +133,15 @@ def parse_tools(body: dict[str, Any], sampling: SamplingParams, param: str | Non
         return StructuredRequest(param) if param else None
     schemas = _tool_schemas(tools)
     if choice in (None, "auto"):  # vLLM's default with tools; it too refuses it without a parser
-        raise bad(
-            "'tool_choice' \"auto\" (the default with 'tools') needs a tool-call parser, which this server does not "
-            "have: send 'required', a named function, or 'none' (the tools go in the prompt, the answer is text)",
-            "tool_choice",
-        )
+        if tool_parser is None:
+            raise bad(
+                "'tool_choice' \"auto\" (the default with 'tools') needs a gateway started with "
+                "--enable-auto-tool-choice and --tool-call-parser: send 'required', a named function, or 'none' "
+                "(the tools go in the prompt, the answer is text)",
+                "tool_choice",
+            )
+        # (a constraint from another field still applies: the parser reads what it lets through)
+        return StructuredRequest(param or "tools", ToolCallMode("parsed", parser=tool_parser), tools)
     if choice == "none":
         return StructuredRequest(param or "tools", None, tools)
     if choice == "required":

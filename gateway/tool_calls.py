@@ -1,4 +1,5 @@
-"""OpenAI ``tool_calls`` from the text a tool-constrained chat request generated.
+"""OpenAI ``tool_calls`` from the text a tool-constrained chat request generated (free-form
+output under ``tool_choice`` "auto" goes through `gateway.tool_parsers` instead).
 
 Under ``tool_choice`` "required" the text is a JSON array ``[{"name", "parameters"}, ...]``, under
 a named function it is that function's arguments (`gateway.structured`). Streaming sends the calls
@@ -17,12 +18,13 @@ import json
 from typing import Any
 
 from gateway.structured import ToolCallMode
+from gateway.tool_parsers import Call
 
 
 def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, choice: int) -> list[dict[str, Any]] | None:
     """The calls ``text`` makes, in OpenAI's message form; None when it is not complete (a request
     cut short by ``max_tokens``): its text is then returned as content."""
-    calls: list[tuple[str, str]] = []
+    calls: list[Call] = []
     try:  # nested past the interpreter's recursion limit (a grammar can force that): no calls either
         value = json.loads(text)
         if mode.kind == "named":
@@ -38,6 +40,11 @@ def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, ch
                 calls.append((call["name"], parameters))
     except (ValueError, RecursionError):
         return None
+    return with_ids(calls, response_id, created, choice)
+
+
+def with_ids(calls: list[Call], response_id: str, created: int, choice: int) -> list[dict[str, Any]]:
+    """``calls`` (name, arguments) in OpenAI's message form, each with its id."""
     return [
         {
             "id": "chatcmpl-tool-" + hashlib.sha256(f"{response_id}:{created}:{choice}:{i}".encode()).hexdigest()[:24],

@@ -173,8 +173,10 @@ class Stack:
     def _engine_id(self, i: int) -> str:
         return AUTO if self.auto_pairing else str(i)
 
-    def spawn_gateway(self, i: int) -> subprocess.Popen[bytes]:
-        return self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", str(self.ports[i]), *self.gateway_args)
+    def spawn_gateway(self, i: int, *extra_args: str) -> subprocess.Popen[bytes]:
+        """Start (or restart) gateway ``i``; ``extra_args``: flags of its own besides the stack's."""
+        port = str(self.ports[i])
+        return self.spawn(f"gateway{i}", "gateway", "--host", "127.0.0.1", "--port", port, *self.gateway_args, *extra_args)
 
     @property
     def urls(self) -> list[str]:

@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from infra.launcher import free_port, wait_healthy
 from infra.stack import Stack
 
 SCHEMA = {
@@ -131,10 +132,11 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
     streamed = [tc for d in deltas for tc in d.tool_calls or []]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
-    # "none" is plain text; "auto" (the default with tools) needs a tool-call parser: a 400, as from vLLM without one.
+    # "none" is plain text; "auto" (the default with tools) needs a gateway with a tool-call parser: a 400
+    # here, as from vLLM without one.
     plain = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=3)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="tool-call parser"):
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice and --tool-call-parser"):
         client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=3)
     # The calls and their results go back in the next turn (rendered by the chat template).
     call = calls[0]
@@ -145,3 +147,53 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
     ]
     reply = client.chat.completions.create(model="", messages=turn, tools=TOOLS, tool_choice="none", max_tokens=3)  # type: ignore[arg-type]
     assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def auto_url(stack: Stack) -> str:
+    """A second gateway on the stack, started with vLLM's flags for "auto" tool calls."""
+    stack.ports.append(free_port())
+    i = len(stack.ports) - 1
+    proc = stack.spawn_gateway(i, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    wait_healthy(f"{stack.urls[i]}/health", 60, [proc])
+    return stack.urls[i]
+
+
+# The random model would not write a call of its own: a regex makes it write one in Hermes' format,
+# which the parser then finds (vLLM applies such a constraint under "auto" too).
+FORCED = r'Checking\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}\n</tool_call>'
+
+
+def test_auto_tool_choice_reads_the_calls_the_model_writes(stack: Stack, auto_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{auto_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    forced: Any = {"structured_outputs": {"regex": FORCED}}
+    out = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body=forced)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    calls = choice.message.tool_calls
+    assert calls and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]  # type: ignore[union-attr]
+    # Streamed: the content as it comes, the call whole at the end.
+    chunks = list(
+        client.chat.completions.create(
+            model="", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body=forced, stream=True, tool_choice="auto"
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking.\n"
+    streamed = [tc for d in deltas for tc in d.tool_calls or []]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Without a call in the output, "auto" is plain content.
+    plain = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=4)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+
+
+def test_a_stream_with_auto_tool_calls_resumes_on_a_gateway_without_the_parser(stack: Stack, auto_url: str) -> None:
+    """The journal names the parser the stream was accepted with: the first gateway has none."""
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, "stream": True, "structured_outputs": {"regex": FORCED}}
+    with httpx.stream("POST", f"{auto_url}/v1/chat/completions", json=body, headers={"X-Request-Id": "auto-tools-1"}) as r:
+        assert r.status_code == 200
+        first = r.read().decode()
+    replay = httpx.get(f"{stack.urls[0]}/v1/streams/auto-tools-1", headers={"Last-Event-ID": "0"}, timeout=60)
+    assert replay.status_code == 200 and replay.text == first
+    assert '"tool_calls":[{"index":0' in first and '"finish_reason":"tool_calls"' in first

@@ -1,0 +1,170 @@
+"""Tool-call parsers for ``tool_choice: "auto"``: free-form model output -> OpenAI ``tool_calls``.
+
+vLLM's ``--enable-auto-tool-choice --tool-call-parser NAME``: the model writes its calls in its own
+format, which the chat template taught it, and the gateway finds them in the text. ``hermes``
+(Qwen2.5, Qwen3, Hermes 2/3, and most models fine-tuned for tools) writes each call as a JSON object
+``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; ``llama3_json``
+(Llama 3.1-3.3) writes the whole answer as one such object (``"parameters"`` for the arguments),
+or several joined by ``;``, optionally after ``<|python_tag|>``.
+
+The content is the text before the first call. A response whose calls do not all parse (bad JSON,
+no name, arguments that are not an object, a call cut short by ``max_tokens``) has none: its whole
+text is the content, as in vLLM. Streamed, text before the first call goes out as it comes (minus
+what may be the start of a call's tag, held until the next piece tells); from the tag on, the text
+is held and the calls come whole in the final chunk, so a stream and a response of the same tokens
+agree, a resumed stream included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# One call: the function's name and its arguments as a JSON string.
+Call = tuple[str, str]
+
+
+def _call(value: Any, arguments_key: str) -> Call | None:
+    """``value`` as a call, if it is an object with a string name and object arguments (absent: {})."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, {})
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def _loads(text: str) -> Any:
+    try:  # nested past the interpreter's recursion limit: no call either
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class HermesParser:
+    """Calls as JSON objects between ``<tool_call>`` and ``</tool_call>``, anywhere in the text."""
+
+    name: str = "hermes"
+    start: str = "<tool_call>"
+    end: str = "</tool_call>"
+
+    def find(self, text: str, fresh: bool) -> int:
+        """Where the first call starts in ``text`` (``fresh``: the output's beginning); -1: nowhere (yet)."""
+        return text.find(self.start)
+
+    def undecided(self, text: str, fresh: bool) -> int:
+        """How many characters at the end of ``text`` (which holds no call) may begin one."""
+        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if self.start.startswith(text[-n:]):
+                return n
+        return 0
+
+    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+        """The calls in ``region`` (the text from the first tag on); None unless all parse. The last
+        call may lack its end tag only when the model stopped there (EOS): cut by the length
+        limit, it may be incomplete JSON that happens to parse."""
+        calls: list[Call] = []
+        rest = region
+        while (begin := rest.find(self.start)) >= 0:
+            body_at = begin + len(self.start)
+            close = rest.find(self.end, body_at)
+            if close < 0 and not stopped:
+                return None
+            body = rest[body_at:] if close < 0 else rest[body_at:close]
+            call = _call(_loads(body.strip()), "arguments")
+            if call is None:
+                return None
+            calls.append(call)
+            rest = "" if close < 0 else rest[close + len(self.end) :]
+        return calls or None
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3JsonParser:
+    """The whole answer is the calls: ``{"name": ..., "parameters": {...}}`` objects joined by ``;``,
+    optionally after ``<|python_tag|>`` (kept in the text: tokenizers mark it special)."""
+
+    name: str = "llama3_json"
+    python_tag: str = "<|python_tag|>"
+
+    def find(self, text: str, fresh: bool) -> int:
+        head = text.lstrip()
+        return 0 if fresh and (head.startswith("{") or head.startswith(self.python_tag)) else -1
+
+    def undecided(self, text: str, fresh: bool) -> int:
+        head = text.lstrip()  # (an answer yet to begin, or that begins with the tag, is still open)
+        return len(text) if fresh and (not head or self.python_tag.startswith(head)) else 0
+
+    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+        if not stopped:
+            return None
+        body = region.lstrip()
+        body = body[len(self.python_tag) :] if body.startswith(self.python_tag) else body
+        calls = []
+        decoder = json.JSONDecoder()
+        at, end = 0, len(body)
+        while True:
+            while at < end and body[at].isspace():
+                at += 1
+            try:
+                value, at = decoder.raw_decode(body, at)
+            except (ValueError, RecursionError):
+                return None
+            call = _call(value, "parameters")
+            if call is None:
+                return None
+            calls.append(call)
+            while at < end and body[at].isspace():
+                at += 1
+            if at == end:
+                return calls
+            if body[at] != ";":
+                return None
+            at += 1
+
+
+ToolCallParser = HermesParser | Llama3JsonParser
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+
+
+def split_calls(parser: ToolCallParser, text: str, stopped: bool) -> tuple[str, list[Call] | None]:
+    """``text`` as (content, calls): the calls and the text before them, or (``text``, None) when
+    it makes none or not all of them parse."""
+    at = parser.find(text, True)
+    if at < 0:
+        return text, None
+    calls = parser.parse(text[at:], stopped)
+    return (text[:at], calls) if calls else (text, None)
+
+
+class CallStream:
+    """One streamed choice's text through a parser: `feed` returns the content that can go out now;
+    `finish` the rest of it and the calls, once the output has ended."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.held = ""  # text not sent: an undecided tail, or everything from the first call on
+        self.in_calls = False
+        self.fresh = True  # no content sent yet
+
+    def feed(self, text: str) -> str:
+        if self.in_calls:
+            self.held += text
+            return ""
+        text = self.held + text
+        at = self.parser.find(text, self.fresh)
+        if at >= 0:
+            self.in_calls, self.held = True, text[at:]
+            return text[:at]
+        keep = self.parser.undecided(text, self.fresh)
+        self.held, out = text[len(text) - keep :], text[: len(text) - keep]
+        self.fresh = self.fresh and not out
+        return out
+
+    def finish(self, stopped: bool) -> tuple[str, list[Call] | None]:
+        """What is left to send as content, and the calls (None: none; the held text is content)."""
+        held, self.held = self.held, ""
+        calls = self.parser.parse(held, stopped) if self.in_calls else None
+        return ("", calls) if calls else (held, None)

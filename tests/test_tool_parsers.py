@@ -1,0 +1,173 @@
+"""Tool-call parsers for ``tool_choice: "auto"`` (`gateway.tool_parsers`): what they find in free-form
+text, that a stream fed in any pieces agrees with the whole response, and the settings around them."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from common.protocol import JournalHeader, decode, encode
+from gateway.config import GatewayConfig
+from gateway.generation import Piece
+from gateway.journal import journal_body, journaled_spec
+from gateway.json_input import ApiError
+from gateway.openai_schema import parse_chat
+from gateway.responses import ResponseFormatter
+from gateway.server import build_parser, main
+from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
+
+HERMES = TOOL_CALL_PARSERS["hermes"]
+LLAMA = TOOL_CALL_PARSERS["llama3_json"]
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "tools": [ADD]}
+
+ONE = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "é"}}\n</tool_call>'
+TWO = ONE + '\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+
+
+def test_hermes_finds_the_calls_and_the_content_before_them() -> None:
+    assert split_calls(HERMES, ONE, True) == ("", [("add", '{"a":1,"b":"é"}')])
+    content, calls = split_calls(HERMES, "Let me add.\n" + TWO, True)
+    assert content == "Let me add.\n" and calls == [("add", '{"a":1,"b":"é"}'), ("get_weather", "{}")]
+    assert split_calls(HERMES, "No tools needed.", True) == ("No tools needed.", None)
+    # Without arguments a call has none; an end tag the model never wrote is fine when it stopped
+    # (EOS) there, not when the length limit cut it (its JSON may be a prefix that parses).
+    assert split_calls(HERMES, '<tool_call>{"name": "add"}</tool_call>', True)[1] == [("add", "{}")]
+    assert split_calls(HERMES, '<tool_call>{"name": "add", "arguments": {}}', True)[1] == [("add", "{}")]
+    assert split_calls(HERMES, '<tool_call>{"name": "add", "arguments": {}}', False)[1] is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',  # bad JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>',  # arguments not an object
+        '<tool_call>["add"]</tool_call>',
+        ONE + "<tool_call>{oops}</tool_call>",  # one bad call: none of them
+        "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>",  # past the recursion limit
+    ],
+)
+def test_calls_that_do_not_all_parse_leave_the_whole_text_as_content(text: str) -> None:
+    assert split_calls(HERMES, "Hi " + text, True) == ("Hi " + text, None)
+
+
+def test_llama3_json_reads_a_whole_answer_of_calls() -> None:
+    one = '{"name": "add", "parameters": {"a": 1}}'
+    assert split_calls(LLAMA, one, True) == ("", [("add", '{"a":1}')])
+    assert split_calls(LLAMA, "<|python_tag|>" + one + " ; " + one.replace("add", "sub"), True)[1] == [
+        ("add", '{"a":1}'),
+        ("sub", '{"a":1}'),
+    ]
+    assert split_calls(LLAMA, "The answer: " + one, True)[1] is None  # calls are the whole answer
+    assert split_calls(LLAMA, one + " and more", True)[1] is None
+    assert split_calls(LLAMA, one, False)[1] is None  # cut by the length limit
+    assert split_calls(LLAMA, '{"city": "Paris"}', True) == ('{"city": "Paris"}', None)  # JSON, but no call
+
+
+TEXTS = [
+    "Plain text, no calls at all.",
+    "Sure. " + TWO,
+    TWO + " trailing words",
+    "a < b and <tool_ or <tool_call maybe",  # look like a tag's start, are not
+    "text ending in <tool_c",
+    ONE[:-5],  # unclosed
+    "x" + ONE + "<tool_call>{bad}</tool_call>",
+]
+
+
+@pytest.mark.parametrize("parser", [HERMES, LLAMA], ids=lambda p: p.name)
+def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> None:
+    texts = [*TEXTS, '  {"name": "f", "parameters": {}}', '<|python_tag|>{"name": "f"}', "Hello {", "<|python_ta"]
+    rng = random.Random(0)
+    for text in texts:
+        for stopped in (True, False):
+            want_content, want_calls = split_calls(parser, text, stopped)
+            for _ in range(20):
+                stream, sent, at = CallStream(parser), "", 0
+                while at < len(text):
+                    step = rng.randint(1, 6)
+                    sent += stream.feed(text[at : at + step])
+                    at += step
+                rest, calls = stream.finish(stopped)
+                assert (sent + rest, calls) == (want_content, want_calls), (text, stopped)
+    # Content before a call goes out as it comes; a possible tag start waits for the next piece.
+    stream = CallStream(HERMES)
+    assert stream.feed("Let me check <tool") == "Let me check "
+    assert stream.feed("box> first") == "<toolbox> first"
+    assert stream.feed(" <tool_call>{") == " " and stream.finish(True) == ("<tool_call>{", None)
+
+
+def _formatter(stream: bool, parser: str | None = "hermes", **body: Any) -> ResponseFormatter:
+    spec = parse_chat({**BODY, "stream": stream, **body}, parser)
+    return ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
+
+
+def test_auto_answers_tool_calls_streamed_or_not() -> None:
+    pieces = [Piece("Adding. <tool_"), Piece(ONE[6:40]), Piece(ONE[40:], finish_reason="stop")]
+    choice = _formatter(False).choice(pieces)
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Adding. "
+    assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a":1,"b":"é"}'}]
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+    fmt = _formatter(True)
+    chunks = [c for p in pieces for c in fmt.stream_piece(p, 9)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"content": "Adding. "} and len(chunks) == 2  # the call's text is held back
+    assert deltas[-1] == {"tool_calls": [{"index": 0, **calls[0]}]} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # Cut by the length limit inside a call: text, as vLLM answers it.
+    cut = [Piece("Adding. "), Piece(ONE[:30], finish_reason="length")]
+    assert _formatter(False).choice(cut)["message"] == {"role": "assistant", "content": "Adding. " + ONE[:30]}
+    fmt = _formatter(True)
+    streamed = [c["choices"][0] for p in cut for c in fmt.stream_piece(p, 9)]
+    assert "".join(c["delta"].get("content", "") for c in streamed) == "Adding. " + ONE[:30]
+    assert streamed[-1]["finish_reason"] == "length"
+
+
+def test_auto_needs_a_parser_which_reads_the_output_of_any_constraint() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_chat(BODY)
+    assert info.value.status == 400 and "--enable-auto-tool-choice" in info.value.message
+    spec = parse_chat(BODY, "hermes")
+    assert spec.structured is not None and spec.structured.tool_call is not None
+    assert (spec.structured.tool_call.kind, spec.structured.tool_call.parser) == ("parsed", "hermes")
+    assert spec.sampling.structured_outputs is None and not spec.skip_special_tokens  # (tags may be special tokens)
+    assert parse_chat({**BODY, "tool_choice": "none"}, "hermes").skip_special_tokens  # no tools read: as asked
+    regex = parse_chat({**BODY, "structured_outputs": {"regex": "<tool_call>.*"}}, "hermes")
+    assert regex.sampling.structured_outputs is not None and regex.structured.tool_call.kind == "parsed"  # type: ignore[union-attr]
+    required = parse_chat({**BODY, "tool_choice": "required"}, "hermes")
+    assert required.structured.tool_call.kind == "required"  # type: ignore[union-attr]
+
+
+def test_a_resumed_stream_reads_calls_with_the_parser_it_was_accepted_with() -> None:
+    """The resuming gateway may run another parser, or none: the journal names the first one's."""
+    body = journal_body({**BODY, "stream": True}, "chat")
+    header = JournalHeader("chatcmpl-1", "chat", body, "m", 1, 5, [1], None, [], tool_parser="hermes")
+    spec = journaled_spec(decode(encode(header)))
+    assert spec.structured.tool_call.parser == "hermes"  # type: ignore[union-attr]
+
+
+def test_the_gateway_settings() -> None:
+    assert GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").auto_tool_parser == "hermes"
+    assert GatewayConfig(tool_call_parser="hermes").auto_tool_parser is None  # vLLM's: both flags
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        GatewayConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="known: hermes, llama3_json"):
+        GatewayConfig(tool_call_parser="mystery")
+    args = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--enable-auto-tool-choice"])
+    assert exit_info.value.code == 2
+
+
+def test_the_flags_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_ENABLE_AUTO_TOOL_CHOICE", "1")
+    monkeypatch.setenv("CONVEYOR_TOOL_CALL_PARSER", "hermes")
+    args = build_parser().parse_args([])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    monkeypatch.setenv("CONVEYOR_ENABLE_AUTO_TOOL_CHOICE", "false")
+    assert not build_parser().parse_args([]).enable_auto_tool_choice

@@ -218,8 +218,10 @@ class ModelExecutor:
         grammar: GrammarMask | None = None
         try:
             batch = self.input_batch.prepare(output)
-            # The structured-output masks are filled on a worker thread while the forward pass runs.
-            grammar = self.structured.start(batch, self.input_batch.requests)
+            # The structured-output masks are filled on a worker thread while the forward pass runs,
+            # on the rank that samples (ranks > 0 take its tokens: their masks went unused).
+            if self.tp is None or self.tp.rank == 0:
+                grammar = self.structured.start(batch, self.input_batch.requests)
             result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
         except BaseException:

@@ -43,7 +43,7 @@ from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the o
 from common.step_outputs import unpack_prompt_logprobs
 
 # 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities; 5: cache
-# salts; 6: journaled tool-call parsers
+# salts; 6: journaled output parsers
 PROTOCOL_VERSION = 6
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
@@ -412,7 +412,10 @@ class JournalHeader:
     prompt_token_ids: list[int] = packed("i")
     echo_text: str | None = None
     choice_ids: list[str] = field(default_factory=list)
-    tool_parser: str = ""  # the parser the accepting gateway reads "auto" tool calls with ("" none)
+    # The parsers of the accepting gateway ("" none), which a resuming one applies alike: of "auto"
+    # tool calls, of a thinking model's reasoning.
+    tool_parser: str = ""
+    reasoning_parser: str = ""
 
 
 @dataclass(slots=True)

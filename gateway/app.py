@@ -256,7 +256,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
         client_id = request_id_of(request, header_id, body)
-        return await serve(request, parse_chat(body, config.auto_tool_parser), body, client_id)
+        return await serve(request, parse_chat(body, config.chat_parsers), body, client_id)
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> Response:
@@ -289,8 +289,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tokenizer = await tokenizers.get(info)
         if needs_fanout(spec):
             response_id, engine_id = response_ids(request, spec, client_id)
-            limit, parser = config.max_inflight, config.auto_tool_parser
-            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, limit, parser)
+            limit, parsers = config.max_inflight, config.chat_parsers
+            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, limit, parsers)
             out = await serve_choices(ctx, request, spec, (response_id, engine_id, client_id is not None), body, arrival)
             return (
                 JSONResponse(out, headers={"X-Request-Id": response_id})
@@ -333,6 +333,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not spec.stream:
             await gen.start()
             return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
+        parsers = config.chat_parsers
         header = JournalHeader(
             response_id,
             spec.kind,
@@ -342,7 +343,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             max_tokens,
             prompt_ids,
             echo,
-            tool_parser=config.auto_tool_parser or "",
+            tool_parser=parsers.tools or "",
+            reasoning_parser=parsers.reasoning or "",
         )
         first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
         if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
+from gateway.openai_schema import ChatParsers
+from gateway.reasoning_parsers import REASONING_PARSERS
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -28,16 +30,19 @@ class GatewayConfig:
     # vLLM's pair: "auto" tool choice reads the output with this parser (`gateway.tool_parsers`).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # vLLM's: a thinking model's reasoning apart from its content
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"unknown tool-call parser {self.tool_call_parser!r} (known: {', '.join(sorted(TOOL_CALL_PARSERS))})"
-            )
+        for kind, name, known in (
+            ("tool-call", self.tool_call_parser, TOOL_CALL_PARSERS),
+            ("reasoning", self.reasoning_parser, REASONING_PARSERS),
+        ):
+            if name is not None and name not in known:
+                raise ValueError(f"unknown {kind} parser {name!r} (known: {', '.join(sorted(known))})")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
     @property
-    def auto_tool_parser(self) -> str | None:
-        """The parser that ``tool_choice`` "auto" uses; None: "auto" is a 400."""
-        return self.tool_call_parser if self.enable_auto_tool_choice else None
+    def chat_parsers(self) -> ChatParsers:
+        """The parsers chat output goes through: "auto" tool calls need both of vLLM's flags."""
+        return ChatParsers(self.tool_call_parser if self.enable_auto_tool_choice else None, self.reasoning_parser)

@@ -38,7 +38,7 @@ from gateway.generation import Generation, Piece, RequestLog
 from gateway.journal import Journal, journal_body, journaled_spec, stream_not_found
 from gateway.json_input import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import GenerationSpec
+from gateway.openai_schema import ChatParsers, GenerationSpec
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import InputWorkers, prepare_prompt, resolve_bad_words, tokenizes_inline
@@ -56,7 +56,7 @@ class FanoutContext:
     info: EngineStatus
     model: str  # the served name
     max_inflight: int
-    tool_parser: str | None = None  # what "auto" tool calls are read with (journaled with the stream)
+    parsers: ChatParsers = ChatParsers()  # of free-form chat output (journaled with the stream)
 
 
 @dataclass(slots=True)
@@ -208,7 +208,8 @@ def _journal_headers(
                     prompt.ids,
                     prompt.echo,
                     [g.request_id for g in group],
-                    ctx.tool_parser or "",
+                    ctx.parsers.tools or "",
+                    ctx.parsers.reasoning or "",
                 )
             ),
             None,

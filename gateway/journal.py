@@ -16,7 +16,7 @@ from typing import Any
 
 from common.protocol import ENTRY_FIELD, JournalHeader, Route, StepOutputs, decode
 from gateway.json_input import ApiError, preview
-from gateway.openai_schema import GenerationSpec, parse_chat, parse_completion
+from gateway.openai_schema import ChatParsers, GenerationSpec, parse_chat, parse_completion
 from gateway.request_handle import base_request_id
 from gateway.router import EngineClient
 
@@ -40,9 +40,11 @@ def journal_body(body: dict[str, Any], kind: str) -> str:
 
 def journaled_spec(header: JournalHeader) -> GenerationSpec:
     """The parameters of the request ``header`` journaled, parsed as the gateway that accepted it
-    did (with its tool-call parser, whatever this gateway's is)."""
+    did (with its output parsers, whatever this gateway's are)."""
     body = json.loads(header.body)
-    return parse_chat(body, header.tool_parser or None) if header.kind == "chat" else parse_completion(body)
+    if header.kind != "chat":
+        return parse_completion(body)
+    return parse_chat(body, ChatParsers(header.tool_parser or None, header.reasoning_parser or None))
 
 
 @dataclass(slots=True)

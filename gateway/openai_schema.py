@@ -53,6 +53,16 @@ BYTES_PER_TOKEN_ID = 4
 MAX_PROMPTS = 256
 
 
+@dataclass(frozen=True, slots=True)
+class ChatParsers:
+    """A gateway's parsers of free-form chat output (by name): ``tools`` reads the calls of
+    ``tool_choice`` "auto" (None: "auto" is a 400), ``reasoning`` a thinking model's reasoning
+    (None: it stays in the content)."""
+
+    tools: str | None = None
+    reasoning: str | None = None
+
+
 @dataclass(slots=True)
 class GenerationSpec:
     """A validated completion or chat request, before tokenization."""
@@ -84,6 +94,8 @@ class GenerationSpec:
     priority: int = 0  # vLLM's: lower first, for an engine with the priority scheduling policy
     cache_salt: str = ""  # vLLM's: keeps the request's prefix-cache entries apart ("": none)
     return_token_ids: bool = False  # vLLM's: responses carry the prompt's and the output's token ids
+    reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.reasoning_parsers`)
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""
@@ -278,9 +290,8 @@ def _prompt_list(prompts: list[Any]) -> list[str | list[int]]:
     return prompts
 
 
-def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationSpec:
-    """Validate a ``/v1/chat/completions`` body; ``tool_parser`` reads the output of a request
-    with ``tool_choice`` "auto" (None: such a request is a 400)."""
+def parse_chat(body: Any, parsers: ChatParsers = ChatParsers()) -> GenerationSpec:
+    """Validate a ``/v1/chat/completions`` body, for a gateway with ``parsers``."""
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {typename(body)}")
     want_logprobs = get_bool(body, "logprobs", False)
@@ -294,9 +305,12 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationSpec:
     for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
         refuse_unless_neutral(body, name, neutral)
     spec.messages = parse_messages(body)
-    spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, tool_parser)
+    spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, parsers.tools)
     if spec.structured is not None and spec.structured.tool_call is not None and spec.structured.tool_call.kind == "parsed":
         spec.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
+    spec.include_reasoning = get_bool(body, "include_reasoning", True)
+    if spec.sampling.structured_outputs is None:  # (a grammar binds from the first token: no thinking)
+        spec.reasoning_parser = parsers.reasoning
     return spec
 
 

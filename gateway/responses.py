@@ -2,9 +2,8 @@
 
 A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.structured`) answers
 with ``tool_calls`` and finish reason "tool_calls"; streamed, its text is held back and the calls
-come whole in the final chunk (`gateway.tool_calls`). Under "auto", a tool-call parser splits the
-output into content and calls (`gateway.tool_parsers`); streamed, the content before the first
-call goes out as it comes.
+come whole in the final chunk (`gateway.tool_calls`). Free-form output goes through the gateway's
+parsers, of a thinking model's reasoning and of "auto" tool calls (`gateway.chat_output`).
 """
 
 from __future__ import annotations
@@ -18,12 +17,14 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
+from gateway.chat_output import ChatOutput
 from gateway.generation import Generation, Piece
 from gateway.json_input import ApiError
 from gateway.openai_schema import GenerationSpec
+from gateway.reasoning_parsers import REASONING_PARSERS
 from gateway.structured import ToolCallMode
-from gateway.tool_calls import stream_tool_calls, tool_calls, with_ids
-from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
+from gateway.tool_calls import stream_tool_calls, tool_calls
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -60,9 +61,16 @@ class ResponseFormatter:
         self.chat = spec.kind == "chat"
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
         self.tool_text = ""  # a tool-call request's text so far (streaming)
-        parser = self.tool_call.parser if self.tool_call is not None else None
-        self.parser = TOOL_CALL_PARSERS[parser] if parser is not None else None  # "auto" tool calls
-        self.call_stream = CallStream(self.parser) if self.parser is not None else None
+        tools = self.tool_call.parser if self.tool_call is not None else None  # "auto" tool calls
+        self.output = (
+            ChatOutput(
+                REASONING_PARSERS[spec.reasoning_parser] if spec.reasoning_parser else None,
+                spec.include_reasoning,
+                TOOL_CALL_PARSERS[tools] if tools else None,
+            )
+            if self.chat and (tools or spec.reasoning_parser)
+            else None
+        )
         self.completion_tokens = 0  # streaming: the choice's tokens so far (``continuous_usage``)
         self.prompt_ids_pending = spec.return_token_ids  # streaming: the first chunk carries them
         # streaming: the echo chunk waits for the prompt's logprobs (on the first piece)
@@ -183,11 +191,8 @@ class ResponseFormatter:
         logprobs = self.logprobs(pieces)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self.parser is not None:
-                content, parsed = split_calls(self.parser, text, reason == "stop")
-                if parsed:
-                    found = with_ids(parsed, self.request_id, self.created, self.index)
-                    message, reason = {"role": "assistant", "content": content or None, "tool_calls": found}, "tool_calls"
+            if self.output is not None:
+                message, reason = self.output.message(text, reason, self._call_ids())
             elif self.tool_call and reason == "stop" and (calls := self._constrained_calls(text)):
                 message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
             out = {
@@ -256,8 +261,8 @@ class ResponseFormatter:
             if self.chat:
                 delta: dict[str, Any] = {"content": piece.text} if piece.text or piece.finish_reason is None else {}
                 reason = piece.finish_reason
-                if self.call_stream is not None:
-                    delta, reason = self._parsed_delta(self.call_stream, piece)
+                if self.output is not None:
+                    delta, reason = self.output.delta(piece.text, piece.finish_reason, self._call_ids())
                 elif self.tool_call is not None:
                     delta, reason = self._tool_delta(piece)
                 choice = {
@@ -299,22 +304,13 @@ class ResponseFormatter:
             return {"tool_calls": stream_tool_calls(calls)}, "tool_calls"
         return {"content": self.tool_text}, piece.finish_reason
 
+    def _call_ids(self) -> tuple[str, int, int]:
+        """What this choice's tool call ids derive from (`gateway.tool_calls.with_ids`)."""
+        return self.request_id, self.created, self.index
+
     def _constrained_calls(self, text: str) -> list[dict[str, Any]] | None:
         assert self.tool_call is not None
-        return tool_calls(self.tool_call, text, self.request_id, self.created, self.index)
-
-    def _parsed_delta(self, calls: CallStream, piece: Piece) -> tuple[dict[str, Any], str | None]:
-        """An "auto" tool-call request's delta and finish reason: the content before the first
-        call as it comes, then, at the end, the calls (or, when they do not parse, the held text)."""
-        text = calls.feed(piece.text)
-        if piece.finish_reason is None:
-            return ({"content": text} if text else {}), None
-        rest, parsed = calls.finish(piece.finish_reason == "stop")
-        delta: dict[str, Any] = {"content": text + rest} if text or rest else {}
-        if parsed:
-            delta["tool_calls"] = stream_tool_calls(with_ids(parsed, self.request_id, self.created, self.index))
-            return delta, "tool_calls"
-        return delta, piece.finish_reason
+        return tool_calls(self.tool_call, text, *self._call_ids())
 
 
 # Built once: `json.dumps` with any non-default argument builds a new encoder per call, which was

@@ -10,6 +10,7 @@ from common.config import ServiceDefaults
 from common.redact import redact_url
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from gateway.config import GatewayConfig
+from gateway.reasoning_parsers import REASONING_PARSERS
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("CONVEYOR_TOOL_CALL_PARSER"),
         help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=env("CONVEYOR_REASONING_PARSER"),
+        help="return a thinking model's reasoning apart from its content: deepseek_r1 (R1, QwQ, Qwen3 2507 "
+        "thinking) or qwen3 (Qwen3 hybrid)",
+    )
     return p
 
 
@@ -81,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             stall_timeout_s=args.stall_timeout,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except ValueError as exc:  # settings that do not go together
         parser.error(str(exc))

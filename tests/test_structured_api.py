@@ -151,10 +151,12 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
 
 @pytest.fixture(scope="module")
 def auto_url(stack: Stack) -> str:
-    """A second gateway on the stack, started with vLLM's flags for "auto" tool calls."""
+    """A second gateway on the stack, started with vLLM's flags for "auto" tool calls and reasoning."""
     stack.ports.append(free_port())
     i = len(stack.ports) - 1
-    proc = stack.spawn_gateway(i, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    proc = stack.spawn_gateway(
+        i, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"
+    )
     wait_healthy(f"{stack.urls[i]}/health", 60, [proc])
     return stack.urls[i]
 
@@ -197,3 +199,19 @@ def test_a_stream_with_auto_tool_calls_resumes_on_a_gateway_without_the_parser(s
     replay = httpx.get(f"{stack.urls[0]}/v1/streams/auto-tools-1", headers={"Last-Event-ID": "0"}, timeout=60)
     assert replay.status_code == 200 and replay.text == first
     assert '"tool_calls":[{"index":0' in first and '"finish_reason":"tool_calls"' in first
+
+
+def test_a_reasoning_parser_takes_the_thinking_out_of_the_content(stack: Stack, auto_url: str) -> None:
+    """deepseek_r1: the output is reasoning up to a ``</think>``, which the random model never
+    writes: all of it is reasoning (as a thinking model's cut by the length limit)."""
+    plain_client = openai.OpenAI(base_url=f"{stack.urls[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{auto_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kwargs: Any = dict(model="", messages=MESSAGES, max_tokens=8, temperature=0)
+    text = plain_client.chat.completions.create(**kwargs).choices[0].message.content
+    assert text
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.content is None and message.reasoning == message.reasoning_content == text  # type: ignore[attr-defined]
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == text and not any(d.content for d in deltas)
+    hidden = client.chat.completions.create(**kwargs, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content is None and not hasattr(hidden, "reasoning")

@@ -13,12 +13,13 @@ from gateway.config import GatewayConfig
 from gateway.generation import Piece
 from gateway.journal import journal_body, journaled_spec
 from gateway.json_input import ApiError
-from gateway.openai_schema import parse_chat
+from gateway.openai_schema import ChatParsers, parse_chat
 from gateway.responses import ResponseFormatter
 from gateway.server import build_parser, main
 from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
 
 HERMES = TOOL_CALL_PARSERS["hermes"]
+HERMES_ONLY = ChatParsers(tools="hermes")
 LLAMA = TOOL_CALL_PARSERS["llama3_json"]
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "tools": [ADD]}
@@ -102,7 +103,7 @@ def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> N
 
 
 def _formatter(stream: bool, parser: str | None = "hermes", **body: Any) -> ResponseFormatter:
-    spec = parse_chat({**BODY, "stream": stream, **body}, parser)
+    spec = parse_chat({**BODY, "stream": stream, **body}, ChatParsers(parser))
     return ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
 
 
@@ -131,14 +132,14 @@ def test_auto_needs_a_parser_which_reads_the_output_of_any_constraint() -> None:
     with pytest.raises(ApiError) as info:
         parse_chat(BODY)
     assert info.value.status == 400 and "--enable-auto-tool-choice" in info.value.message
-    spec = parse_chat(BODY, "hermes")
+    spec = parse_chat(BODY, HERMES_ONLY)
     assert spec.structured is not None and spec.structured.tool_call is not None
     assert (spec.structured.tool_call.kind, spec.structured.tool_call.parser) == ("parsed", "hermes")
     assert spec.sampling.structured_outputs is None and not spec.skip_special_tokens  # (tags may be special tokens)
-    assert parse_chat({**BODY, "tool_choice": "none"}, "hermes").skip_special_tokens  # no tools read: as asked
-    regex = parse_chat({**BODY, "structured_outputs": {"regex": "<tool_call>.*"}}, "hermes")
+    assert parse_chat({**BODY, "tool_choice": "none"}, HERMES_ONLY).skip_special_tokens  # no tools read: as asked
+    regex = parse_chat({**BODY, "structured_outputs": {"regex": "<tool_call>.*"}}, HERMES_ONLY)
     assert regex.sampling.structured_outputs is not None and regex.structured.tool_call.kind == "parsed"  # type: ignore[union-attr]
-    required = parse_chat({**BODY, "tool_choice": "required"}, "hermes")
+    required = parse_chat({**BODY, "tool_choice": "required"}, HERMES_ONLY)
     assert required.structured.tool_call.kind == "required"  # type: ignore[union-attr]
 
 
@@ -151,8 +152,8 @@ def test_a_resumed_stream_reads_calls_with_the_parser_it_was_accepted_with() -> 
 
 
 def test_the_gateway_settings() -> None:
-    assert GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").auto_tool_parser == "hermes"
-    assert GatewayConfig(tool_call_parser="hermes").auto_tool_parser is None  # vLLM's: both flags
+    assert GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").chat_parsers == HERMES_ONLY
+    assert GatewayConfig(tool_call_parser="hermes").chat_parsers == ChatParsers()  # vLLM's: both flags
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         GatewayConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="known: hermes, llama3_json"):

@@ -1,0 +1,66 @@
+"""A chat choice's free-form output as message fields: reasoning, content and "auto" tool calls.
+
+A reasoning parser (`gateway.reasoning_parsers`) takes the model's thinking out of the text, into
+``reasoning`` (vLLM's current name) and ``reasoning_content`` (vLLM's earlier one, DeepSeek's API's),
+dropped with vLLM's ``include_reasoning: false``; a tool-call parser (`gateway.tool_parsers`) then
+finds the calls in what is left, the content. Streamed, both run incrementally and the deltas
+join to the response of the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.reasoning_parsers import ReasoningStream, ThinkParser
+from gateway.tool_calls import stream_tool_calls, with_ids
+from gateway.tool_parsers import CallStream, ToolCallParser, split_calls
+
+
+class ChatOutput:
+    """One chat choice's text through its parsers (``reasoning``, ``tools``; at least one).
+    ``ids`` (of `message` and `delta`): the response id, creation time and choice index its
+    calls' ids derive from (a resumed stream's creation time is set after it is built)."""
+
+    def __init__(self, reasoning: ThinkParser | None, include_reasoning: bool, tools: ToolCallParser | None) -> None:
+        self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
+        self.tools = tools
+        self.reasoning_stream = ReasoningStream(reasoning) if reasoning is not None else None
+        self.call_stream = CallStream(tools) if tools is not None else None
+
+    def _with_reasoning(self, fields: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
+        if reasoning and self.include_reasoning:
+            fields["reasoning"] = fields["reasoning_content"] = reasoning
+        return fields
+
+    def message(self, text: str, finish_reason: str | None, ids: tuple[str, int, int]) -> tuple[dict[str, Any], str | None]:
+        """The non-streaming message of the whole ``text`` and its finish reason ("tool_calls" with calls)."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None if self.reasoning else content}
+        if self.tools is not None:
+            before, calls = split_calls(self.tools, content, finish_reason == "stop")
+            if calls:
+                message = {"role": "assistant", "content": before or None, "tool_calls": with_ids(calls, *ids)}
+                finish_reason = "tool_calls"
+        return self._with_reasoning(message, reasoning), finish_reason
+
+    def delta(self, text: str, finish_reason: str | None, ids: tuple[str, int, int]) -> tuple[dict[str, Any], str | None]:
+        """A streamed piece's delta (empty while text is held) and its finish reason; the last
+        piece's (``finish_reason`` set) carries what was held and the calls."""
+        reasoning, content = self.reasoning_stream.feed(text) if self.reasoning_stream is not None else ("", text)
+        if finish_reason is not None and self.reasoning_stream is not None:
+            more_reasoning, more_content = self.reasoning_stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        calls = None
+        if self.call_stream is not None:
+            content = self.call_stream.feed(content)
+            if finish_reason is not None:
+                rest, calls = self.call_stream.finish(finish_reason == "stop")
+                content += rest
+        delta = self._with_reasoning({}, reasoning)
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = stream_tool_calls(with_ids(calls, *ids))
+            finish_reason = "tool_calls"
+        return delta, finish_reason

@@ -1,0 +1,89 @@
+"""Reasoning parsers: a thinking model's output -> ``reasoning`` and ``content`` (vLLM's ``--reasoning-parser``).
+
+Both parsers read ``<think>``...``</think>``:
+
+- ``deepseek_r1`` (DeepSeek-R1 and its distills, QwQ, Qwen3's thinking-only 2507 models): the
+  chat template opens the thinking in the prompt, so the output is reasoning from its first token
+  (a ``<think>`` the model writes anyway is dropped) up to ``</think>``; without one it is all
+  reasoning (cut by the length limit while thinking).
+- ``qwen3`` (Qwen3's hybrid models): the output is reasoning only when it begins with ``<think>``
+  (``enable_thinking=False`` makes the template close the thinking in the prompt, and the output
+  is plain content).
+
+Streamed, the text goes out as it comes, reasoning or content; what may be the start of a tag
+waits for the next piece, so a stream and a response of the same tokens split alike (vLLM's
+qwen3 parser decides on the whole text, which a stream cannot: here it decides on the start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkParser:
+    """Reasoning between ``<think>`` and ``</think>``; ``opened``: it starts with the output
+    (deepseek_r1), else only where the output starts with the tag (qwen3)."""
+
+    name: str
+    opened: bool
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole output; reasoning None when there is none."""
+        if text.startswith(START):
+            text = text[len(START) :]
+        elif not self.opened:
+            return None, text
+        reasoning, end, content = text.partition(END)
+        return reasoning, content if end else ""
+
+
+REASONING_PARSERS: dict[str, ThinkParser] = {p.name: p for p in (ThinkParser("deepseek_r1", True), ThinkParser("qwen3", False))}
+
+
+def _tag_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """One streamed choice's text through a `ThinkParser`: `feed` returns the (reasoning, content)
+    that can go out now, `finish` what was held back, once the output has ended."""
+
+    def __init__(self, parser: ThinkParser) -> None:
+        self.parser = parser
+        self.phase = "start"  # "start" (the output's first characters may be <think>), "reasoning", "content"
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self.held = self.held + text, ""
+        if self.phase == "start":
+            if START.startswith(text):  # (a prefix of the tag, or nothing yet)
+                self.held = text
+                return "", ""
+            opened = text.startswith(START)
+            if opened:
+                text = text[len(START) :]
+            self.phase = "reasoning" if opened or self.parser.opened else "content"
+        if self.phase == "content":
+            return "", text
+        reasoning, end, content = text.partition(END)
+        if end:
+            self.phase = "content"
+            return reasoning, content
+        keep = _tag_prefix(text, END)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """The held text, as what it turned out to be: a tag never completed is text."""
+        held, self.held = self.held, ""
+        if self.phase == "start":  # the whole output was a prefix of <think>
+            reasoning, content = self.parser.split(held)
+            return reasoning or "", content
+        return (held, "") if self.phase == "reasoning" else ("", held)

@@ -1,0 +1,123 @@
+"""Reasoning parsers (`gateway.reasoning_parsers`) and a chat choice's output through them and the
+tool-call parsers (`gateway.chat_output`): the split of a whole output, and that a stream in any
+pieces joins to it."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from common.protocol import JournalHeader, decode, encode
+from gateway.chat_output import ChatOutput
+from gateway.config import GatewayConfig
+from gateway.generation import Piece
+from gateway.journal import journal_body, journaled_spec
+from gateway.openai_schema import ChatParsers, parse_chat
+from gateway.reasoning_parsers import REASONING_PARSERS, ReasoningStream
+from gateway.responses import ResponseFormatter
+from gateway.server import build_parser
+from gateway.tool_parsers import TOOL_CALL_PARSERS
+
+R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
+MESSAGES = [{"role": "user", "content": "hi"}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+
+def test_a_whole_output_splits_into_reasoning_and_content() -> None:
+    assert R1.split("Let me think.</think>\n\nIt is 4.") == ("Let me think.", "\n\nIt is 4.")
+    assert R1.split("<think>Hmm.</think>4") == ("Hmm.", "4")  # a tag the model writes anyway is dropped
+    assert R1.split("Still thinking when cut") == ("Still thinking when cut", "")
+    assert QWEN3.split("<think>\nHmm.\n</think>\n\n4") == ("\nHmm.\n", "\n\n4")
+    assert QWEN3.split("4, no thinking (enable_thinking=False)") == (None, "4, no thinking (enable_thinking=False)")
+    assert QWEN3.split("<think>cut while thinking") == ("cut while thinking", "")
+    assert QWEN3.split("x <think>y</think>") == (None, "x <think>y</think>")  # only at the start
+
+
+TEXTS = [
+    "",
+    "<think>",
+    "<thi",
+    "</think>",
+    "plain answer",
+    "reasoning</think>answer",
+    "<think>a < b, and </thin is no tag</think> so: <think>",
+    "<think>\nstep 1\n</think>\n\nThe answer.</think>",
+    "<<think>>",
+]
+
+
+@pytest.mark.parametrize("parser", [R1, QWEN3], ids=lambda p: p.name)
+def test_a_stream_in_any_pieces_joins_to_the_whole_split(parser: Any) -> None:
+    rng = random.Random(1)
+    for text in TEXTS:
+        reasoning, content = parser.split(text)
+        for _ in range(30):
+            stream, got_r, got_c, at = ReasoningStream(parser), "", "", 0
+            while at < len(text):
+                step = rng.randint(1, 5)
+                r, c = stream.feed(text[at : at + step])
+                got_r, got_c, at = got_r + r, got_c + c, at + step
+            r, c = stream.finish()
+            assert (got_r + r, got_c + c) == (reasoning or "", content), (parser.name, text)
+    # The reasoning goes out as it comes; only what may begin the end tag waits.
+    stream = ReasoningStream(R1)
+    assert stream.feed("Let me see </th") == ("Let me see ", "")
+    assert stream.feed("ink>It is") == ("", "It is")
+
+
+def _output(reasoning: Any = R1, include: bool = True, tools: Any = TOOL_CALL_PARSERS["hermes"]) -> ChatOutput:
+    return ChatOutput(reasoning, include, tools)
+
+
+IDS = ("chatcmpl-1", 1700000000, 0)
+
+
+def test_reasoning_then_tool_calls_streamed_or_not() -> None:
+    text = "I should add.</think>Adding." + CALL
+    message, reason = _output().message(text, "stop", IDS)
+    assert reason == "tool_calls" and message["reasoning"] == message["reasoning_content"] == "I should add."
+    assert message["content"] == "Adding." and message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":1}'}
+    rng = random.Random(2)
+    for _ in range(20):
+        out, deltas, at = _output(), [], 0
+        while at < len(text):
+            step = rng.randint(1, 7)
+            deltas.append(out.delta(text[at : at + step], "stop" if at + step >= len(text) else None, IDS))
+            at += step
+        assert deltas[-1][1] == "tool_calls" and all(r is None for _, r in deltas[:-1])
+        assert "".join(d.get("reasoning", "") for d, _ in deltas) == "I should add."
+        assert all(d.get("reasoning") == d.get("reasoning_content") for d, _ in deltas)
+        assert "".join(d.get("content", "") for d, _ in deltas) == "Adding."
+        assert [c["function"]["name"] for d, _ in deltas for c in d.get("tool_calls", [])] == ["add"]
+    # vLLM's include_reasoning: false drops it; content left empty by thinking is null.
+    assert _output(include=False).message(text, "stop", IDS)[0].keys() == {"role", "content", "tool_calls"}
+    assert _output(tools=None).message("cut while thinking", "length", IDS) == (
+        {"role": "assistant", "content": None, "reasoning": "cut while thinking", "reasoning_content": "cut while thinking"},
+        "length",
+    )
+    plain = _output(reasoning=None).message("no thinking here", "length", IDS)
+    assert plain[0] == {"role": "assistant", "content": "no thinking here"}
+
+
+def test_the_formatter_splits_chat_only_and_not_under_a_grammar() -> None:
+    parsers = ChatParsers(reasoning="deepseek_r1")
+    spec = parse_chat({"messages": MESSAGES, "stream": True}, parsers)
+    fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
+    chunks = [c for p in (Piece("Hmm</th"), Piece("ink>4", finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"reasoning": "Hmm", "reasoning_content": "Hmm"}, {"content": "4"}]
+    # A grammar binds the output from its first token: there is no thinking to take out.
+    constrained = parse_chat({"messages": MESSAGES, "response_format": {"type": "json_object"}}, parsers)
+    assert constrained.reasoning_parser is None
+    assert not parse_chat({"messages": MESSAGES, "include_reasoning": False}, parsers).include_reasoning
+    body = journal_body({"messages": MESSAGES, "stream": True}, "chat")
+    header = JournalHeader("chatcmpl-1", "chat", body, "m", 1, 5, [1], None, [], reasoning_parser="qwen3")
+    assert journaled_spec(decode(encode(header))).reasoning_parser == "qwen3"  # as the accepting gateway had it
+
+
+def test_the_reasoning_parser_setting() -> None:
+    assert GatewayConfig(reasoning_parser="qwen3").chat_parsers == ChatParsers(reasoning="qwen3")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
+        GatewayConfig(reasoning_parser="r2")
+    assert build_parser().parse_args(["--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"

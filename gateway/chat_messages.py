@@ -3,7 +3,10 @@
 Content parts are joined (text parts only). Tool use round-trips as vLLM passes it: an assistant
 message's ``tool_calls`` (each function's ``arguments`` JSON string parsed into an object, the form
 chat templates render), a tool message's ``tool_call_id``, and a message's ``name`` reach the
-template; a template that does not use them leaves them out, as with vLLM.
+template; a template that does not use them leaves them out, as with vLLM. So does an assistant
+message's reasoning, sent back as a response gave it (``reasoning`` or ``reasoning_content``: the
+template gets both keys, templates read either; Qwen3's renders the thinking of the turns since
+the last user message, as the model saw it while calling tools).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     where = " (on a tool message)" if key == "tool_call_id" else ""
                     raise bad(f"messages[{i}].{key} must be a string{where}", "messages")
                 out[key] = value
+        reasoning = next((message[k] for k in ("reasoning", "reasoning_content") if message.get(k) is not None), None)
+        if reasoning is not None:
+            if role != "assistant" or not isinstance(reasoning, str):
+                raise bad(f"messages[{i}].reasoning must be a string, on an assistant message", "messages")
+            out["reasoning"] = out["reasoning_content"] = reasoning
         calls = message.get("tool_calls")
         if calls is not None and calls != []:
             if role != "assistant":

@@ -102,7 +102,7 @@ class GenerationSpec:
         return (
             len(self.prompt or "")
             + BYTES_PER_TOKEN_ID * len(self.prompt_token_ids or ())
-            + sum(len(m["content"]) for m in self.messages or ())
+            + sum(len(m["content"]) + len(m.get("reasoning", "")) for m in self.messages or ())
             + sum(len(p) if isinstance(p, str) else BYTES_PER_TOKEN_ID * len(p) for p in self.prompts or ())
         )
 

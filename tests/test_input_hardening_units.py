@@ -252,6 +252,12 @@ def test_small_prompts_are_prepared_on_the_event_loop(tiny_model: Any) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with_tools = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "none"}
     assert not tokenizes_inline(parse_chat(with_tools), tok)
+    # An earlier turn's calls (their arguments are not counted) or long reasoning take the worker too.
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert not tokenizes_inline(parse_chat({"messages": called}), tok)
+    thought = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4", "reasoning": "x" * INLINE_INPUT_BYTES}]
+    assert not tokenizes_inline(parse_chat({"messages": thought}), tok)
     tok.backend_tokenizer.enable_truncation(8)
     assert not tokenizes_inline(parse_completion({"prompt": "hello world"}), tok)
     assert tokenizes_inline(parse_completion({"prompt": [5, 6, 7]}), tok), "token ids need no tokenizer"

@@ -173,12 +173,27 @@ def test_tool_use_round_trips_through_the_messages() -> None:
         {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]},
         {"role": "tool", "content": "42", "name": "add", "tool_call_id": "call_1"},
     ]
+    # The reasoning a response gave goes back to the template under both names (they read either).
+    for key in ("reasoning", "reasoning_content"):
+        thought = _chat(messages=[*MESSAGES, {"role": "assistant", "content": "4", key: "2+2"}]).messages
+        assert thought is not None and thought[-1] == {
+            "role": "assistant",
+            "content": "4",
+            "reasoning": "2+2",
+            "reasoning_content": "2+2",
+        }
+    assert spec.messages[-2:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "42", "name": "add", "tool_call_id": "call_1"},
+    ]
     deep = "[" * 600 + "]" * 600  # 1.2 KB: a template walking it would pass the recursion limit
     for bad_message in (
         {"role": "user", "content": "x", "tool_calls": [call]},
         {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": "{"}}]},
         {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "add", "arguments": deep}}]},
         {"role": "user", "content": "x", "tool_call_id": "call_1"},
+        {"role": "user", "content": "x", "reasoning": "y"},
+        {"role": "assistant", "content": "x", "reasoning_content": ["y"]},
     ):
         with pytest.raises(ApiError):
             _chat(messages=[*MESSAGES, bad_message])

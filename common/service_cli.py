@@ -19,8 +19,8 @@ from common.redis_url import URL_HELP, RedisUrlError, check_redis_url, redis_pas
 
 
 def env_flag(name: str) -> bool:
-    """A boolean flag's default from the environment: set and not "0" or "false" means on."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false")
+    """A boolean flag's default from the environment: set, and not "0", "false", "no" or "off", means on."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def service_parser(prog: str, description: str, model_help: str) -> argparse.ArgumentParser:

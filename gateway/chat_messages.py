@@ -11,15 +11,54 @@ the last user message, as the model saw it while calling tools).
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.json_input import MAX_JSON_DEPTH, ApiError, bad, parse_json, preview, typename
+from gateway.json_input import MAX_JSON_DEPTH, ApiError, bad, get_bool, get_field, parse_json, preview, typename
 
 # Messages, content parts and tool calls are checked one by one on the event loop: their number is bounded.
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096
 MAX_TOOL_CALLS = 128
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TEMPLATE_KWARGS = 64
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How the chat template renders a request's messages (vLLM's fields, chat and ``/tokenize``
+    alike): with the assistant's generation prompt, or continuing the final (assistant) message,
+    the model writing on from its last character (a prefilled answer); ``kwargs`` are variables of
+    the template's own (Qwen3's ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_template_options(body: dict[str, Any], messages: list[dict[str, Any]]) -> TemplateOptions:
+    """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``; a 400
+    for a combination the template cannot render. Names the renderer itself takes (``tokenize``
+    would make it return ids) are checked where it is known (`gateway.tokenization.chat_text`)."""
+    generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final = get_bool(body, "continue_final_message", False)
+    if continue_final and generation_prompt:
+        raise bad(
+            "'continue_final_message' needs 'add_generation_prompt': false (the answer goes on, none starts)",
+            "continue_final_message",
+        )
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise bad("'continue_final_message' needs the last message to be the assistant's", "continue_final_message")
+    kwargs = get_field(
+        body,
+        "chat_template_kwargs",
+        lambda v: isinstance(v, dict) and len(v) <= MAX_TEMPLATE_KWARGS and all(_TEMPLATE_VARIABLE.fullmatch(k) for k in v),
+        f"an object of at most {MAX_TEMPLATE_KWARGS} template variables (names of letters, digits and '_')",
+        {},
+    )
+    return TemplateOptions(generation_prompt, continue_final, dict(kwargs))
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

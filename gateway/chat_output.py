@@ -21,10 +21,13 @@ class ChatOutput:
     ``ids`` (of `message` and `delta`): the response id, creation time and choice index its
     calls' ids derive from (a resumed stream's creation time is set after it is built)."""
 
-    def __init__(self, reasoning: ThinkParser | None, include_reasoning: bool, tools: ToolCallParser | None) -> None:
+    def __init__(
+        self, reasoning: ThinkParser | None, include_reasoning: bool, tools: ToolCallParser | None, one_call: bool = False
+    ) -> None:
         self.reasoning = reasoning
         self.include_reasoning = include_reasoning
         self.tools = tools
+        self.one_call = one_call  # ``parallel_tool_calls: false``: the first call only (vLLM's rule)
         self.reasoning_stream = ReasoningStream(reasoning) if reasoning is not None else None
         self.call_stream = CallStream(tools) if tools is not None else None
 
@@ -40,6 +43,7 @@ class ChatOutput:
         if self.tools is not None:
             before, calls = split_calls(self.tools, content, finish_reason == "stop")
             if calls:
+                calls = calls[:1] if self.one_call else calls
                 message = {"role": "assistant", "content": before or None, "tool_calls": with_ids(calls, *ids)}
                 finish_reason = "tool_calls"
         return self._with_reasoning(message, reasoning), finish_reason
@@ -61,6 +65,6 @@ class ChatOutput:
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = stream_tool_calls(with_ids(calls, *ids))
+            delta["tool_calls"] = stream_tool_calls(with_ids(calls[:1] if self.one_call else calls, *ids))
             finish_reason = "tool_calls"
         return delta, finish_reason

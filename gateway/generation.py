@@ -125,6 +125,7 @@ class Generation:
         self.sampling = sampling
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = StopMatcher(stop, include_stop)
+        self.include_stop = include_stop
         self.num_completion_tokens = 0
         self.handle: RequestHandle | None = None
         self.finished = False
@@ -236,14 +237,20 @@ class Generation:
         """The text of ``event`` up to a stop string; whether one ended it; how many of its tokens
         that text used. With stop strings, the tokens of a merged event (several engine steps read
         together) are checked one by one, so that where the request stops, and its token count,
-        do not depend on how its steps were merged."""
+        do not depend on how its steps were merged.
+
+        The token that stopped the engine (EOS, or one of ``stop_token_ids``) is no text unless
+        ``include_stop_str_in_output`` (vLLM's rule): with special tokens kept, its ``</s>`` ended
+        the content, and a tool call after which the model stopped."""
         tokens = event.token_ids
+        if event.finished and event.finish_reason == "stop" and not self.include_stop:
+            tokens = tokens[:-1]  # (still a completion token, and in token_ids and logprobs)
         if not self.stop.stops or len(tokens) <= 1:
             text = self.detokenizer.add(tokens)
             if event.finished:
                 text += self.detokenizer.finish()
             out, stopped = self.stop.feed(text)
-            return out, stopped, len(tokens)
+            return out, stopped, len(tokens) if stopped else len(event.token_ids)
         out = ""
         for k, token in enumerate(tokens):
             text = self.detokenizer.add([token])
@@ -253,7 +260,7 @@ class Generation:
             out += piece
             if stopped:
                 return out, True, k + 1
-        return out, False, len(tokens)
+        return out, False, len(event.token_ids)
 
     def _finish(self, reason: str) -> None:
         """The request ended: counted (unless the engine rejected it: it never ran, as in vLLM) and logged."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import INT32_MAX, SamplingParams
-from gateway.chat_messages import parse_messages
+from gateway.chat_messages import TemplateOptions, parse_messages, parse_template_options
 from gateway.json_input import (
     all_ints,
     bad,
@@ -94,6 +94,7 @@ class GenerationSpec:
     priority: int = 0  # vLLM's: lower first, for an engine with the priority scheduling policy
     cache_salt: str = ""  # vLLM's: keeps the request's prefix-cache entries apart ("": none)
     return_token_ids: bool = False  # vLLM's: responses carry the prompt's and the output's token ids
+    template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how its template renders
     reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.reasoning_parsers`)
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
 
@@ -302,9 +303,10 @@ def parse_chat(body: Any, parsers: ChatParsers = ChatParsers()) -> GenerationSpe
         if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
-    for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("add_generation_prompt", True), ("echo", False)):
+    for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("echo", False)):
         refuse_unless_neutral(body, name, neutral)
     spec.messages = parse_messages(body)
+    spec.template = parse_template_options(body, spec.messages)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, parsers.tools)
     if spec.structured is not None and spec.structured.tool_call is not None and spec.structured.tool_call.kind == "parsed":
         spec.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
@@ -323,7 +325,7 @@ class TokenizeSpec:
     prompt: str | None
     messages: list[dict[str, Any]] | None
     add_special_tokens: bool
-    add_generation_prompt: bool
+    template: TemplateOptions
     return_token_strs: bool
 
     @property
@@ -348,14 +350,9 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
             raise bad("give either 'prompt' or 'messages', not both", "prompt")
         for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("tools", [])):
             refuse_unless_neutral(body, name, neutral)
-        return TokenizeSpec(
-            model,
-            None,
-            parse_messages(body),
-            _add_special_tokens(body, True),
-            get_bool(body, "add_generation_prompt", True),
-            return_token_strs,
-        )
+        messages = parse_messages(body)
+        template = parse_template_options(body, messages)
+        return TokenizeSpec(model, None, messages, _add_special_tokens(body, True), template, return_token_strs)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad(
@@ -364,7 +361,7 @@ def parse_tokenize(body: Any) -> TokenizeSpec:
             else f"'prompt' must be a string, got {typename(prompt)}",
             "prompt",
         )
-    return TokenizeSpec(model, prompt, None, _add_special_tokens(body, False), False, return_token_strs)
+    return TokenizeSpec(model, prompt, None, _add_special_tokens(body, False), TemplateOptions(), return_token_strs)
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[Any]]:

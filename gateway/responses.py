@@ -67,6 +67,7 @@ class ResponseFormatter:
                 REASONING_PARSERS[spec.reasoning_parser] if spec.reasoning_parser else None,
                 spec.include_reasoning,
                 TOOL_CALL_PARSERS[tools] if tools else None,
+                self.tool_call is not None and self.tool_call.single,
             )
             if self.chat and (tools or spec.reasoning_parser)
             else None

@@ -54,13 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tool-call-parser",
         choices=sorted(TOOL_CALL_PARSERS),
-        default=env("CONVEYOR_TOOL_CALL_PARSER"),
+        default=env("CONVEYOR_TOOL_CALL_PARSER") or None,  # (set but empty: none)
         help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
     p.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
-        default=env("CONVEYOR_REASONING_PARSER"),
+        default=env("CONVEYOR_REASONING_PARSER") or None,
         help="return a thinking model's reasoning apart from its content: deepseek_r1 (R1, QwQ, Qwen3 2507 "
         "thinking) or qwen3 (Qwen3 hybrid)",
     )

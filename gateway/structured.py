@@ -47,6 +47,7 @@ class ToolCallMode:
     kind: str
     name: str | None = None
     parser: str | None = None
+    single: bool = False  # "parsed" under ``parallel_tool_calls: false``: the first call only
 
 
 @dataclass(slots=True)
@@ -141,7 +142,8 @@ def parse_tools(
                 "tool_choice",
             )
         # (a constraint from another field still applies: the parser reads what it lets through)
-        return StructuredRequest(param or "tools", ToolCallMode("parsed", parser=tool_parser), tools)
+        mode = ToolCallMode("parsed", parser=tool_parser, single=body.get("parallel_tool_calls") is False)
+        return StructuredRequest(param or "tools", mode, tools)
     if choice == "none":
         return StructuredRequest(param or "tools", None, tools)
     if choice == "required":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from fastapi import Request
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
 from common.service_cli import freeze_startup_heap
+from gateway.chat_messages import TemplateOptions
 from gateway.json_input import ApiError, all_ints, bad, parse_json, preview, typename
 from gateway.openai_schema import GenerationSpec, TokenizeSpec
 from gateway.structured import check_grammar
@@ -61,7 +63,7 @@ def tokenizes_inline(spec: GenerationSpec, tokenizer: Any) -> bool:
         return False
     if spec.structured is not None and spec.structured.tools:
         return False
-    if spec.messages is not None and any("tool_calls" in m for m in spec.messages):
+    if spec.messages is not None and (spec.template.kwargs or any("tool_calls" in m for m in spec.messages)):
         return False
     if spec.prompt_token_ids is not None:
         return True
@@ -147,7 +149,7 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     if spec.kind == "chat":
         assert spec.messages is not None
         tools = spec.structured.tools if spec.structured is not None else None
-        text = chat_text(tokenizer, spec.messages, add_generation_prompt=True, tools=tools or None)
+        text = chat_text(tokenizer, spec.messages, spec.template, tools or None)
     ids: list[int] | None
     keep = keep_tokens(spec, info.max_model_len)
     if text is None:
@@ -169,25 +171,40 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
 
 
 def chat_text(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    tokenizer: Any, messages: list[dict[str, Any]], template: TemplateOptions, tools: list[dict[str, Any]] | None = None
 ) -> str:
     """The prompt text of chat ``messages``: the tokenizer's chat template (a 400 when the
     template rejects them), or, for a checkpoint without one, a plain, documented fallback. The
     chat endpoint and ``/tokenize`` both render messages here, so they count the same tokens.
-    ``tools`` go to the template as transformers passes them (a template may ignore them)."""
+    ``tools`` and ``template``'s variables go to the template as transformers passes them (a
+    template may ignore them)."""
     if getattr(tokenizer, "chat_template", None):
         from jinja2 import TemplateError
 
+        # A variable named as one of the renderer's own parameters would set it (``tokenize``:
+        # ids instead of text), not the template's.
+        taken = [k for k in template.kwargs if k in inspect.signature(tokenizer.apply_chat_template).parameters]
+        if taken:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {taken[0]!r}", param="chat_template_kwargs")
         try:
             return str(
-                tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+                tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=template.add_generation_prompt,
+                    continue_final_message=template.continue_final_message,
+                    **template.kwargs,
+                )
             )
         # The template's own checks (that roles alternate), or a template that cannot render what a
         # client may send (tool call arguments it concatenates as strings, nesting past the recursion limit).
         except (TemplateError, TypeError, ValueError, RecursionError) as exc:
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + "assistant:" if add_generation_prompt else text
+    if template.continue_final_message:
+        return text.removesuffix("\n")
+    return text + "assistant:" if template.add_generation_prompt else text
 
 
 def tokenize_only(tokenizer: Any, lock: threading.Lock, spec: TokenizeSpec, info: EngineStatus) -> dict[str, Any]:
@@ -198,7 +215,7 @@ def tokenize_only(tokenizer: Any, lock: threading.Lock, spec: TokenizeSpec, info
     count, rather than up to millions of ids (vLLM returns them): nothing that long can be served,
     and counting it costs a fraction of tokenizing it (`encode_text`).
     """
-    text = spec.prompt if spec.messages is None else chat_text(tokenizer, spec.messages, spec.add_generation_prompt)
+    text = spec.prompt if spec.messages is None else chat_text(tokenizer, spec.messages, spec.template)
     assert text is not None
     limit = info.max_model_len
     count, exact, ids = encode_text(tokenizer, lock, text, spec.add_special_tokens, limit)

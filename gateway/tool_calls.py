@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from gateway.structured import ToolCallMode
-from gateway.tool_parsers import Call
+from gateway.tool_parsers import Call, arguments_json
 
 
 def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, choice: int) -> list[dict[str, Any]] | None:
@@ -36,7 +36,9 @@ def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, ch
             for call in value:
                 if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
                     return None
-                parameters = json.dumps(call.get("parameters", {}), ensure_ascii=False, separators=(",", ":"))
+                parameters = arguments_json(call.get("parameters", {}))
+                if parameters is None:  # (a lone surrogate, which no UTF-8 response holds: the text, as is)
+                    return None
                 calls.append((call["name"], parameters))
     except (ValueError, RecursionError):
         return None

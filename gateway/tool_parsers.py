@@ -23,21 +23,45 @@ from typing import Any
 
 # One call: the function's name and its arguments as a JSON string.
 Call = tuple[str, str]
+# Where models put the arguments: Hermes' key, Llama's. Either is read (a call whose arguments
+# were under the other key ran with none); a model's own key first.
+ARGUMENT_KEYS = ("arguments", "parameters")
 
 
-def _call(value: Any, arguments_key: str) -> Call | None:
-    """``value`` as a call, if it is an object with a string name and object arguments (absent: {})."""
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# NaN and Infinity, which Python's json reads, are no JSON a client could parse.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def arguments_json(arguments: Any) -> str | None:
+    """``arguments`` as the JSON string a call carries; None when it cannot be one: nested past
+    the recursion limit, a number past float's range, or a lone surrogate (``"\\ud800"`` reads
+    as a string no UTF-8 response can hold)."""
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text.encode()
+    except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
+        return None
+    return text
+
+
+def _call(value: Any, keys: tuple[str, ...]) -> Call | None:
+    """``value`` as a call, if it is an object with a name and object arguments (none: {})."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(arguments_key, {})
-    if not isinstance(arguments, dict):
+    arguments: Any = next((value[k] for k in keys if k in value), {})
+    text = arguments_json(arguments) if isinstance(arguments, dict) else None
+    if text is None or arguments_json(value["name"]) is None:
         return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+    return value["name"], text
 
 
 def _loads(text: str) -> Any:
     try:  # nested past the interpreter's recursion limit: no call either
-        return json.loads(text)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError):
         return None
 
@@ -66,18 +90,19 @@ class HermesParser:
         call may lack its end tag only when the model stopped there (EOS): cut by the length
         limit, it may be incomplete JSON that happens to parse."""
         calls: list[Call] = []
-        rest = region
-        while (begin := rest.find(self.start)) >= 0:
+        at = 0
+        while (begin := region.find(self.start, at)) >= 0:
             body_at = begin + len(self.start)
-            close = rest.find(self.end, body_at)
+            close = region.find(self.end, body_at)
             if close < 0 and not stopped:
                 return None
-            body = rest[body_at:] if close < 0 else rest[body_at:close]
-            call = _call(_loads(body.strip()), "arguments")
+            call = _call(_loads(region[body_at : len(region) if close < 0 else close].strip()), ARGUMENT_KEYS)
             if call is None:
                 return None
             calls.append(call)
-            rest = "" if close < 0 else rest[close + len(self.end) :]
+            if close < 0:
+                break
+            at = close + len(self.end)
         return calls or None
 
 
@@ -103,16 +128,15 @@ class Llama3JsonParser:
         body = region.lstrip()
         body = body[len(self.python_tag) :] if body.startswith(self.python_tag) else body
         calls = []
-        decoder = json.JSONDecoder()
         at, end = 0, len(body)
         while True:
             while at < end and body[at].isspace():
                 at += 1
             try:
-                value, at = decoder.raw_decode(body, at)
+                value, at = _DECODER.raw_decode(body, at)
             except (ValueError, RecursionError):
                 return None
-            call = _call(value, "parameters")
+            call = _call(value, ARGUMENT_KEYS[::-1])
             if call is None:
                 return None
             calls.append(call)

@@ -40,11 +40,10 @@ UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 # vLLM's chat-template fields this server does not honour (the checkpoint's own template renders
-# every chat): refused when they ask for anything else, by /v1/chat/completions and /tokenize alike.
+# every chat; a request's own template is a program vLLM too runs only when its operator allows):
+# refused when they ask for anything else, by /v1/chat/completions and /tokenize alike.
 CHAT_TEMPLATE_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("continue_final_message", False),
     ("chat_template", None),
-    ("chat_template_kwargs", {}),
     ("documents", None),  # (a RAG template's input; it was ignored, the documents silently gone)
 )
 

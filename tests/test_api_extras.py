@@ -194,6 +194,40 @@ def test_chat_tokenize_equals_what_the_chat_endpoint_counts(env: dict[str, Any])
     assert got["tokens"] == tok(bare, add_special_tokens=True)["input_ids"]
 
 
+def test_chat_template_options_reach_the_template(env: dict[str, Any]) -> None:
+    """vLLM's ``continue_final_message`` (a prefilled answer the model goes on from) and
+    ``chat_template_kwargs`` (the template's own variables, as Qwen3's ``enable_thinking``), on
+    /tokenize and the chat endpoint alike; they were 400s."""
+    c, tok = env["a"], env["tokenizer"]
+    prefilled = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    text = tok.apply_chat_template(prefilled, tokenize=False, **options)
+    assert text.endswith("The colour is")  # (no end-of-turn: the model writes on)
+    want = tok(text, add_special_tokens=False)["input_ids"]
+    assert c.post("/tokenize", json={"messages": prefilled, **options}).json()["tokens"] == want
+    response = c.post(
+        "/v1/chat/completions", json={"messages": prefilled, "max_tokens": 2, **options}, headers={"X-Request-Id": "prefill-1"}
+    )
+    assert response.status_code == 200, response.text
+    assert _engine_request(env, "prefill-1-").prompt_token_ids == want
+    # A template variable: the tiny checkpoint's template has none, so a copy of it gets one.
+    thinking = tok.chat_template.replace(
+        "{% if add_generation_prompt %}",
+        "{% if enable_thinking is false %}[no thinking]{% endif %}{% if add_generation_prompt %}",
+    )
+    from gateway.chat_messages import TemplateOptions
+    from gateway.tokenization import chat_text
+
+    original, tok.chat_template = tok.chat_template, thinking
+    try:
+        off = chat_text(tok, prefilled[:1], TemplateOptions(kwargs={"enable_thinking": False}))
+        assert "[no thinking]" in off and "[no thinking]" not in chat_text(tok, prefilled[:1], TemplateOptions())
+    finally:
+        tok.chat_template = original
+    kwargs = {"messages": prefilled[:1], "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 2}
+    assert c.post("/v1/chat/completions", json=kwargs).status_code == 200  # (a variable the template ignores)
+
+
 @pytest.mark.parametrize(
     "path, body, status, param, words",
     [
@@ -226,7 +260,28 @@ def test_chat_tokenize_equals_what_the_chat_endpoint_counts(env: dict[str, Any])
             {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
             400,
             "continue_final_message",
-            ["not supported"],
+            ["'add_generation_prompt': false"],
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": False},
+            400,
+            "continue_final_message",
+            ["last message", "assistant"],
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
+            400,
+            "chat_template_kwargs",
+            ["may not set 'tokenize'"],
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a-b": 1}},
+            400,
+            "chat_template_kwargs",
+            ["template variables"],
         ),
         ("/tokenize", {"prompt": "hi", "return_token_strs": "yes"}, 400, "return_token_strs", ["boolean"]),
         ("/tokenize", {"prompt": "hi", "add_special_tokens": 1}, 400, "add_special_tokens", ["boolean"]),

@@ -188,6 +188,15 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes(stack: Stack, auto_ur
     # Without a call in the output, "auto" is plain content.
     plain = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=4)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+    # Special tokens are kept under "auto", but not the EOS that ended the output (vLLM's rule):
+    # "Hello there<|im_end|>" was the content, and a call the model ended without its end tag none.
+    hello = client.chat.completions.create(
+        model="", messages=MESSAGES, tools=TOOLS, max_tokens=50, extra_body={"structured_outputs": {"regex": "Hello there"}}
+    )
+    assert hello.choices[0].message.content == "Hello there" and hello.choices[0].finish_reason == "stop"
+    unclosed: Any = {"structured_outputs": {"regex": FORCED.removesuffix(r"\n</tool_call>")}}
+    out = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body=unclosed)
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.tool_calls[0].function.name == "add"  # type: ignore[index]
 
 
 def test_a_stream_with_auto_tool_calls_resumes_on_a_gateway_without_the_parser(stack: Stack, auto_url: str) -> None:

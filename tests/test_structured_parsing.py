@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from common.structured_outputs import grammar_tokenizer
+from gateway.chat_messages import TemplateOptions
 from gateway.json_input import ApiError
 from gateway.openai_schema import parse_chat, parse_completion
 from gateway.structured import check_grammar
@@ -128,6 +129,9 @@ def test_tool_choice_constraints_and_calls() -> None:
     calls = tool_calls(named.structured.tool_call, '{"a":2}', "chatcmpl-2", 1700000000, 0)
     assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
     assert tool_calls(named.structured.tool_call, '{"a":', "chatcmpl-2", 1700000000, 0) is None  # cut short
+    # A lone surrogate no UTF-8 response holds (a 500 before): the text, as content, as it came.
+    lone = '[{"name":"add","parameters":{"a":"\\ud800"}}]'
+    assert tool_calls(required.structured.tool_call, lone, "chatcmpl-1", 1700000000, 0) is None
     # Nested past the interpreter's recursion limit (a tool's schema can force it): the text comes
     # back as content, not a 500 (a cut stream, streamed).
     deep = "[" * 100_000 + "0" + "]" * 100_000
@@ -216,7 +220,7 @@ def test_a_template_that_cannot_render_a_message_is_a_400() -> None:
 
     tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda *a, **k: "x" + {"a": 1})  # type: ignore[operator]
     with pytest.raises(ApiError, match="chat template rejected"):
-        chat_text(tok, MESSAGES, True)
+        chat_text(tok, MESSAGES, TemplateOptions())
 
 
 def test_vllms_refused_hooks_are_fine_when_empty() -> None:

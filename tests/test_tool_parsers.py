@@ -50,6 +50,11 @@ def test_hermes_finds_the_calls_and_the_content_before_them() -> None:
         '<tool_call>["add"]</tool_call>',
         ONE + "<tool_call>{oops}</tool_call>",  # one bad call: none of them
         "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>",  # past the recursion limit
+        # No UTF-8 response can hold a lone surrogate (it was a 500, and a stream cut off):
+        '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}</tool_call>',
+        '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>',  # no JSON a client parses
+        '<tool_call>{"name": "add", "arguments": {"a": 1e999}}</tool_call>',  # (infinity)
     ],
 )
 def test_calls_that_do_not_all_parse_leave_the_whole_text_as_content(text: str) -> None:
@@ -58,6 +63,14 @@ def test_calls_that_do_not_all_parse_leave_the_whole_text_as_content(text: str) 
 
 def test_llama3_json_reads_a_whole_answer_of_calls() -> None:
     one = '{"name": "add", "parameters": {"a": 1}}'
+    # Either parser reads the arguments under either key (they ran with none: a review found it).
+    assert split_calls(LLAMA, one.replace("parameters", "arguments"), True)[1] == [("add", '{"a":1}')]
+    assert split_calls(HERMES, f"<tool_call>{one}</tool_call>", True)[1] == [("add", '{"a":1}')]
+    # Arguments nested just short of the limit for the reader, past it for the writer: no call, no 500.
+    for depth in range(850, 1000):
+        deep = '{"name": "f", "parameters": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
+        calls = split_calls(LLAMA, deep, True)[1]
+        assert calls is None or [name for name, _ in calls] == ["f"]
     assert split_calls(LLAMA, one, True) == ("", [("add", '{"a":1}')])
     assert split_calls(LLAMA, "<|python_tag|>" + one + " ; " + one.replace("add", "sub"), True)[1] == [
         ("add", '{"a":1}'),
@@ -120,6 +133,13 @@ def test_auto_answers_tool_calls_streamed_or_not() -> None:
     assert deltas[0] == {"content": "Adding. "} and len(chunks) == 2  # the call's text is held back
     assert deltas[-1] == {"tool_calls": [{"index": 0, **calls[0]}]} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # Cut by the length limit inside a call: text, as vLLM answers it.
+    # OpenAI's parallel_tool_calls: false: the first call only (vLLM's rule too).
+    two = [Piece(TWO, finish_reason="stop")]
+    assert len(_formatter(False).choice(two)["message"]["tool_calls"]) == 2
+    single = _formatter(False, parallel_tool_calls=False)
+    assert [c["function"]["name"] for c in single.choice(two)["message"]["tool_calls"]] == ["add"]
+    streamed_one = _formatter(True, parallel_tool_calls=False).stream_piece(two[0], 9)
+    assert [c["function"]["name"] for c in streamed_one[-1]["choices"][0]["delta"]["tool_calls"]] == ["add"]
     cut = [Piece("Adding. "), Piece(ONE[:30], finish_reason="length")]
     assert _formatter(False).choice(cut)["message"] == {"role": "assistant", "content": "Adding. " + ONE[:30]}
     fmt = _formatter(True)
@@ -170,5 +190,8 @@ def test_the_flags_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("CONVEYOR_TOOL_CALL_PARSER", "hermes")
     args = build_parser().parse_args([])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
-    monkeypatch.setenv("CONVEYOR_ENABLE_AUTO_TOOL_CHOICE", "false")
-    assert not build_parser().parse_args([]).enable_auto_tool_choice
+    for off in ("false", "0", "no", "OFF", ""):
+        monkeypatch.setenv("CONVEYOR_ENABLE_AUTO_TOOL_CHOICE", off)
+        assert not build_parser().parse_args([]).enable_auto_tool_choice
+    monkeypatch.setenv("CONVEYOR_TOOL_CALL_PARSER", "")  # set but empty: none (it refused to start)
+    assert build_parser().parse_args([]).tool_call_parser is None

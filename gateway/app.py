@@ -59,6 +59,7 @@ from gateway.tokenization import (
     InputWorkers,
     Tokenizers,
     detokenize,
+    echo_text,
     prepare_prompt,
     read_json,
     resolve_bad_words,
@@ -328,7 +329,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             spec.priority,
             spec.cache_salt,
         )
-        echo = (prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)) if spec.echo else None
+        echo = echo_text(spec, prompt_text, prompt_ids, tokenizer)
         fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo, 0, prompt_ids)
         if not spec.stream:
             await gen.start()

@@ -41,7 +41,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import ChatParsers, GenerationSpec
 from gateway.responses import ResponseFormatter
 from gateway.router import EngineClient, RequestIdInUse
-from gateway.tokenization import InputWorkers, prepare_prompt, resolve_bad_words, tokenizes_inline
+from gateway.tokenization import InputWorkers, echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
 
 
 @dataclass(slots=True)
@@ -82,8 +82,7 @@ async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prom
             text, ids = (item, None) if isinstance(item, str) else (None, item)
             sub = dataclasses.replace(spec, prompt=text, prompt_token_ids=ids, prompts=None)
         prompt_ids, text, max_tokens = await prepare_prompt(ctx.workers, ctx.tokenizer, ctx.lock, sub, ctx.info, inline)
-        echo = (text if text is not None else ctx.tokenizer.decode(prompt_ids)) if spec.echo else None
-        out.append(_Prompt(prompt_ids, echo))
+        out.append(_Prompt(prompt_ids, echo_text(spec, text, prompt_ids, ctx.tokenizer)))
         budgets.append(max_tokens)
     return out, budgets
 

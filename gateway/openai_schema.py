@@ -303,8 +303,9 @@ def parse_chat(body: Any, parsers: ChatParsers = ChatParsers()) -> GenerationSpe
         if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
             raise bad(f"'top_logprobs' must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}", "top_logprobs")
     spec = _common(body, "chat", _max_tokens(body, "max_completion_tokens", "max_tokens"), (top or 0) if want_logprobs else None)
-    for name, neutral in (*CHAT_TEMPLATE_FIELDS, ("echo", False)):
+    for name, neutral in CHAT_TEMPLATE_FIELDS:
         refuse_unless_neutral(body, name, neutral)
+    spec.echo = get_bool(body, "echo", False)
     spec.messages = parse_messages(body)
     spec.template = parse_template_options(body, spec.messages)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, parsers.tools)

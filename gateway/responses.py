@@ -196,6 +196,8 @@ class ResponseFormatter:
                 message, reason = self.output.message(text, reason, self._call_ids())
             elif self.tool_call and reason == "stop" and (calls := self._constrained_calls(text)):
                 message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            if self.echo_text:  # vLLM's: the answer goes on from the last (assistant) message
+                message["content"] = self.echo_text + (message["content"] or "")
             out = {
                 "index": self.index,
                 "message": message,
@@ -239,7 +241,10 @@ class ResponseFormatter:
             )
             if self.prompt_ids_pending:  # (a chat's on the chunk, as on its response)
                 chunk["prompt_token_ids"], self.prompt_ids_pending = self.prompt_token_ids, False
-            return [chunk]
+            if not self.echo_text:
+                return [chunk]
+            echo = {"index": self.index, "delta": {"content": self.echo_text}, "logprobs": None, "finish_reason": None}
+            return [chunk, self._chunk({**echo, "stop_reason": None})]
         if self.echo_text and not self.echo_pending:
             return [self._echo_chunk(None)]
         return []

@@ -170,6 +170,19 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     return ids, text, max_tokens
 
 
+def echo_text(spec: GenerationSpec, prompt_text: str | None, prompt_ids: list[int], tokenizer: Any) -> str | None:
+    """What ``echo`` puts before the output: a completion's prompt as the model read it; a chat's
+    last message, when it is the assistant's (vLLM's rule: the answer goes on from it, as with
+    ``continue_final_message``), else nothing."""
+    if not spec.echo:
+        return None
+    if spec.kind == "chat":
+        assert spec.messages is not None
+        last = spec.messages[-1]
+        return last["content"] or None if last["role"] == "assistant" else None
+    return prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
+
+
 def chat_text(
     tokenizer: Any, messages: list[dict[str, Any]], template: TemplateOptions, tools: list[dict[str, Any]] | None = None
 ) -> str:

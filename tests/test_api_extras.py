@@ -210,6 +210,19 @@ def test_chat_template_options_reach_the_template(env: dict[str, Any]) -> None:
     )
     assert response.status_code == 200, response.text
     assert _engine_request(env, "prefill-1-").prompt_token_ids == want
+    # vLLM's chat echo: the answer goes on from the prefilled message, streamed or not.
+    echoed = c.post("/v1/chat/completions", json={"messages": prefilled, "max_tokens": 2, "echo": True, **options}).json()
+    answer = echoed["choices"][0]["message"]["content"]
+    assert answer.startswith("The colour is") and len(answer) > len("The colour is")
+    with c.stream(
+        "POST", "/v1/chat/completions", json={"messages": prefilled, "max_tokens": 2, "echo": True, "stream": True, **options}
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "The colour is"}
+    # Not the assistant's turn last: nothing to go on from (vLLM's rule).
+    plain = c.post("/v1/chat/completions", json={"messages": prefilled[:1], "max_tokens": 2, "echo": True}).json()
+    assert not plain["choices"][0]["message"]["content"].startswith("Name a colour")
     # A template variable: the tiny checkpoint's template has none, so a copy of it gets one.
     thinking = tok.chat_template.replace(
         "{% if add_generation_prompt %}",

@@ -13,7 +13,8 @@ No prefill/decode phases (vLLM v1 style): a request is only ``num_computed_token
 ``num_tokens``; running requests are served first, then waiting ones FCFS, all under one token
 budget, so a step freely mixes decodes with prefill chunks. When blocks run out, the most
 recently admitted running request is preempted by recompute (under the priority policy, the
-lowest priority, latest arrival: `scheduler.request_queue`). A preempted request is not
+lowest priority, latest arrival: `scheduler.request_queue`; a waiting request of a strictly higher
+priority that finds no seat or no blocks preempts it too). A preempted request is not
 admitted again while a step it was in is still in flight (possible with three or more in flight):
 that step's output belongs to its old blocks.
 
@@ -220,7 +221,7 @@ class Scheduler(ExecutorRecovery):
             i = 0 if undone else i + 1
         # Admitting while preempting would only thrash: the freed blocks go to running requests.
         w = 0
-        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and w < len(self.waiting) and budget > 0:
             request = self.waiting[w]
             # A preempted request waits for the steps it is still in (three or more in flight): an
             # output applied after its readmission would register blocks of its old table as its new
@@ -228,18 +229,41 @@ class Scheduler(ExecutorRecovery):
             if (request.num_preemptions and self._in_flight(request)) or self._held(request):
                 w += 1
                 continue
+            if len(self.running) >= self.config.max_num_seqs:
+                if (freed := self._displace(request, scheduled, wired)) is None:
+                    break
+                budget, wire = budget + freed[0], wire + freed[1]
             cost = new_request_bytes(request, self.cache.block_size)
             per = prompt_logprob_bytes(request) if request.needs_prompt_logprobs else 0
             if cost + per > wire and wire < self.max_step_bytes:  # the step is full: it goes next (FCFS)
                 break
-            admitted = self._admit_blocks(request, min(budget, max(1, (wire - cost) // per)) if per else budget)
+            while (admitted := self._admit_blocks(request, min(budget, max(1, (wire - cost) // per)) if per else budget)) is None:
+                if (freed := self._displace(request, scheduled, wired)) is None:
+                    break
+                budget, wire = budget + freed[0], wire + freed[1]
             if admitted is None:
                 break
+            assert self.waiting[w] is request, "a displaced request queues after the one it made room for"
             del self.waiting[w]
             self._start_running(request)
             scheduled[request.request_id] = admitted
             budget, wire = budget - admitted, wire - cost - admitted * per
         return scheduled
+
+    def _displace(self, request: Request, scheduled: dict[str, int], wired: dict[str, int]) -> tuple[int, int] | None:
+        """(priority) Preempt the running request of the lowest priority for waiting ``request``,
+        if its priority is strictly lower (equals never displace each other, or a preempted one,
+        arriving earlier, would take its place back), when ``request`` finds no seat or no blocks
+        (vLLM, issue 40004, waits instead: a priority inversion). Returns the budget, tokens and
+        bytes, that the victim had in this step; None when there is no such victim."""
+        if not self.waiting.by_priority or not self.running:
+            return None
+        victim = pick_victim(self.running, True)
+        if victim.priority <= request.priority:
+            return None
+        self._stop_running(victim)
+        self._preempt(victim)
+        return scheduled.pop(victim.request_id, 0), wired.pop(victim.request_id, 0)
 
     def _in_flight(self, request: Request) -> bool:
         """Whether a step whose output has not arrived holds ``request``."""

@@ -202,3 +202,82 @@ def test_budget_given_back_by_a_victim_goes_to_the_requests_passed_over() -> Non
     assert sched.decide() == {"p2": 4}
     assert [r.request_id for r in sched.running] == ["p2"] and [r.request_id for r in sched.waiting] == ["x", "p1a", "p1b"]
     sched.cache.check_invariants()
+
+
+def test_a_waiting_request_displaces_a_lower_priority_one_when_the_seats_are_taken() -> None:
+    """``max_num_seqs`` running requests of priority 5: one of priority 0 takes the seat of the
+    latest of them (vLLM waits for a seat to free: its issue 40004); one of priority 5 does not."""
+    sched, core = prioritized(max_seqs=2)
+    got: dict[str, list[int]] = {}
+    low1, low2, high, peer = request("low1", 5, 1.0), request("low2", 5, 2.0), request("high", 0, 3.0), request("peer", 5, 0.5)
+    for r in (low1, low2):
+        sched.add_request(r)
+    step(core, got)
+    sched.add_request(peer)  # (arrived first, but only as urgent as those running: it waits)
+    step(core, got)
+    assert [r.request_id for r in sched.running] == ["low1", "low2"] and peer.num_preemptions == 0
+    sched.add_request(high)
+    step(core, got)
+    assert [r.request_id for r in sched.running] == ["low1", "high"] and low2.num_preemptions == 1
+    assert ex_steps(core)[-1].keys() == {"low1", "high"}  # (low2, scheduled before high came to it, gave its token back)
+    assert [r.request_id for r in sched.waiting] == ["peer", "low2"]
+    while core.has_work():
+        step(core, got)
+    for r in (low1, low2, high, peer):
+        assert got[r.request_id] == expected_output(r.prompt_token_ids, GREEDY)
+
+
+def test_a_waiting_request_displaces_lower_priority_ones_for_blocks() -> None:
+    """The pool is full of a priority-9 request's blocks: a priority-0 one takes them; a second
+    priority-9 one waits."""
+    sched, core = prioritized(num_blocks=4)  # 16 tokens
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    low = Request("low", [3] * 13, params, arrival_time=1.0, priority=9)
+    high = Request("high", [4] * 8, params, arrival_time=2.0, priority=0)
+    later = Request("later", [5] * 8, params, arrival_time=3.0, priority=9)
+    got: dict[str, list[int]] = {}
+    sched.add_request(low)
+    step(core, got)
+    assert sched.cache.get_num_free_blocks() == 0
+    sched.add_request(later)
+    step(core, got)
+    assert [r.request_id for r in sched.running] == ["low"] and low.num_preemptions == 0
+    sched.add_request(high)
+    step(core, got)
+    assert [r.request_id for r in sched.running] == ["high"] and low.num_preemptions == 1
+    while core.has_work():
+        step(core, got)
+    for r in (low, high, later):
+        assert got[r.request_id] == expected_output(r.prompt_token_ids, params)
+
+
+@pytest.mark.parametrize("seed, in_flight", [(0, 1), (1, 1), (2, 2), (3, 3), (4, 3)])
+def test_arrivals_that_displace_running_requests_keep_every_output_exact(seed: int, in_flight: int) -> None:
+    """Requests of random priorities arrive while others run (few seats, a small pool, steps in
+    flight): they displace lower ones, and every output is still exactly the unconstrained one."""
+    rng = random.Random(seed)
+    ex = ScriptedExecutor(14)
+    config = SchedulerConfig(24, 3, async_scheduling=in_flight > 1, scheduling_policy="priority")
+    sched = Scheduler(config, CacheManager(14, ex.info.block_size), ex.info)
+    core = EngineCore(sched, InlineExecutor(ex), async_scheduling=in_flight > 1, steps_in_flight=in_flight)
+    requests = [
+        Request(
+            f"r{i}",
+            [rng.randrange(1, 90) for _ in range(rng.randrange(2, 20))],
+            SamplingParams(temperature=0, max_tokens=rng.randrange(1, 16), ignore_eos=True),
+            arrival_time=float(i),
+            priority=rng.randrange(0, 4),
+        )
+        for i in range(18)
+    ]
+    got: dict[str, list[int]] = {}
+    finished: dict[str, str | None] = {}
+    arriving = list(requests)
+    while arriving or core.has_work():
+        if arriving and (rng.random() < 0.4 or not core.has_work()):
+            sched.add_request(arriving.pop(0))
+        if core.has_work():
+            step(core, got, finished)
+    for r in requests:
+        assert got[r.request_id] == r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params)
+    assert finished.keys() == {r.request_id for r in requests} and sched.num_preemptions > 0

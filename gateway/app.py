@@ -41,7 +41,7 @@ from gateway.config import GatewayConfig
 from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
 from gateway.journal import journal_body, journaled_spec, read_journal, stream_not_found
-from gateway.json_input import ApiError
+from gateway.json_input import LARGE_INPUT_BYTES, ApiError
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
     BYTES_PER_TOKEN_ID,
@@ -55,7 +55,6 @@ from gateway.request_ids import header_request_id, request_id_of
 from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
 from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import (
-    LARGE_INPUT_BYTES,
     InputWorkers,
     Tokenizers,
     detokenize,

@@ -12,6 +12,9 @@ from typing import Any
 
 # Deeper JSON is never a real request; the limit also keeps the parser far from Python's recursion limit.
 MAX_JSON_DEPTH = 64
+# Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
+# huge requests then queue behind each other instead of taking every worker thread from the rest.
+LARGE_INPUT_BYTES = 64 * 1024
 
 
 class ApiError(Exception):
@@ -165,3 +168,23 @@ def get_num(body: dict[str, Any], name: str, default: Any) -> Any:
 
 def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return bool(get_field(body, name, lambda v: isinstance(v, bool), "a boolean", default))
+
+
+def json_size(value: Any, limit: int = LARGE_INPUT_BYTES) -> int:
+    """About how many bytes ``value`` (parsed JSON) takes; the count stops once past ``limit``, so
+    sizing a huge value on the event loop costs no more than sizing a large one."""
+    size, todo = 0, [value]
+    while todo and size <= limit:
+        item = todo.pop()
+        if isinstance(item, str):
+            size += len(item) + 2
+        elif isinstance(item, dict):
+            size += 2
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            size += 2
+            todo.extend(item)
+        else:
+            size += 8
+    return size

@@ -28,6 +28,7 @@ from gateway.json_input import (
     get_num,
     is_int,
     is_num,
+    json_size,
     preview,
     typename,
 )
@@ -103,7 +104,7 @@ class GenerationSpec:
         return (
             len(self.prompt or "")
             + BYTES_PER_TOKEN_ID * len(self.prompt_token_ids or ())
-            + sum(len(m["content"]) + len(m.get("reasoning", "")) for m in self.messages or ())
+            + (json_size(self.messages) + json_size(self.template.kwargs) if self.messages is not None else 0)
             + sum(len(p) if isinstance(p, str) else BYTES_PER_TOKEN_ID * len(p) for p in self.prompts or ())
         )
 
@@ -336,7 +337,7 @@ class TokenizeSpec:
 
     def input_size(self) -> int:
         """About how many bytes the input is, to tell large inputs apart."""
-        return len(self.prompt or "") + sum(len(m["content"]) for m in self.messages or ())
+        return len(self.prompt or "") + (json_size(self.messages) + json_size(self.template.kwargs) if self.messages else 0)
 
 
 def parse_tokenize(body: Any) -> TokenizeSpec:

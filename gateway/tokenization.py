@@ -23,14 +23,11 @@ from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
 from common.service_cli import freeze_startup_heap
 from gateway.chat_messages import TemplateOptions
-from gateway.json_input import ApiError, all_ints, bad, parse_json, preview, typename
+from gateway.json_input import LARGE_INPUT_BYTES, ApiError, all_ints, bad, parse_json, preview, typename
 from gateway.openai_schema import GenerationSpec, TokenizeSpec
 from gateway.structured import check_grammar
 
 T = TypeVar("T")
-# Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
-# huge requests then queue behind each other instead of taking every worker thread from the rest.
-LARGE_INPUT_BYTES = 64 * 1024
 # Prompts up to this size are prepared on the event loop itself (`tokenizes_inline`): a thread hop
 # costs far more than their work. On a busy gateway the hop waited a whole turn of the loop and a
 # GIL hand-over: 25 ms of a 100 ms time to first token, on token-id prompts that need no tokenizer.
@@ -170,6 +167,10 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     return ids, text, max_tokens
 
 
+# The names transformers renders a chat template with besides the variables (`chat_text`).
+RENDER_NAMES = frozenset({"messages", "conversations", "self"})
+
+
 def echo_text(spec: GenerationSpec, prompt_text: str | None, prompt_ids: list[int], tokenizer: Any) -> str | None:
     """What ``echo`` puts before the output: a completion's prompt as the model read it; a chat's
     last message, when it is the assistant's (vLLM's rule: the answer goes on from it, as with
@@ -195,8 +196,9 @@ def chat_text(
         from jinja2 import TemplateError
 
         # A variable named as one of the renderer's own parameters would set it (``tokenize``:
-        # ids instead of text), not the template's.
-        taken = [k for k in template.kwargs if k in inspect.signature(tokenizer.apply_chat_template).parameters]
+        # ids instead of text), not the template's; as would one of the names it renders with.
+        own = inspect.signature(tokenizer.apply_chat_template).parameters
+        taken = [k for k in template.kwargs if k in own or k in RENDER_NAMES]
         if taken:
             raise ApiError(400, f"'chat_template_kwargs' may not set {taken[0]!r}", param="chat_template_kwargs")
         try:
@@ -211,8 +213,12 @@ def chat_text(
                 )
             )
         # The template's own checks (that roles alternate), or a template that cannot render what a
-        # client may send (tool call arguments it concatenates as strings, nesting past the recursion limit).
-        except (TemplateError, TypeError, ValueError, RecursionError) as exc:
+        # client may send (tool call arguments it concatenates as strings, nesting past the
+        # recursion limit, a variable it divides by that is 0): what the client sent, not a 500.
+        except Exception as exc:
+            if template.kwargs and not isinstance(exc, TemplateError):
+                message = f"the model's chat template could not render the messages with 'chat_template_kwargs': {exc!r}"
+                raise ApiError(400, message, param="chat_template_kwargs") from None
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     if template.continue_final_message:

@@ -211,10 +211,12 @@ class LLM:
         for i, request in enumerate(children):
             computed = request.sampling_params.logprobs is not None  # asked, or added to rank by
             total = cumulative_logprob(request.output_token_ids, request.output_logprobs) if computed else None
+            # The token that stopped it (EOS, one of stop_token_ids) is no text (vLLM's rule, the gateway's).
+            text_ids = request.output_token_ids[:-1] if request.finish_reason == "stop" else request.output_token_ids
             samples.append(
                 CompletionOutput(
                     index=i,
-                    text=cast(str, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)),
+                    text=cast(str, self.tokenizer.decode(text_ids, skip_special_tokens=True)),
                     token_ids=request.output_token_ids,
                     cumulative_logprob=total,
                     logprobs=list(request.output_logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]

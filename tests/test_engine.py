@@ -211,6 +211,8 @@ def test_async_scheduling_gives_identical_outputs(tiny_model) -> None:
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert all(o.finish_reason == "stop" and o.token_ids[-1] in p.stop_token_ids for o, p in zip(got, params))
     assert [o.stop_reason for o in got] == [o.token_ids[-1] for o in got]  # vLLM's stop_reason: the stop token
+    # ... which is no text (vLLM's rule): the text is that of the tokens before it.
+    assert [o.text for o in got] == [got_async.tokenizer.decode(o.token_ids[:-1], skip_special_tokens=True) for o in got]
     assert all(o.stop_reason is None and o.finish_reason == "length" for o in free_run)
     assert sync.scheduler.num_preemptions > 0 and got_async.scheduler.num_preemptions > 0
     # Finished requests' state leaves the executor with the next step.

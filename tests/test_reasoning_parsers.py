@@ -121,3 +121,39 @@ def test_the_reasoning_parser_setting() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
         GatewayConfig(reasoning_parser="r2")
     assert build_parser().parse_args(["--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
+
+
+def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> None:
+    """A review found ``messages`` got past the check, and a variable a template divides by a 500."""
+    from types import SimpleNamespace
+
+    from gateway.chat_messages import TemplateOptions
+    from gateway.json_input import ApiError
+    from gateway.tokenization import chat_text
+
+    def render(
+        messages: Any, tools: Any = None, tokenize: bool = False, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        return "x" * (10 // kwargs.get("n", 1))
+
+    tok = SimpleNamespace(chat_template="x", apply_chat_template=render)
+    assert chat_text(tok, MESSAGES, TemplateOptions(kwargs={"n": 2})) == "xxxxx"
+    for kwargs, words in (
+        ({"messages": []}, "may not set 'messages'"),
+        ({"tokenize": True}, "may not set"),
+        ({"n": 0}, "ZeroDivision"),
+    ):
+        with pytest.raises(ApiError, match=words) as info:
+            chat_text(tok, MESSAGES, TemplateOptions(kwargs=kwargs))
+        assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
+
+
+def test_big_template_variables_or_messages_count_as_a_large_input() -> None:
+    from gateway.json_input import LARGE_INPUT_BYTES, json_size
+    from gateway.openai_schema import parse_tokenize
+
+    big = {"messages": MESSAGES, "chat_template_kwargs": {"docs": ["x" * 1000] * 100}}
+    assert parse_chat(big).input_size() > LARGE_INPUT_BYTES and parse_tokenize(big).input_size() > LARGE_INPUT_BYTES
+    thought = [*MESSAGES, {"role": "assistant", "content": "4", "reasoning": "y" * LARGE_INPUT_BYTES}]
+    assert parse_tokenize({"messages": thought}).input_size() > LARGE_INPUT_BYTES
+    assert json_size(list(range(10**6))) < 2 * LARGE_INPUT_BYTES  # (counted only so far)

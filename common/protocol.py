@@ -416,6 +416,7 @@ class JournalHeader:
     # tool calls, of a thinking model's reasoning.
     tool_parser: str = ""
     reasoning_parser: str = ""
+    reasoning_phase: str = ""  # where the prompt left the output (the gateway's `prompt_phase`)
 
 
 @dataclass(slots=True)

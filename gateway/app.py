@@ -345,6 +345,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             echo,
             tool_parser=parsers.tools or "",
             reasoning_parser=parsers.reasoning or "",
+            reasoning_phase=spec.reasoning_phase,
         )
         first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
         if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip

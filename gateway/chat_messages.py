@@ -11,6 +11,7 @@ the last user message, as the model saw it while calling tools).
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,3 +138,49 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
                 raise bad(message, "messages") from None
         out.append({"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return out
+
+
+# The names transformers renders a chat template with besides the variables (`chat_text`).
+RENDER_NAMES = frozenset({"messages", "conversations", "self"})
+
+
+def chat_text(
+    tokenizer: Any, messages: list[dict[str, Any]], template: TemplateOptions, tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The prompt text of chat ``messages``: the tokenizer's chat template (a 400 when the
+    template rejects them), or, for a checkpoint without one, a plain, documented fallback. The
+    chat endpoint and ``/tokenize`` both render messages here, so they count the same tokens.
+    ``tools`` and ``template``'s variables go to the template as transformers passes them (a
+    template may ignore them)."""
+    if getattr(tokenizer, "chat_template", None):
+        from jinja2 import TemplateError
+
+        # A variable named as one of the renderer's own parameters would set it (``tokenize``:
+        # ids instead of text), not the template's; as would one of the names it renders with.
+        own = inspect.signature(tokenizer.apply_chat_template).parameters
+        taken = [k for k in template.kwargs if k in own or k in RENDER_NAMES]
+        if taken:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {taken[0]!r}", param="chat_template_kwargs")
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=template.add_generation_prompt,
+                    continue_final_message=template.continue_final_message,
+                    **template.kwargs,
+                )
+            )
+        # The template's own checks (that roles alternate), or a template that cannot render what a
+        # client may send (tool call arguments it concatenates as strings, nesting past the
+        # recursion limit, a variable it divides by that is 0): what the client sent, not a 500.
+        except Exception as exc:
+            if template.kwargs and not isinstance(exc, TemplateError):
+                message = f"the model's chat template could not render the messages with 'chat_template_kwargs': {exc!r}"
+                raise ApiError(400, message, param="chat_template_kwargs") from None
+            raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    if template.continue_final_message:
+        return text.removesuffix("\n")
+    return text + "assistant:" if template.add_generation_prompt else text

@@ -22,13 +22,19 @@ class ChatOutput:
     calls' ids derive from (a resumed stream's creation time is set after it is built)."""
 
     def __init__(
-        self, reasoning: ThinkParser | None, include_reasoning: bool, tools: ToolCallParser | None, one_call: bool = False
+        self,
+        reasoning: ThinkParser | None,
+        include_reasoning: bool,
+        tools: ToolCallParser | None,
+        one_call: bool = False,
+        phase: str = "",
     ) -> None:
         self.reasoning = reasoning
         self.include_reasoning = include_reasoning
         self.tools = tools
         self.one_call = one_call  # ``parallel_tool_calls: false``: the first call only (vLLM's rule)
-        self.reasoning_stream = ReasoningStream(reasoning) if reasoning is not None else None
+        self.phase = phase  # where the prompt left the output (`gateway.reasoning_parsers.prompt_phase`)
+        self.reasoning_stream = ReasoningStream(reasoning, phase) if reasoning is not None else None
         self.call_stream = CallStream(tools) if tools is not None else None
 
     def _with_reasoning(self, fields: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
@@ -38,7 +44,7 @@ class ChatOutput:
 
     def message(self, text: str, finish_reason: str | None, ids: tuple[str, int, int]) -> tuple[dict[str, Any], str | None]:
         """The non-streaming message of the whole ``text`` and its finish reason ("tool_calls" with calls)."""
-        reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        reasoning, content = self.reasoning.split(text, self.phase) if self.reasoning is not None else (None, text)
         message: dict[str, Any] = {"role": "assistant", "content": content or None if self.reasoning else content}
         if self.tools is not None:
             before, calls = split_calls(self.tools, content, finish_reason == "stop")

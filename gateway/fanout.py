@@ -209,6 +209,7 @@ def _journal_headers(
                     [g.request_id for g in group],
                     ctx.parsers.tools or "",
                     ctx.parsers.reasoning or "",
+                    spec.reasoning_phase,
                 )
             ),
             None,

@@ -44,7 +44,9 @@ def journaled_spec(header: JournalHeader) -> GenerationSpec:
     body = json.loads(header.body)
     if header.kind != "chat":
         return parse_completion(body)
-    return parse_chat(body, ChatParsers(header.tool_parser or None, header.reasoning_parser or None))
+    spec = parse_chat(body, ChatParsers(header.tool_parser or None, header.reasoning_parser or None))
+    spec.reasoning_phase = header.reasoning_phase
+    return spec
 
 
 @dataclass(slots=True)

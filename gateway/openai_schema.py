@@ -98,6 +98,7 @@ class GenerationSpec:
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how its template renders
     reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.reasoning_parsers`)
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
+    reasoning_phase: str = ""  # where the rendered prompt leaves the output (`reasoning_parsers.prompt_phase`)
 
     def input_size(self) -> int:
         """About how many bytes the prompt is, to tell large inputs apart."""

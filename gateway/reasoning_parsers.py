@@ -10,6 +10,11 @@ Both parsers read ``<think>``...``</think>``:
   (``enable_thinking=False`` makes the template close the thinking in the prompt, and the output
   is plain content).
 
+Either way the prompt may already have decided (`prompt_phase`, as vLLM looks at the prompt's
+tokens): one that ends opening the thinking (Qwen3's 2507 thinking models, DeepSeek-R1's newer
+templates) makes the output reasoning from its first token; one that ends closing it (Qwen3 with
+``enable_thinking=False``, a prefilled answer after its thinking) makes it all content.
+
 Streamed, the text goes out as it comes, reasoning or content; what may be the start of a tag
 waits for the next piece, so a stream and a response of the same tokens split alike (vLLM's
 qwen3 parser decides on the whole text, which a stream cannot: here it decides on the start).
@@ -22,6 +27,17 @@ from dataclasses import dataclass
 START, END = "<think>", "</think>"
 
 
+def prompt_phase(prompt: str, continued: str | None = None) -> str:
+    """Where the prompt leaves the output: "reasoning" when it ends opening the thinking,
+    "content" when it ends closing it, else "". ``continued``: the final (assistant) message the
+    output goes on from (``continue_final_message``), whose last tag decides."""
+    if continued is not None:
+        start, end = continued.rfind(START), continued.rfind(END)
+        return "" if start == end else "content" if end > start else "reasoning"
+    tail = prompt.rstrip()
+    return "content" if tail.endswith(END) else "reasoning" if tail.endswith(START) else ""
+
+
 @dataclass(frozen=True, slots=True)
 class ThinkParser:
     """Reasoning between ``<think>`` and ``</think>``; ``opened``: it starts with the output
@@ -30,11 +46,14 @@ class ThinkParser:
     name: str
     opened: bool
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(reasoning, content) of a whole output; reasoning None when there is none."""
+    def split(self, text: str, phase: str = "") -> tuple[str | None, str]:
+        """(reasoning, content) of a whole output that starts in ``phase`` (`prompt_phase`);
+        reasoning None when there is none."""
+        if phase == "content":
+            return None, text
         if text.startswith(START):
             text = text[len(START) :]
-        elif not self.opened:
+        elif not self.opened and phase != "reasoning":
             return None, text
         reasoning, end, content = text.partition(END)
         return reasoning, content if end else ""
@@ -55,9 +74,11 @@ class ReasoningStream:
     """One streamed choice's text through a `ThinkParser`: `feed` returns the (reasoning, content)
     that can go out now, `finish` what was held back, once the output has ended."""
 
-    def __init__(self, parser: ThinkParser) -> None:
+    def __init__(self, parser: ThinkParser, phase: str = "") -> None:
         self.parser = parser
-        self.phase = "start"  # "start" (the output's first characters may be <think>), "reasoning", "content"
+        self.start_phase = phase  # where the prompt left it (`prompt_phase`)
+        # "start" (the output's first characters may be <think>), "reasoning", "content"
+        self.phase = "content" if phase == "content" else "start"
         self.held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -69,7 +90,7 @@ class ReasoningStream:
             opened = text.startswith(START)
             if opened:
                 text = text[len(START) :]
-            self.phase = "reasoning" if opened or self.parser.opened else "content"
+            self.phase = "reasoning" if opened or self.parser.opened or self.start_phase == "reasoning" else "content"
         if self.phase == "content":
             return "", text
         reasoning, end, content = text.partition(END)
@@ -84,6 +105,6 @@ class ReasoningStream:
         """The held text, as what it turned out to be: a tag never completed is text."""
         held, self.held = self.held, ""
         if self.phase == "start":  # the whole output was a prefix of <think>
-            reasoning, content = self.parser.split(held)
+            reasoning, content = self.parser.split(held, self.start_phase)
             return reasoning or "", content
         return (held, "") if self.phase == "reasoning" else ("", held)

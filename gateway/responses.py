@@ -68,6 +68,7 @@ class ResponseFormatter:
                 spec.include_reasoning,
                 TOOL_CALL_PARSERS[tools] if tools else None,
                 self.tool_call is not None and self.tool_call.single,
+                spec.reasoning_phase,
             )
             if self.chat and (tools or spec.reasoning_parser)
             else None

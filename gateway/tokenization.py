@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +21,10 @@ from fastapi import Request
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
 from common.service_cli import freeze_startup_heap
-from gateway.chat_messages import TemplateOptions
+from gateway.chat_messages import chat_text
 from gateway.json_input import LARGE_INPUT_BYTES, ApiError, all_ints, bad, parse_json, preview, typename
 from gateway.openai_schema import GenerationSpec, TokenizeSpec
+from gateway.reasoning_parsers import prompt_phase
 from gateway.structured import check_grammar
 
 T = TypeVar("T")
@@ -147,6 +147,9 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
         assert spec.messages is not None
         tools = spec.structured.tools if spec.structured is not None else None
         text = chat_text(tokenizer, spec.messages, spec.template, tools or None)
+        if spec.reasoning_parser is not None:
+            continued = spec.messages[-1]["content"] if spec.template.continue_final_message else None
+            spec.reasoning_phase = prompt_phase(text, continued)
     ids: list[int] | None
     keep = keep_tokens(spec, info.max_model_len)
     if text is None:
@@ -167,10 +170,6 @@ def tokenize(tokenizer: Any, lock: threading.Lock, spec: GenerationSpec, info: E
     return ids, text, max_tokens
 
 
-# The names transformers renders a chat template with besides the variables (`chat_text`).
-RENDER_NAMES = frozenset({"messages", "conversations", "self"})
-
-
 def echo_text(spec: GenerationSpec, prompt_text: str | None, prompt_ids: list[int], tokenizer: Any) -> str | None:
     """What ``echo`` puts before the output: a completion's prompt as the model read it; a chat's
     last message, when it is the assistant's (vLLM's rule: the answer goes on from it, as with
@@ -182,48 +181,6 @@ def echo_text(spec: GenerationSpec, prompt_text: str | None, prompt_ids: list[in
         last = spec.messages[-1]
         return last["content"] or None if last["role"] == "assistant" else None
     return prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
-
-
-def chat_text(
-    tokenizer: Any, messages: list[dict[str, Any]], template: TemplateOptions, tools: list[dict[str, Any]] | None = None
-) -> str:
-    """The prompt text of chat ``messages``: the tokenizer's chat template (a 400 when the
-    template rejects them), or, for a checkpoint without one, a plain, documented fallback. The
-    chat endpoint and ``/tokenize`` both render messages here, so they count the same tokens.
-    ``tools`` and ``template``'s variables go to the template as transformers passes them (a
-    template may ignore them)."""
-    if getattr(tokenizer, "chat_template", None):
-        from jinja2 import TemplateError
-
-        # A variable named as one of the renderer's own parameters would set it (``tokenize``:
-        # ids instead of text), not the template's; as would one of the names it renders with.
-        own = inspect.signature(tokenizer.apply_chat_template).parameters
-        taken = [k for k in template.kwargs if k in own or k in RENDER_NAMES]
-        if taken:
-            raise ApiError(400, f"'chat_template_kwargs' may not set {taken[0]!r}", param="chat_template_kwargs")
-        try:
-            return str(
-                tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    tokenize=False,
-                    add_generation_prompt=template.add_generation_prompt,
-                    continue_final_message=template.continue_final_message,
-                    **template.kwargs,
-                )
-            )
-        # The template's own checks (that roles alternate), or a template that cannot render what a
-        # client may send (tool call arguments it concatenates as strings, nesting past the
-        # recursion limit, a variable it divides by that is 0): what the client sent, not a 500.
-        except Exception as exc:
-            if template.kwargs and not isinstance(exc, TemplateError):
-                message = f"the model's chat template could not render the messages with 'chat_template_kwargs': {exc!r}"
-                raise ApiError(400, message, param="chat_template_kwargs") from None
-            raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from None
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    if template.continue_final_message:
-        return text.removesuffix("\n")
-    return text + "assistant:" if template.add_generation_prompt else text
 
 
 def tokenize_only(tokenizer: Any, lock: threading.Lock, spec: TokenizeSpec, info: EngineStatus) -> dict[str, Any]:

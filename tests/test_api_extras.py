@@ -228,8 +228,7 @@ def test_chat_template_options_reach_the_template(env: dict[str, Any]) -> None:
         "{% if add_generation_prompt %}",
         "{% if enable_thinking is false %}[no thinking]{% endif %}{% if add_generation_prompt %}",
     )
-    from gateway.chat_messages import TemplateOptions
-    from gateway.tokenization import chat_text
+    from gateway.chat_messages import TemplateOptions, chat_text
 
     original, tok.chat_template = tok.chat_template, thinking
     try:

@@ -15,7 +15,7 @@ from gateway.config import GatewayConfig
 from gateway.generation import Piece
 from gateway.journal import journal_body, journaled_spec
 from gateway.openai_schema import ChatParsers, parse_chat
-from gateway.reasoning_parsers import REASONING_PARSERS, ReasoningStream
+from gateway.reasoning_parsers import REASONING_PARSERS, ReasoningStream, prompt_phase
 from gateway.responses import ResponseFormatter
 from gateway.server import build_parser
 from gateway.tool_parsers import TOOL_CALL_PARSERS
@@ -48,19 +48,34 @@ TEXTS = [
 ]
 
 
+def test_the_prompt_may_have_opened_or_closed_the_thinking() -> None:
+    """As vLLM reads the prompt's tokens: a template that opens the thinking (Qwen3's 2507 thinking
+    models) or closes it (``enable_thinking=False``), or a prefilled answer past its thinking."""
+    assert prompt_phase("<|im_start|>assistant\n<think>\n") == "reasoning"
+    assert prompt_phase("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "content"
+    assert prompt_phase("<think>old</think> then <|im_start|>assistant\n") == ""  # (only the end counts)
+    assert prompt_phase("...", continued="<think>ok</think>The answer is") == "content"
+    assert prompt_phase("...", continued="<think>Let me") == "reasoning"
+    assert prompt_phase("...", continued="The answer is") == ""
+    assert QWEN3.split("I should add.</think>42", "reasoning") == ("I should add.", "42")  # (vLLM's qwen3 does too)
+    assert R1.split(" 42.", "content") == (None, " 42.")  # it was all reasoning (a review found it)
+    assert R1.split("<think>x</think>y", "content") == (None, "<think>x</think>y")
+
+
+@pytest.mark.parametrize("phase", ["", "reasoning", "content"])
 @pytest.mark.parametrize("parser", [R1, QWEN3], ids=lambda p: p.name)
-def test_a_stream_in_any_pieces_joins_to_the_whole_split(parser: Any) -> None:
+def test_a_stream_in_any_pieces_joins_to_the_whole_split(parser: Any, phase: str) -> None:
     rng = random.Random(1)
     for text in TEXTS:
-        reasoning, content = parser.split(text)
+        reasoning, content = parser.split(text, phase)
         for _ in range(30):
-            stream, got_r, got_c, at = ReasoningStream(parser), "", "", 0
+            stream, got_r, got_c, at = ReasoningStream(parser, phase), "", "", 0
             while at < len(text):
                 step = rng.randint(1, 5)
                 r, c = stream.feed(text[at : at + step])
                 got_r, got_c, at = got_r + r, got_c + c, at + step
             r, c = stream.finish()
-            assert (got_r + r, got_c + c) == (reasoning or "", content), (parser.name, text)
+            assert (got_r + r, got_c + c) == (reasoning or "", content), (parser.name, phase, text)
     # The reasoning goes out as it comes; only what may begin the end tag waits.
     stream = ReasoningStream(R1)
     assert stream.feed("Let me see </th") == ("Let me see ", "")
@@ -112,8 +127,11 @@ def test_the_formatter_splits_chat_only_and_not_under_a_grammar() -> None:
     assert constrained.reasoning_parser is None
     assert not parse_chat({"messages": MESSAGES, "include_reasoning": False}, parsers).include_reasoning
     body = journal_body({"messages": MESSAGES, "stream": True}, "chat")
-    header = JournalHeader("chatcmpl-1", "chat", body, "m", 1, 5, [1], None, [], reasoning_parser="qwen3")
-    assert journaled_spec(decode(encode(header))).reasoning_parser == "qwen3"  # as the accepting gateway had it
+    header = JournalHeader(
+        "chatcmpl-1", "chat", body, "m", 1, 5, [1], None, [], reasoning_parser="qwen3", reasoning_phase="content"
+    )
+    resumed = journaled_spec(decode(encode(header)))
+    assert (resumed.reasoning_parser, resumed.reasoning_phase) == ("qwen3", "content")  # as the accepting gateway had it
 
 
 def test_the_reasoning_parser_setting() -> None:
@@ -127,9 +145,8 @@ def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> Non
     """A review found ``messages`` got past the check, and a variable a template divides by a 500."""
     from types import SimpleNamespace
 
-    from gateway.chat_messages import TemplateOptions
+    from gateway.chat_messages import TemplateOptions, chat_text
     from gateway.json_input import ApiError
-    from gateway.tokenization import chat_text
 
     def render(
         messages: Any, tools: Any = None, tokenize: bool = False, add_generation_prompt: bool = True, **kwargs: Any

@@ -224,3 +224,8 @@ def test_a_reasoning_parser_takes_the_thinking_out_of_the_content(stack: Stack, 
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == text and not any(d.content for d in deltas)
     hidden = client.chat.completions.create(**kwargs, extra_body={"include_reasoning": False}).choices[0].message
     assert hidden.content is None and not hasattr(hidden, "reasoning")
+    # A prefilled answer past its thinking: the output goes on with the answer (it was all reasoning).
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "<think>Easy.</think>The answer is"}]
+    go_on: Any = {"add_generation_prompt": False, "continue_final_message": True}
+    answer = client.chat.completions.create(**{**kwargs, "messages": prefilled}, extra_body=go_on).choices[0].message
+    assert answer.content and not hasattr(answer, "reasoning")

@@ -216,7 +216,7 @@ def test_a_falsy_second_constraint_and_a_bad_second_max_tokens_are_400() -> None
 
 def test_a_template_that_cannot_render_a_message_is_a_400() -> None:
     """A template that concatenates a call's arguments as a string (as some do) meets an object."""
-    from gateway.tokenization import chat_text
+    from gateway.chat_messages import chat_text
 
     tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda *a, **k: "x" + {"a": 1})  # type: ignore[operator]
     with pytest.raises(ApiError, match="chat template rejected"):

@@ -54,6 +54,7 @@ from gateway.openai_schema import (
 from gateway.request_ids import header_request_id, request_id_of
 from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
 from gateway.router import EngineClient, RequestIdInUse
+from gateway.sampling_defaults import apply_sampling_defaults
 from gateway.tokenization import (
     InputWorkers,
     Tokenizers,
@@ -84,7 +85,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         resume_window_s=config.resume_window_s,
         stall_timeout_s=config.stall_timeout_s,
     )
-    tokenizers = Tokenizers(config.model)
+    tokenizers = Tokenizers(config.model, config.generation_config)
     workers = InputWorkers()
 
     def served_name(info: EngineStatus) -> str:
@@ -287,6 +288,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         name = check_model(spec.model, info)
         check_priority(spec.priority, client.engines.values())
         tokenizer = await tokenizers.get(info)
+        apply_sampling_defaults(spec.sampling, body, tokenizers.sampling_defaults)
         if needs_fanout(spec):
             response_id, engine_id = response_ids(request, spec, client_id)
             limit, parsers = config.max_inflight, config.chat_parsers

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from common.config import ServiceDefaults
 from gateway.openai_schema import ChatParsers
 from gateway.reasoning_parsers import REASONING_PARSERS
+from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -31,6 +32,7 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # vLLM's: a thinking model's reasoning apart from its content
+    generation_config: str = "auto"  # vLLM's: "auto" takes the model's sampling defaults, "vllm" OpenAI's
 
     def __post_init__(self) -> None:
         for kind, name, known in (
@@ -39,6 +41,9 @@ class GatewayConfig:
         ):
             if name is not None and name not in known:
                 raise ValueError(f"unknown {kind} parser {name!r} (known: {', '.join(sorted(known))})")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            modes = ", ".join(GENERATION_CONFIG_MODES)
+            raise ValueError(f"generation_config must be one of {modes}, got {self.generation_config!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

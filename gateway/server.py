@@ -11,6 +11,7 @@ from common.redact import redact_url
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from gateway.config import GatewayConfig
 from gateway.reasoning_parsers import REASONING_PARSERS
+from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.1+)",
     )
     p.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default=env("CONVEYOR_GENERATION_CONFIG") or "auto",
+        help="auto: a request's sampling defaults are the model's (its generation_config.json), as vLLM's; "
+        "vllm: OpenAI's (temperature 1, no top-p or top-k)",
+    )
+    p.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=env("CONVEYOR_REASONING_PARSER") or None,
@@ -90,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            generation_config=args.generation_config,
         )
     except ValueError as exc:  # settings that do not go together
         parser.error(str(exc))

@@ -25,6 +25,7 @@ from gateway.chat_messages import chat_text
 from gateway.json_input import LARGE_INPUT_BYTES, ApiError, all_ints, bad, parse_json, preview, typename
 from gateway.openai_schema import GenerationSpec, TokenizeSpec
 from gateway.reasoning_parsers import prompt_phase
+from gateway.sampling_defaults import load_sampling_defaults
 from gateway.structured import check_grammar
 
 T = TypeVar("T")
@@ -106,10 +107,13 @@ def _load_tokenizer(path: str) -> Any:
 
 
 class Tokenizers:
-    """The tokenizer of the served model, loaded once (off the event loop)."""
+    """The tokenizer of the served model, loaded once (off the event loop), and the model's
+    sampling defaults (`gateway.sampling_defaults`) read beside it when ``generation_config`` is "auto"."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, generation_config: str = "auto") -> None:
         self.path = path
+        self.generation_config = generation_config
+        self.sampling_defaults: dict[str, float] = {}
         self.tokenizer: Any = None
         self.error: str | None = None  # why the last load failed
         self.call_lock = threading.Lock()  # see `encode_text`
@@ -121,6 +125,8 @@ class Tokenizers:
                 if self.tokenizer is None:
                     path = self.path or info.model_path
                     try:
+                        if self.generation_config == "auto":
+                            self.sampling_defaults = await asyncio.to_thread(load_sampling_defaults, path)
                         self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
                     except Exception as exc:
                         self.error = f"could not load the tokenizer from {path}: {exc}"

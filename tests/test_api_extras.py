@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -96,14 +97,26 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
     from gateway.app import create_app
 
     model = tiny_model()
-    url, proc = find_redis(Path(tmp_path_factory.mktemp("extras")))
+    work = Path(tmp_path_factory.mktemp("extras"))
+    url, proc = find_redis(work)
+    # A copy of the checkpoint whose generation config sets sampling defaults, as Qwen3's does,
+    # for gateway C ("auto") and D (vLLM's "vllm": OpenAI's defaults).
+    sampled = work / "sampled-model"
+    shutil.copytree(model, sampled)
+    generation = json.loads((sampled / "generation_config.json").read_text())
+    (sampled / "generation_config.json").write_text(json.dumps({**generation, **SAMPLING_DEFAULTS, "min_p": -1}))
     r = redis.Redis.from_url(url)
     names = Names(f"test-extras-{uuid.uuid4().hex[:10]}")
     register_engine(r, names, model)
     engine = FakeEngine(r, names)
     servers, threads, clients, apps = [], [], [], []
-    for gateway_id in ("gwA", "gwB"):
-        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_key=API_KEY)
+    for gateway_id, options in (
+        ("gwA", {}),
+        ("gwB", {}),
+        ("gwC", {"model": str(sampled)}),
+        ("gwD", {"model": str(sampled), "generation_config": "vllm"}),
+    ):
+        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_key=API_KEY, **options)
         port = free_port()
         apps.append(create_app(config))
         server = uvicorn.Server(uvicorn.Config(apps[-1], host="127.0.0.1", port=port, log_level="critical"))
@@ -119,6 +132,8 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
         yield {
             "a": clients[0],
             "b": clients[1],
+            "c": clients[2],
+            "d": clients[3],
             "apps": apps,
             "redis": r,
             "names": names,
@@ -139,6 +154,9 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
             r.delete(key)
         if proc is not None:
             proc.terminate()
+
+
+SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
 
 
 def _engine_request(env: dict[str, Any], engine_prefix: str) -> GenerateRequest:
@@ -699,3 +717,41 @@ def test_vllms_request_id_field_is_the_request_id_without_the_header(env: dict[s
     # An error of the request itself echoes the body's id, as it does the header's.
     invalid = c.post("/v1/completions", json={"prompt": "a", "temperature": "hot", "request_id": "echo-me"})
     assert invalid.status_code == 400 and invalid.headers["x-request-id"] == "echo-me"
+
+
+def test_the_models_generation_config_gives_the_sampling_defaults(env: dict[str, Any]) -> None:
+    """vLLM's ``--generation-config auto``: what a request leaves out is the model's (Qwen3's
+    temperature 0.6, top_p 0.95, top_k 20), what it sets is its own; a value the engine would
+    refuse (min_p -1) is ignored; ``vllm`` keeps OpenAI's defaults. It was always OpenAI's."""
+    messages = [{"role": "user", "content": "hi"}]
+    for client, rid, body, want in (
+        (env["c"], "defaults-1", {"messages": messages}, SAMPLING_DEFAULTS),
+        (env["c"], "defaults-2", {"prompt": "hi", "temperature": 0.2}, {**SAMPLING_DEFAULTS, "temperature": 0.2}),
+        (
+            env["d"],
+            "defaults-3",
+            {"messages": messages},
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0},
+        ),
+        (
+            env["a"],
+            "defaults-4",
+            {"messages": messages},
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0},
+        ),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = client.post(path, json={**body, "max_tokens": 2}, headers={"X-Request-Id": rid})
+        assert r.status_code == 200, r.text
+        sampling = _engine_request(env, f"{rid}-").sampling
+        assert {k: sampling[k] for k in want} == want and sampling.get("min_p", 0.0) == 0.0
+    # A stream resumed elsewhere keeps them: they are journaled with the body.
+    with env["c"].stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "stream": True},
+        headers={"X-Request-Id": "defaults-5"},
+    ) as r:
+        r.read()
+    header = decode(env["redis"].xrange(env["names"].journal("defaults-5"), count=1)[0][1][b"m"])
+    assert {k: json.loads(header.body)[k] for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.generation_config import apply_sampling_defaults
 from common.protocol import EngineStatus, JournalHeader, Names, encode
 from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import sampling_to_dict
@@ -54,7 +55,6 @@ from gateway.openai_schema import (
 from gateway.request_ids import header_request_id, request_id_of
 from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
 from gateway.router import EngineClient, RequestIdInUse
-from gateway.sampling_defaults import apply_sampling_defaults
 from gateway.tokenization import (
     InputWorkers,
     Tokenizers,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
+from common.generation_config import GENERATION_CONFIG_MODES
 from gateway.openai_schema import ChatParsers
 from gateway.reasoning_parsers import REASONING_PARSERS
-from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 

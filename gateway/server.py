@@ -7,11 +7,11 @@ import logging
 import os
 
 from common.config import ServiceDefaults
+from common.generation_config import GENERATION_CONFIG_MODES
 from common.redact import redact_url
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from gateway.config import GatewayConfig
 from gateway.reasoning_parsers import REASONING_PARSERS
-from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")

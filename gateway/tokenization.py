@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from common.generation_config import load_sampling_defaults
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
 from common.service_cli import freeze_startup_heap
@@ -25,7 +26,6 @@ from gateway.chat_messages import chat_text
 from gateway.json_input import LARGE_INPUT_BYTES, ApiError, all_ints, bad, parse_json, preview, typename
 from gateway.openai_schema import GenerationSpec, TokenizeSpec
 from gateway.reasoning_parsers import prompt_phase
-from gateway.sampling_defaults import load_sampling_defaults
 from gateway.structured import check_grammar
 
 T = TypeVar("T")
@@ -108,7 +108,7 @@ def _load_tokenizer(path: str) -> Any:
 
 class Tokenizers:
     """The tokenizer of the served model, loaded once (off the event loop), and the model's
-    sampling defaults (`gateway.sampling_defaults`) read beside it when ``generation_config`` is "auto"."""
+    sampling defaults (`common.generation_config`) read beside it when ``generation_config`` is "auto"."""
 
     def __init__(self, path: str | None, generation_config: str = "auto") -> None:
         self.path = path

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from common.generation_config import load_sampling_defaults
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, select_best
 from common.sampling_params import SamplingParams
 from common.structured_outputs import grammar_tokenizer
@@ -107,6 +108,7 @@ class LLM:
         self.inline = InlineExecutor(self.executor)
         self.engine_core = EngineCore(self.scheduler, self.inline, sc.async_scheduling, sc.steps_in_flight)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.sampling_defaults = load_sampling_defaults(model)  # the model's (vLLM's generation config "auto")
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -135,6 +137,11 @@ class LLM:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return None, ids
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters ``generate`` uses without any: the model's sampling defaults from its
+        ``generation_config.json`` (vLLM's), else `SamplingParams`' own."""
+        return SamplingParams(**self.sampling_defaults)  # type: ignore[arg-type]
+
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
@@ -153,7 +160,7 @@ class LLM:
         else:
             batch = cast("Sequence[str | Sequence[int]]", prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = [sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")

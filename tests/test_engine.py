@@ -303,3 +303,19 @@ def test_a_refused_prompt_leaves_none_of_its_batch_queued(tiny_model) -> None:
         llm.generate([[5, 6, 7], list(range(3, 103))], params)  # the second's prompt logprobs: 25 KB
     assert not llm.scheduler.requests  # the first was not left to run in the next call
     assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
+
+
+def test_generate_without_parameters_samples_as_the_model_says(tiny_model, tmp_path) -> None:
+    """vLLM's: ``generate(prompts)`` takes the model's generation config (here greedy, through
+    ``top_k`` 1), not SamplingParams' temperature 1."""
+    import json
+    import shutil
+
+    model = tmp_path / "greedy-model"
+    shutil.copytree(tiny_model(), model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1, "temperature": 0.7}))
+    llm = LLM(str(model), dtype="float32", num_threads=1)
+    assert (llm.get_default_sampling_params().top_k, llm.get_default_sampling_params().temperature) == (1, 0.7)
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=16))[0].token_ids
+    assert [o.token_ids for o in llm.generate([[5, 6, 7]] * 3)] == [greedy] * 3

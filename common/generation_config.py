@@ -2,10 +2,10 @@
 
 A checkpoint says how it should be sampled (Qwen3: temperature 0.6, top_p 0.95, top_k 20); a
 request that leaves a field out gets the model's value instead of OpenAI's default (temperature
-1, no top-p or top-k), at the gateway and in the offline `LLM` alike, as from vLLM, whose log says "Default sampling parameters have been
-overridden by the model's Hugging Face generation config". ``--generation-config vllm`` keeps
-OpenAI's defaults. ``max_new_tokens`` is not taken: a request without ``max_tokens`` fills the
-context (offline, `SamplingParams`' 16).
+1, no top-p or top-k), at the gateway and in the offline `LLM` alike, as from vLLM (whose log
+says "Default sampling parameters have been overridden by the model's Hugging Face generation
+config"). The gateway's ``--generation-config vllm`` keeps OpenAI's defaults. ``max_new_tokens``
+is not taken: a request without ``max_tokens`` fills the context (offline, `SamplingParams`' 16).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.stop import tag_prefix
+
 START, END = "<think>", "</think>"
 
 
@@ -62,14 +64,6 @@ class ThinkParser:
 REASONING_PARSERS: dict[str, ThinkParser] = {p.name: p for p in (ThinkParser("deepseek_r1", True), ThinkParser("qwen3", False))}
 
 
-def _tag_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` may begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStream:
     """One streamed choice's text through a `ThinkParser`: `feed` returns the (reasoning, content)
     that can go out now, `finish` what was held back, once the output has ended."""
@@ -97,7 +91,7 @@ class ReasoningStream:
         if end:
             self.phase = "content"
             return reasoning, content
-        keep = _tag_prefix(text, END)
+        keep = tag_prefix(text, END)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep], ""
 

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+def tag_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may begin ``tag`` (a stop string, a parser's
+    tag): the text a stream holds back until the next piece tells."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 class StopMatcher:
     """Filters streamed text; holds back any suffix that could be the start of a stop string.
 
@@ -33,12 +42,7 @@ class StopMatcher:
             i, stop = best
             self.stopped, self.matched, self.held = True, stop, ""
             return buffer[:i] + (stop if self.include_stop else ""), True
-        hold = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buffer)), hold, -1):
-                if buffer.endswith(stop[:k]):
-                    hold = k
-                    break
+        hold = max(tag_prefix(buffer, stop) for stop in self.stops)
         self.held = buffer[len(buffer) - hold :] if hold else ""
         return buffer[: len(buffer) - hold], False
 

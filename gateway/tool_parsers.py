@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.stop import tag_prefix
+
 # One call: the function's name and its arguments as a JSON string.
 Call = tuple[str, str]
 # Where models put the arguments: Hermes' key, Llama's. Either is read (a call whose arguments
@@ -80,10 +82,7 @@ class HermesParser:
 
     def undecided(self, text: str, fresh: bool) -> int:
         """How many characters at the end of ``text`` (which holds no call) may begin one."""
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]):
-                return n
-        return 0
+        return tag_prefix(text, self.start)
 
     def parse(self, region: str, stopped: bool) -> list[Call] | None:
         """The calls in ``region`` (the text from the first tag on); None unless all parse. The last

@@ -199,6 +199,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return name
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's alias (SageMaker's probe), GET and POST
+    @app.post("/ping")
     async def health() -> Response:
         if client.down_reason is not None:
             error = ApiError(503, f"engine unavailable: {client.down_reason}", "server_error")

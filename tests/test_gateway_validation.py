@@ -178,7 +178,7 @@ def test_models_and_health(env: dict[str, Any]) -> None:
     c = env["client"]
     data = c.get("/v1/models").json()["data"]
     assert data[0]["id"] == "tiny" and data[0]["max_model_len"] == MAX_MODEL_LEN
-    assert c.get("/health").status_code == 200
+    assert c.get("/health").status_code == c.get("/ping").status_code == c.post("/ping").status_code == 200
     assert c.get("/v1/models/tiny").json() == data[0]
     assert c.get(f"/v1/models/{env['model']}").json() == data[0]  # the path it was loaded from works too
     err = _error(c.get("/v1/models/gpt-9"), 404, "gpt-9")
@@ -292,6 +292,7 @@ def test_engine_down_gives_503(env: dict[str, Any]) -> None:
     while c.get("/health").status_code == 200 and time.time() < deadline:
         time.sleep(0.1)
     _error(c.get("/health"), 503, "no engine")
+    _error(c.post("/ping"), 503, "no engine")  # (vLLM's alias)
     _error(c.post("/v1/completions", json={"prompt": "hi"}), 503, "engine unavailable")
     register_engine(r, names, env["model"])
 

@@ -172,6 +172,23 @@ class CacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_short(self, num_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
+        """How many more free blocks a new request's `allocate_slots` of ``num_tokens`` with the
+        hit ``computed_blocks`` needs than the pool has (0 or less: it fits)."""
+        need = self.num_blocks_for(num_tokens) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        return need + reclaimed - self.free_queue.num_free
+
+    def blocks_freed_by(self, request_ids: Sequence[str], keep: Sequence[int] = ()) -> int:
+        """How many blocks freeing ``request_ids`` would add to the free queue, less those in
+        ``keep`` (a hit whose admission takes them straight back): a block shared with others stays."""
+        dropped: dict[int, int] = {}
+        for request_id in request_ids:
+            for block_id in self.block_tables.get(request_id, ()):
+                dropped[block_id] = dropped.get(block_id, 0) + 1
+        kept = set(keep)
+        return sum(1 for b, n in dropped.items() if n == self.blocks[b].ref_cnt and b not in kept)
+
     def allocate_slots(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Grow ``request_id``'s table to hold ``num_tokens`` tokens, all or nothing.
 
@@ -195,8 +212,7 @@ class CacheManager:
         assert request_id not in self.block_tables, "a cache hit is only taken on admission"
         need = self.num_blocks_for(num_tokens) - len(computed_blocks)
         # A hit block that sits in the free queue leaves it: it is no longer free to allocate.
-        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        if need > self.free_queue.num_free - reclaimed:
+        if self.blocks_short(num_tokens, computed_blocks) > 0:
             return False
         # Take the hit before allocating: allocating could otherwise evict one of its blocks.
         for block_id in computed_blocks:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from common.generation_config import load_sampling_defaults
+from common.generation_config import GENERATION_CONFIG_MODES, load_sampling_defaults
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, select_best
 from common.sampling_params import SamplingParams
 from common.structured_outputs import grammar_tokenizer
@@ -84,7 +84,9 @@ class LLM:
     ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``steps_in_flight``
     (default 2), ``scheduling_policy`` (``fcfs``, or ``priority``: `generate`'s ``priority``),
     ``num_threads`` (CPU intra-op threads), ``tensor_parallel_size`` (ranks spawned by this process;
-    call `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs).
+    call `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs), ``generation_config``
+    (``auto``: `generate` without parameters samples as the model's ``generation_config.json`` says;
+    ``vllm``: `SamplingParams`' defaults).
     """
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -95,6 +97,9 @@ class LLM:
 
         from executor.tp_executor import build_executor
 
+        generation_config = options.pop("generation_config", "auto")  # vLLM's: "vllm" ignores the model's defaults
+        if generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {generation_config!r}")
         configs = split_engine_options({"model": model, **options})
         self.model_config, self.cache_config, self.scheduler_config, self.parallel_config = configs
         self.scheduler_config.validate()  # before the model loads: a bad option fails fast
@@ -108,7 +113,7 @@ class LLM:
         self.inline = InlineExecutor(self.executor)
         self.engine_core = EngineCore(self.scheduler, self.inline, sc.async_scheduling, sc.steps_in_flight)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.sampling_defaults = load_sampling_defaults(model)  # the model's (vLLM's generation config "auto")
+        self.sampling_defaults = load_sampling_defaults(model) if generation_config == "auto" else {}
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -42,7 +42,7 @@ class WaitingQueue:
             self.queue.appendleft(request)
 
     def _insert(self, request: Request) -> None:
-        at = bisect.bisect_right(self.queue, _key(request), key=_key)  # after its equals: they came first
+        at = bisect.bisect_right(self.queue, admission_key(request), key=admission_key)  # after its equals: they came first
         self.queue.insert(at, request)
 
     def remove(self, request: Request) -> None:
@@ -62,7 +62,7 @@ class WaitingQueue:
         return iter(self.queue)
 
 
-def _key(request: Request) -> tuple[int, float]:
+def admission_key(request: Request) -> tuple[int, float]:
     """The priority policy's order: lower priority values first, then earlier arrivals."""
     return request.priority, request.arrival_time
 
@@ -72,4 +72,4 @@ def pick_victim(running: list[Request], by_priority: bool, spare: Request | None
     priority, latest arrival (priority; vLLM's); never ``spare``."""
     if not by_priority:
         return next(r for r in reversed(running) if r is not spare)
-    return max((r for r in running if r is not spare), key=_key)
+    return max((r for r in running if r is not spare), key=admission_key)

@@ -53,6 +53,7 @@ from common.config import ExecutorInfo, SchedulerConfig
 from common.executor_output import ExecutorOutput
 from common.protocol import SchedulerOutput
 from scheduler.cache_manager import CacheManager
+from scheduler.displacement import plan_room
 from scheduler.recovery import ExecutorRecovery
 from scheduler.request import Request, RequestStatus, StepOutput
 from scheduler.request_queue import WaitingQueue, pick_victim
@@ -229,41 +230,34 @@ class Scheduler(ExecutorRecovery):
             if (request.num_preemptions and self._in_flight(request)) or self._held(request):
                 w += 1
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
-                if (freed := self._displace(request, scheduled, wired)) is None:
-                    break
-                budget, wire = budget + freed[0], wire + freed[1]
+            by_priority = self.waiting.by_priority
+            if len(self.running) >= self.config.max_num_seqs and not by_priority:
+                break
             cost = new_request_bytes(request, self.cache.block_size)
             per = prompt_logprob_bytes(request) if request.needs_prompt_logprobs else 0
             if cost + per > wire and wire < self.max_step_bytes:  # the step is full: it goes next (FCFS)
                 break
-            while (admitted := self._admit_blocks(request, min(budget, max(1, (wire - cost) // per)) if per else budget)) is None:
-                if (freed := self._displace(request, scheduled, wired)) is None:
-                    break
-                budget, wire = budget + freed[0], wire + freed[1]
-            if admitted is None:
+            chunk = min(budget, max(1, (wire - cost) // per)) if per else budget
+            hit_blocks, hit_tokens = hit = self._lookup(request)
+            num_tokens = hit_tokens + min(request.num_tokens - hit_tokens, chunk)
+            # (priority) Room from running requests of lower priority (`scheduler.displacement`).
+            victims = plan_room(
+                request, self.running if by_priority else (), self.config.max_num_seqs, self.cache, num_tokens, hit_blocks
+            )
+            if victims is None:
                 break
+            for victim in victims:
+                self._stop_running(victim)
+                self._preempt(victim)
+                budget, wire = budget + scheduled.pop(victim.request_id, 0), wire + wired.pop(victim.request_id, 0)
+            admitted = self._admit_blocks(request, chunk, hit)
+            assert admitted is not None, "the room was planned"
             assert self.waiting[w] is request, "a displaced request queues after the one it made room for"
             del self.waiting[w]
             self._start_running(request)
             scheduled[request.request_id] = admitted
             budget, wire = budget - admitted, wire - cost - admitted * per
         return scheduled
-
-    def _displace(self, request: Request, scheduled: dict[str, int], wired: dict[str, int]) -> tuple[int, int] | None:
-        """(priority) Preempt the running request of the lowest priority for waiting ``request``,
-        if its priority is strictly lower (equals never displace each other, or a preempted one,
-        arriving earlier, would take its place back), when ``request`` finds no seat or no blocks
-        (vLLM, issue 40004, waits instead: a priority inversion). Returns the budget, tokens and
-        bytes, that the victim had in this step; None when there is no such victim."""
-        if not self.waiting.by_priority or not self.running:
-            return None
-        victim = pick_victim(self.running, True)
-        if victim.priority <= request.priority:
-            return None
-        self._stop_running(victim)
-        self._preempt(victim)
-        return scheduled.pop(victim.request_id, 0), wired.pop(victim.request_id, 0)
 
     def _in_flight(self, request: Request) -> bool:
         """Whether a step whose output has not arrived holds ``request``."""
@@ -295,17 +289,22 @@ class Scheduler(ExecutorRecovery):
         assert n >= 1, "running request with nothing to compute"
         return n
 
-    def _admit_blocks(self, request: Request, budget: int) -> int | None:
-        """Allocate a waiting request's first chunk, after its prefix-cache hit; its size, or None.
+    def _lookup(self, request: Request) -> tuple[list[int], int]:
+        """A waiting request's prefix-cache hit (blocks, tokens); none without prefix caching, or
+        with prompt logprobs (a cached token has no logits)."""
+        if self.config.enable_prefix_caching and not request.needs_prompt_logprobs:
+            return self.cache.get_computed_blocks(request)
+        return [], 0
+
+    def _admit_blocks(self, request: Request, budget: int, hit: tuple[list[int], int] | None = None) -> int | None:
+        """Allocate a waiting request's first chunk, after its prefix-cache hit (``hit``, if looked
+        up already); its size, or None.
 
         On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
         assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
         assert request.num_output_placeholders == 0, "a preempted request's token arrives before its next admission"
         looked_up = self.config.enable_prefix_caching and not request.needs_prompt_logprobs
-        if looked_up:
-            hit_blocks, hit_tokens = self.cache.get_computed_blocks(request)
-        else:
-            hit_blocks, hit_tokens = [], 0
+        hit_blocks, hit_tokens = self._lookup(request) if hit is None else hit
         n = min(request.num_tokens - hit_tokens, budget)
         if not self.cache.allocate_slots(request.request_id, hit_tokens + n, hit_blocks):
             return None

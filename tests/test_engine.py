@@ -311,6 +311,8 @@ def test_generate_without_parameters_samples_as_the_model_says(tiny_model, tmp_p
     import json
     import shutil
 
+    from common.generation_config import load_sampling_defaults
+
     model = tmp_path / "greedy-model"
     shutil.copytree(tiny_model(), model)
     generation = json.loads((model / "generation_config.json").read_text())
@@ -319,3 +321,8 @@ def test_generate_without_parameters_samples_as_the_model_says(tiny_model, tmp_p
     assert (llm.get_default_sampling_params().top_k, llm.get_default_sampling_params().temperature) == (1, 0.7)
     greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=16))[0].token_ids
     assert [o.token_ids for o in llm.generate([[5, 6, 7]] * 3)] == [greedy] * 3
+    assert LLM(str(model), dtype="float32", num_threads=1, generation_config="vllm").get_default_sampling_params().top_k == 0
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "generation_config.json").write_text("[" * 100_000 + "]" * 100_000)  # (past the limit: ignored)
+    assert load_sampling_defaults(str(nested)) == {}

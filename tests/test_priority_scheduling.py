@@ -281,3 +281,61 @@ def test_arrivals_that_displace_running_requests_keep_every_output_exact(seed: i
     for r in requests:
         assert got[r.request_id] == r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params)
     assert finished.keys() == {r.request_id for r in requests} and sched.num_preemptions > 0
+
+
+def _running(sched: Scheduler, name: str, prompt: list[int], params: SamplingParams, priority: int, computed: int) -> Request:
+    """A request placed straight into the running ones, ``computed`` of its tokens allocated."""
+    r = Request(name, prompt, params, arrival_time=float(len(sched.requests)), priority=priority)
+    sched.add_request(r)
+    sched.waiting.remove(r)
+    if computed:
+        assert sched.cache.allocate_slots(name, computed)
+    r.num_computed_tokens = computed
+    sched._start_running(r)
+    return r
+
+
+def test_a_displacement_never_leaves_the_step_empty() -> None:
+    """A review's case: ``L`` takes every byte of the step, so ``P`` gets none; ``H`` finds the
+    seats taken. Displacing ``L`` (its bytes given back, but ``P`` not looked at again) left ``H``
+    short of blocks all the same: an empty step, which stops the engine. The room is now planned
+    first: ``H`` gets in, or ``L`` runs."""
+    ex = ScriptedExecutor(16)
+    lp20 = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=20)
+    per = prompt_logprob_bytes(Request("t", [1], lp20))
+    config = SchedulerConfig(
+        128, 2, enable_prefix_caching=False, async_scheduling=False, max_step_bytes=14 * per, scheduling_policy="priority"
+    )
+    sched = Scheduler(config, CacheManager(16, 4), ex.info)
+    _running(sched, "L", [3] * 14, lp20, 9, 0)
+    _running(sched, "P", [4] * 60, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0), 0, 40)
+    sched.add_request(Request("H", [5] * 30, GREEDY, arrival_time=5.0, priority=0))
+    assert sched.decide() == {"L": 14}  # (H would need 8 blocks: the 2 of L's 14 tokens and the 6 free are short)
+    sched.cache.check_invariants()
+
+
+def test_no_request_is_displaced_for_nothing() -> None:
+    """A review's case: ``L``'s blocks and the free ones are not enough for ``H``: ``L`` keeps
+    running (it was preempted, and ``H`` waited all the same)."""
+    ex = ScriptedExecutor(16)
+    sched = Scheduler(SchedulerConfig(64, 8, async_scheduling=False, scheduling_policy="priority"), CacheManager(16, 4), ex.info)
+    core = EngineCore(sched, InlineExecutor(ex), async_scheduling=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 20, 2)]
+    m, low, high = (
+        Request(name, [token] * size, p, arrival_time=float(i), priority=priority)
+        for i, (name, token, size, p, priority) in enumerate(
+            (("M", 3, 40, params[0], 0), ("L", 4, 8, params[1], 9), ("H", 5, 24, params[2], 0))
+        )
+    )
+    got: dict[str, list[int]] = {}
+    sched.add_request(m)
+    sched.add_request(low)
+    step(core, got)
+    step(core, got)
+    sched.add_request(high)
+    step(core, got)
+    assert low.num_preemptions == 0 and [r.request_id for r in sched.waiting] == ["H"]
+    while core.has_work():
+        step(core, got)
+    for r in (m, low, high):
+        assert got[r.request_id] == expected_output(r.prompt_token_ids, r.sampling_params)

@@ -36,12 +36,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.generation_config import apply_sampling_defaults
 from common.protocol import EngineStatus, JournalHeader, Names, encode
 from common.redis_errors import REDIS_FAILURES
-from common.sampling_params import sampling_to_dict
 from common.transport import Outgoing
 from gateway.config import GatewayConfig
-from gateway.fanout import FanoutContext, needs_fanout, resume_choices, serve_choices
+from gateway.fanout import FanoutContext, needs_fanout, resume_choice, resume_choices, serve_choices
 from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import journal_body, journaled_spec, read_journal, stream_not_found
+from gateway.journal import journal_body, read_journal, stream_not_found
 from gateway.json_input import LARGE_INPUT_BYTES, ApiError
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_schema import (
@@ -54,7 +53,7 @@ from gateway.openai_schema import (
 )
 from gateway.request_ids import header_request_id, request_id_of
 from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
-from gateway.router import EngineClient, RequestIdInUse
+from gateway.router import EngineClient
 from gateway.tokenization import (
     InputWorkers,
     Tokenizers,
@@ -62,7 +61,6 @@ from gateway.tokenization import (
     echo_text,
     prepare_prompt,
     read_json,
-    resolve_bad_words,
     tokenize_only,
     tokenizes_inline,
 )
@@ -379,45 +377,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         # (one that did not waits for an engine, as any request whose engine is gone).
         info = client.model_info or ready_info()
         tokenizer = await tokenizers.get(info)
+        ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
         if header.choice_ids:  # several choices, one journal (`gateway.fanout`)
-            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
             return event_stream(await resume_choices(ctx, response_id, journal, last), response_id)
-        if not (last.isascii() and last.isdigit()) or len(last) > 9:
-            raise ApiError(400, f"Last-Event-ID must be an event number, got {last[:20]!r}", param="Last-Event-ID")
-        spec = journaled_spec(header)
-        spec.sampling.max_tokens = header.max_tokens
-        await resolve_bad_words(workers, tokenizer, tokenizers.call_lock, spec)
-        try:
-            handle = await client.adopt(
-                response_id,
-                header.prompt_token_ids,
-                sampling_to_dict(spec.sampling),
-                route,
-                journal.outputs,
-                spec.priority,
-                spec.cache_salt,
-            )
-        except RequestIdInUse as exc:
-            raise ApiError(409, str(exc), code="stream_in_use") from None
-        gen = Generation(
-            client,
-            tokenizer,
-            handle.request_id,
-            header.prompt_token_ids,
-            spec.sampling,
-            spec.stop,
-            spec.include_stop_str_in_output,
-            spec.skip_special_tokens,
-            metrics.request(header.served_model, len(header.prompt_token_ids), None),
-            RequestLog(response_id, header.served_model, header.kind, True, None),
-        )
-        gen.handle = handle
-        n_prompt = len(header.prompt_token_ids)
-        fmt = ResponseFormatter(
-            spec, response_id, header.served_model, tokenizer, n_prompt, header.echo_text, 0, header.prompt_token_ids
-        )
-        fmt.created = header.created
-        return event_stream(stream_events(gen, fmt, int(last)), response_id)
+        return event_stream(await resume_choice(ctx, response_id, header, route, journal, last), response_id)
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> EventStreamResponse:
         # The id in a header too: a client whose gateway dies before the first event can still resume.

@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import Request
 
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, ranks_by_logprob, select_best
-from common.protocol import EngineStatus, JournalHeader, encode
+from common.protocol import EngineStatus, JournalHeader, Route, encode
 from common.sampling_params import sampling_to_dict, wire_size
 from common.transport import Outgoing
 from gateway.choice_stream import ChoiceCursor, stream_choices
@@ -39,7 +39,7 @@ from gateway.journal import Journal, journal_body, journaled_spec, stream_not_fo
 from gateway.json_input import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import ChatParsers, GenerationSpec
-from gateway.responses import ResponseFormatter
+from gateway.responses import ResponseFormatter, stream_events
 from gateway.router import EngineClient, RequestIdInUse
 from gateway.tokenization import InputWorkers, echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
 
@@ -304,6 +304,41 @@ async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]
             with contextlib.suppress(BaseException):
                 await t
     return pieces
+
+
+async def resume_choice(
+    ctx: FanoutContext, response_id: str, header: JournalHeader, route: Route, journal: Journal, last_event_id: str
+) -> AsyncIterator[str]:
+    """Resume a stream of one choice from its ``journal`` (`gateway.journal.read_journal`): the
+    request is adopted, and the events up to ``Last-Event-ID`` (a number) are not sent again."""
+    if not (last_event_id.isascii() and last_event_id.isdigit()) or len(last_event_id) > 9:
+        raise ApiError(400, f"Last-Event-ID must be an event number, got {last_event_id[:20]!r}", param="Last-Event-ID")
+    spec = journaled_spec(header)
+    spec.sampling.max_tokens = header.max_tokens
+    await resolve_bad_words(ctx.workers, ctx.tokenizer, ctx.lock, spec)
+    ids = header.prompt_token_ids
+    try:
+        handle = await ctx.client.adopt(
+            response_id, ids, sampling_to_dict(spec.sampling), route, journal.outputs, spec.priority, spec.cache_salt
+        )
+    except RequestIdInUse as exc:
+        raise ApiError(409, str(exc), code="stream_in_use") from None
+    gen = Generation(
+        ctx.client,
+        ctx.tokenizer,
+        handle.request_id,
+        ids,
+        spec.sampling,
+        spec.stop,
+        spec.include_stop_str_in_output,
+        spec.skip_special_tokens,
+        ctx.metrics.request(header.served_model, len(ids), None),
+        RequestLog(response_id, header.served_model, header.kind, True, None),
+    )
+    gen.handle = handle
+    fmt = ResponseFormatter(spec, response_id, header.served_model, ctx.tokenizer, len(ids), header.echo_text, 0, ids)
+    fmt.created = header.created
+    return stream_events(gen, fmt, int(last_event_id))
 
 
 async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal, last_event_id: str) -> AsyncIterator[str]:

@@ -33,6 +33,34 @@ def request(name: str, priority: int, arrival: float, prompt_len: int = 7) -> Re
     return Request(name, [1 + len(name)] * prompt_len, GREEDY, arrival_time=arrival, priority=priority)
 
 
+def byte_bound(max_seqs: int, positions: int, params: SamplingParams) -> Scheduler:
+    """A priority scheduler (16 blocks of 4, no prefix caching) whose steps hold the prompt
+    logprobs of ``positions`` positions under ``params``."""
+    ex = ScriptedExecutor(16)
+    per = prompt_logprob_bytes(Request("t", [1], params))
+    config = SchedulerConfig(
+        128,
+        max_seqs,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        max_step_bytes=positions * per,
+        scheduling_policy="priority",
+    )
+    return Scheduler(config, CacheManager(16, 4), ex.info)
+
+
+def _running(sched: Scheduler, name: str, prompt: list[int], params: SamplingParams, priority: int, computed: int) -> Request:
+    """A request placed straight into the running ones, ``computed`` of its tokens allocated."""
+    r = Request(name, prompt, params, arrival_time=float(len(sched.requests)), priority=priority)
+    sched.add_request(r)
+    sched.waiting.remove(r)
+    if computed:
+        assert sched.cache.allocate_slots(name, computed)
+    r.num_computed_tokens = computed
+    sched._start_running(r)
+    return r
+
+
 def test_waiting_queue_orders_by_priority_then_arrival() -> None:
     queue = WaitingQueue("priority")
     for name, priority, arrival in [("a", 3, 1.0), ("b", 1, 2.0), ("c", 2, 3.0), ("d", 1, 4.0), ("e", 2, 5.0)]:
@@ -180,25 +208,15 @@ def test_budget_given_back_by_a_victim_goes_to_the_requests_passed_over() -> Non
     """Two low-priority prompt-logprob requests fill the step's bytes, so ``p2``'s are passed over;
     ``x`` then needs blocks: both are preempted (their bytes given back), and ``x`` too. ``p2`` gets
     the bytes: the step is not empty (an empty step with live requests stopped the engine)."""
-    ex = ScriptedExecutor(16)
     logprobs = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=10)
-    per = prompt_logprob_bytes(Request("t", [1], logprobs))
-    config = SchedulerConfig(
-        128, 8, enable_prefix_caching=False, async_scheduling=False, max_step_bytes=13 * per, scheduling_policy="priority"
-    )
-    sched = Scheduler(config, CacheManager(16, 4), ex.info)
+    sched = byte_bound(8, 13, logprobs)
     for name, prompt, params, priority, computed in (
         ("p1a", [3] * 13, logprobs, 9, 1),
         ("p1b", [4] * 13, logprobs, 9, 1),
         ("p2", [5] * 13, logprobs, 0, 9),
         ("x", [6] * 60, GREEDY, 5, 4),
     ):
-        r = Request(name, prompt, params, arrival_time=float(len(sched.requests)), priority=priority)
-        sched.add_request(r)
-        sched.waiting.remove(r)
-        assert sched.cache.allocate_slots(name, computed)
-        r.num_computed_tokens = computed
-        sched._start_running(r)
+        _running(sched, name, prompt, params, priority, computed)
     assert sched.decide() == {"p2": 4}
     assert [r.request_id for r in sched.running] == ["p2"] and [r.request_id for r in sched.waiting] == ["x", "p1a", "p1b"]
     sched.cache.check_invariants()
@@ -283,30 +301,13 @@ def test_arrivals_that_displace_running_requests_keep_every_output_exact(seed: i
     assert finished.keys() == {r.request_id for r in requests} and sched.num_preemptions > 0
 
 
-def _running(sched: Scheduler, name: str, prompt: list[int], params: SamplingParams, priority: int, computed: int) -> Request:
-    """A request placed straight into the running ones, ``computed`` of its tokens allocated."""
-    r = Request(name, prompt, params, arrival_time=float(len(sched.requests)), priority=priority)
-    sched.add_request(r)
-    sched.waiting.remove(r)
-    if computed:
-        assert sched.cache.allocate_slots(name, computed)
-    r.num_computed_tokens = computed
-    sched._start_running(r)
-    return r
-
-
 def test_a_displacement_never_leaves_the_step_empty() -> None:
     """A review's case: ``L`` takes every byte of the step, so ``P`` gets none; ``H`` finds the
     seats taken. Displacing ``L`` (its bytes given back, but ``P`` not looked at again) left ``H``
     short of blocks all the same: an empty step, which stops the engine. The room is now planned
     first: ``H`` gets in, or ``L`` runs."""
-    ex = ScriptedExecutor(16)
     lp20 = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=20)
-    per = prompt_logprob_bytes(Request("t", [1], lp20))
-    config = SchedulerConfig(
-        128, 2, enable_prefix_caching=False, async_scheduling=False, max_step_bytes=14 * per, scheduling_policy="priority"
-    )
-    sched = Scheduler(config, CacheManager(16, 4), ex.info)
+    sched = byte_bound(2, 14, lp20)
     _running(sched, "L", [3] * 14, lp20, 9, 0)
     _running(sched, "P", [4] * 60, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0), 0, 40)
     sched.add_request(Request("H", [5] * 30, GREEDY, arrival_time=5.0, priority=0))

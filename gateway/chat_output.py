@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.reasoning_parsers import ReasoningStream, ThinkParser
 from gateway.tool_calls import stream_tool_calls, with_ids
-from gateway.tool_parsers import CallStream, ToolCallParser, split_calls
+from gateway.tool_parsers import Call, CallStream, ToolCallParser, split_calls
 
 
 class ChatOutput:
@@ -37,6 +37,9 @@ class ChatOutput:
         self.reasoning_stream = ReasoningStream(reasoning, phase) if reasoning is not None else None
         self.call_stream = CallStream(tools) if tools is not None else None
 
+    def _with_ids(self, calls: list[Call], ids: tuple[str, int, int]) -> list[dict[str, Any]]:
+        return with_ids(calls, *ids, id_length=self.tools.id_length if self.tools is not None else 0)
+
     def _with_reasoning(self, fields: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
         if reasoning and self.include_reasoning:
             fields["reasoning"] = fields["reasoning_content"] = reasoning
@@ -50,7 +53,7 @@ class ChatOutput:
             before, calls = split_calls(self.tools, content, finish_reason == "stop")
             if calls:
                 calls = calls[:1] if self.one_call else calls
-                message = {"role": "assistant", "content": before or None, "tool_calls": with_ids(calls, *ids)}
+                message = {"role": "assistant", "content": before or None, "tool_calls": self._with_ids(calls, ids)}
                 finish_reason = "tool_calls"
         return self._with_reasoning(message, reasoning), finish_reason
 
@@ -71,6 +74,6 @@ class ChatOutput:
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = stream_tool_calls(with_ids(calls[:1] if self.one_call else calls, *ids))
+            delta["tool_calls"] = stream_tool_calls(self._with_ids(calls[:1] if self.one_call else calls, ids))
             finish_reason = "tool_calls"
         return delta, finish_reason

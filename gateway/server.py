@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=sorted(TOOL_CALL_PARSERS),
         default=env("CONVEYOR_TOOL_CALL_PARSER") or None,  # (set but empty: none)
-        help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.1+)",
+        help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.1+) or mistral",
     )
     p.add_argument(
         "--generation-config",

@@ -45,16 +45,21 @@ def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, ch
     return with_ids(calls, response_id, created, choice)
 
 
-def with_ids(calls: list[Call], response_id: str, created: int, choice: int) -> list[dict[str, Any]]:
-    """``calls`` (name, arguments) in OpenAI's message form, each with its id."""
+def with_ids(calls: list[Call], response_id: str, created: int, choice: int, id_length: int = 0) -> list[dict[str, Any]]:
+    """``calls`` (name, arguments) in OpenAI's message form, each with its id: ``chatcmpl-tool-``
+    and 24 hex digits, or ``id_length`` hex digits alone (a model whose template checks them)."""
     return [
         {
-            "id": "chatcmpl-tool-" + hashlib.sha256(f"{response_id}:{created}:{choice}:{i}".encode()).hexdigest()[:24],
+            "id": _call_id(hashlib.sha256(f"{response_id}:{created}:{choice}:{i}".encode()).hexdigest(), id_length),
             "type": "function",
             "function": {"name": name, "arguments": arguments},
         }
         for i, (name, arguments) in enumerate(calls)
     ]
+
+
+def _call_id(digest: str, id_length: int) -> str:
+    return digest[:id_length] if id_length else "chatcmpl-tool-" + digest[:24]
 
 
 def stream_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

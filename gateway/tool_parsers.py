@@ -5,7 +5,8 @@ format, which the chat template taught it, and the gateway finds them in the tex
 (Qwen2.5, Qwen3, Hermes 2/3, and most models fine-tuned for tools) writes each call as a JSON object
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; ``llama3_json``
 (Llama 3.1-3.3) writes the whole answer as one such object (``"parameters"`` for the arguments),
-or several joined by ``;``, optionally after ``<|python_tag|>``.
+or several joined by ``;``, optionally after ``<|python_tag|>``; ``mistral`` (Mistral's instruct
+models) writes its calls after ``[TOOL_CALLS]``.
 
 The content is the text before the first call. A response whose calls do not all parse (bad JSON,
 no name, arguments that are not an object, a call cut short by ``max_tokens``) has none: its whole
@@ -75,6 +76,7 @@ class HermesParser:
     name: str = "hermes"
     start: str = "<tool_call>"
     end: str = "</tool_call>"
+    id_length: int = 0  # (call ids of OpenAI's shape)
 
     def find(self, text: str, fresh: bool) -> int:
         """Where the first call starts in ``text`` (``fresh``: the output's beginning); -1: nowhere (yet)."""
@@ -112,6 +114,7 @@ class Llama3JsonParser:
 
     name: str = "llama3_json"
     python_tag: str = "<|python_tag|>"
+    id_length: int = 0
 
     def find(self, text: str, fresh: bool) -> int:
         head = text.lstrip()
@@ -148,8 +151,43 @@ class Llama3JsonParser:
             at += 1
 
 
-ToolCallParser = HermesParser | Llama3JsonParser
-TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+@dataclass(frozen=True, slots=True)
+class MistralParser:
+    """Calls after ``[TOOL_CALLS]`` to the end: a JSON array of ``{"name", "arguments"}`` (Mistral's
+    tokenizers before v11), or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]`` (v11 and later).
+    Its call ids are 9 letters and digits: Mistral's chat templates refuse others in a later turn."""
+
+    name: str = "mistral"
+    start: str = "[TOOL_CALLS]"
+    args: str = "[ARGS]"
+    id_length: int = 9
+
+    def find(self, text: str, fresh: bool) -> int:
+        return text.find(self.start)
+
+    def undecided(self, text: str, fresh: bool) -> int:
+        return tag_prefix(text, self.start)
+
+    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+        if not stopped:  # (no end tag: only the model's stop says the last call is whole)
+            return None
+        body = region[len(self.start) :].strip()
+        if body.startswith("["):
+            value = _loads(body)
+            if not isinstance(value, list) or not value:
+                return None
+            calls = [_call(v, ARGUMENT_KEYS) for v in value]
+        else:
+            calls = []
+            for part in region.split(self.start)[1:]:
+                name, found, arguments = part.partition(self.args)
+                value = _loads(arguments.strip())
+                calls.append(_call({"name": name.strip(), "arguments": value}, ARGUMENT_KEYS) if found and name.strip() else None)
+        return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+ToolCallParser = HermesParser | Llama3JsonParser | MistralParser
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
 
 
 def split_calls(parser: ToolCallParser, text: str, stopped: bool) -> tuple[str, list[Call] | None]:

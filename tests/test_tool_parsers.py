@@ -93,9 +93,10 @@ TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("parser", [HERMES, LLAMA], ids=lambda p: p.name)
+@pytest.mark.parametrize("parser", [HERMES, LLAMA, TOOL_CALL_PARSERS["mistral"]], ids=lambda p: p.name)
 def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> None:
     texts = [*TEXTS, '  {"name": "f", "parameters": {}}', '<|python_tag|>{"name": "f"}', "Hello {", "<|python_ta"]
+    texts += ["Ok [TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{}", '[TOOL_CALLS] [{"name": "f"}]', "[TOOL_CALL", "[TOOL_CALLS]f{"]
     rng = random.Random(0)
     for text in texts:
         for stopped in (True, False):
@@ -195,3 +196,26 @@ def test_the_flags_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         assert not build_parser().parse_args([]).enable_auto_tool_choice
     monkeypatch.setenv("CONVEYOR_TOOL_CALL_PARSER", "")  # set but empty: none (it refused to start)
     assert build_parser().parse_args([]).tool_call_parser is None
+
+
+MISTRAL = TOOL_CALL_PARSERS["mistral"]
+
+
+def test_mistral_reads_both_of_its_formats_and_gives_nine_character_ids() -> None:
+    """Before v11 a JSON array after ``[TOOL_CALLS]``; from v11 ``name[ARGS]{...}`` after each. Its
+    templates refuse a later turn whose call ids are not 9 letters and digits."""
+    old = 'Sure.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "sub", "arguments": {}}]'
+    assert split_calls(MISTRAL, old, True) == ("Sure.", [("add", '{"a":1}'), ("sub", "{}")])
+    new = '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]sub[ARGS]{}'
+    assert split_calls(MISTRAL, new, True) == ("", [("add", '{"a":1}'), ("sub", "{}")])
+    for bad in ("[TOOL_CALLS]add[ARGS]{", "[TOOL_CALLS][]", "[TOOL_CALLS]add{}", '[TOOL_CALLS][ARGS]{"a": 1}'):
+        assert split_calls(MISTRAL, bad, True) == (bad, None), bad
+    assert split_calls(MISTRAL, new, False)[1] is None  # no end tag: cut by the length limit, maybe incomplete
+    spec = parse_chat({**BODY, "stream": True}, ChatParsers("mistral"))
+    fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
+    chunks = [c for p in (Piece("[TOOL_"), Piece("CALLS]add[ARGS]{}", finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    (call,) = chunks[-1]["choices"][0]["delta"]["tool_calls"]
+    assert len(call["id"]) == 9 and call["id"].isalnum() and call["function"] == {"name": "add", "arguments": "{}"}
+    whole = ResponseFormatter(parse_chat(BODY, ChatParsers("mistral")), "chatcmpl-1", "m", None, 3, None)
+    whole.created = fmt.created
+    assert whole.choice([Piece(new, finish_reason="stop")])["message"]["tool_calls"][0]["id"] == call["id"]

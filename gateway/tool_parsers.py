@@ -6,7 +6,7 @@ format, which the chat template taught it, and the gateway finds them in the tex
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; ``llama3_json``
 (Llama 3.1-3.3) writes the whole answer as one such object (``"parameters"`` for the arguments),
 or several joined by ``;``, optionally after ``<|python_tag|>``; ``mistral`` (Mistral's instruct
-models) writes its calls after ``[TOOL_CALLS]``.
+models) writes its calls after ``[TOOL_CALLS]``; ``pythonic`` (Llama 3.2 and 4) a Python list of calls.
 
 The content is the text before the first call. A response whose calls do not all parse (bad JSON,
 no name, arguments that are not an object, a call cut short by ``max_tokens``) has none: its whole
@@ -18,6 +18,7 @@ agree, a resumed stream included.
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,7 @@ def arguments_json(arguments: Any) -> str | None:
     try:
         text = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         text.encode()
-    except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
+    except (ValueError, TypeError, RecursionError):  # (UnicodeEncodeError is a ValueError; a set: TypeError)
         return None
     return text
 
@@ -186,8 +187,49 @@ class MistralParser:
         return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
 
-ToolCallParser = HermesParser | Llama3JsonParser | MistralParser
-TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser())}
+@dataclass(frozen=True, slots=True)
+class PythonicParser:
+    """The whole answer is a Python list of calls, ``[f(a=1), g(b="x")]`` (Llama 3.2 and 4, and
+    models tuned on their format), maybe between ``<|python_start|>`` and ``<|python_end|>``.
+    Read with `ast` (never run): keyword arguments of literal values only."""
+
+    name: str = "pythonic"
+    tags: tuple[str, str] = ("<|python_start|>", "<|python_end|>")
+    id_length: int = 0
+
+    def find(self, text: str, fresh: bool) -> int:
+        head = text.lstrip()
+        return 0 if fresh and (head.startswith("[") or head.startswith(self.tags[0])) else -1
+
+    def undecided(self, text: str, fresh: bool) -> int:
+        head = text.lstrip()
+        return len(text) if fresh and (not head or self.tags[0].startswith(head)) else 0
+
+    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+        if not stopped:
+            return None
+        body = region.strip().removeprefix(self.tags[0]).removesuffix(self.tags[1]).strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            found: list[Call | None] = []
+            for node in tree.elts:
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+                    return None
+                if any(k.arg is None for k in node.keywords):  # (``**kwargs``)
+                    return None
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                found.append(_call({"name": node.func.id, "arguments": arguments}, ARGUMENT_KEYS))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # (not literals, or nested too deep)
+            return None
+        return None if any(c is None for c in found) else [c for c in found if c is not None]
+
+
+ToolCallParser = HermesParser | Llama3JsonParser | MistralParser | PythonicParser
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
+    p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser())
+}
 
 
 def split_calls(parser: ToolCallParser, text: str, stopped: bool) -> tuple[str, list[Call] | None]:

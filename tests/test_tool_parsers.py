@@ -93,10 +93,13 @@ TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("parser", [HERMES, LLAMA, TOOL_CALL_PARSERS["mistral"]], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "parser", [HERMES, LLAMA, TOOL_CALL_PARSERS["mistral"], TOOL_CALL_PARSERS["pythonic"]], ids=lambda p: p.name
+)
 def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> None:
     texts = [*TEXTS, '  {"name": "f", "parameters": {}}', '<|python_tag|>{"name": "f"}', "Hello {", "<|python_ta"]
     texts += ["Ok [TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{}", '[TOOL_CALLS] [{"name": "f"}]', "[TOOL_CALL", "[TOOL_CALLS]f{"]
+    texts += ['[f(a="x"), g()]', "<|python_start|>[f()]<|python_end|>", "<|python_sta", " [f(a=1)", "Hi [f()]"]
     rng = random.Random(0)
     for text in texts:
         for stopped in (True, False):
@@ -219,3 +222,27 @@ def test_mistral_reads_both_of_its_formats_and_gives_nine_character_ids() -> Non
     whole = ResponseFormatter(parse_chat(BODY, ChatParsers("mistral")), "chatcmpl-1", "m", None, 3, None)
     whole.created = fmt.created
     assert whole.choice([Piece(new, finish_reason="stop")])["message"]["tool_calls"][0]["id"] == call["id"]
+
+
+def test_pythonic_reads_a_list_of_calls_without_running_it() -> None:
+    pythonic = TOOL_CALL_PARSERS["pythonic"]
+    text = '[get_weather(city="Paris", days=3), add(a=1.5, b=[1, (2, 3)], c=None, d=True)]'
+    assert split_calls(pythonic, text, True) == (
+        "",
+        [("get_weather", '{"city":"Paris","days":3}'), ("add", '{"a":1.5,"b":[1,[2,3]],"c":null,"d":true}')],
+    )
+    assert split_calls(pythonic, "<|python_start|>[f()]<|python_end|>", True)[1] == [("f", "{}")]
+    for bad in (
+        "[f(1)]",  # positional arguments have no names
+        "[f(**x)]",
+        "[f(a=g())]",  # not a literal: never evaluated
+        "[f(a=__import__('os').system('true'))]",
+        "[f(a={1, 2})]",  # a set is no JSON
+        "[os.system(a=1)]",
+        "[f(a=1)",
+        "[" * 500 + "]" * 500,  # nested too deep for the parser
+        "[]",
+        "The answer is [f(a=1)]",  # calls are the whole answer
+    ):
+        assert split_calls(pythonic, bad, True)[1] is None, bad
+    assert split_calls(pythonic, text, False)[1] is None  # cut by the length limit

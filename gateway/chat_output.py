@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.reasoning_parsers import ReasoningStream, ThinkParser
 from gateway.tool_calls import stream_tool_calls, with_ids
-from gateway.tool_parsers import Call, CallStream, ToolCallParser, split_calls
+from gateway.tool_parsers import Call, CallStream, Schemas, ToolCallParser, split_calls
 
 
 class ChatOutput:
@@ -28,12 +28,14 @@ class ChatOutput:
         tools: ToolCallParser | None,
         one_call: bool = False,
         phase: str = "",
+        schemas: Schemas | None = None,
     ) -> None:
         self.reasoning = reasoning
         self.include_reasoning = include_reasoning
         self.tools = tools
         self.one_call = one_call  # ``parallel_tool_calls: false``: the first call only (vLLM's rule)
         self.phase = phase  # where the prompt left the output (`gateway.reasoning_parsers.prompt_phase`)
+        self.schemas = schemas  # the tools' parameter schemas (a parser whose values are text types them)
         self.reasoning_stream = ReasoningStream(reasoning, phase) if reasoning is not None else None
         self.call_stream = CallStream(tools) if tools is not None else None
 
@@ -50,7 +52,7 @@ class ChatOutput:
         reasoning, content = self.reasoning.split(text, self.phase) if self.reasoning is not None else (None, text)
         message: dict[str, Any] = {"role": "assistant", "content": content or None if self.reasoning else content}
         if self.tools is not None:
-            before, calls = split_calls(self.tools, content, finish_reason == "stop")
+            before, calls = split_calls(self.tools, content, finish_reason == "stop", self.schemas)
             if calls:
                 calls = calls[:1] if self.one_call else calls
                 message = {"role": "assistant", "content": before or None, "tool_calls": self._with_ids(calls, ids)}
@@ -68,7 +70,7 @@ class ChatOutput:
         if self.call_stream is not None:
             content = self.call_stream.feed(content)
             if finish_reason is not None:
-                rest, calls = self.call_stream.finish(finish_reason == "stop")
+                rest, calls = self.call_stream.finish(finish_reason == "stop", self.schemas)
                 content += rest
         delta = self._with_reasoning({}, reasoning)
         if content:

@@ -69,6 +69,9 @@ class ResponseFormatter:
                 TOOL_CALL_PARSERS[tools] if tools else None,
                 self.tool_call is not None and self.tool_call.single,
                 spec.reasoning_phase,
+                {t["function"]["name"]: t["function"].get("parameters") or {} for t in spec.structured.tools}
+                if spec.structured is not None
+                else None,
             )
             if self.chat and (tools or spec.reasoning_parser)
             else None

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_CALL_PARSERS),
         default=env("CONVEYOR_TOOL_CALL_PARSER") or None,  # (set but empty: none)
         help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.1), mistral, "
-        "pythonic (Llama 3.2/4)",
+        "pythonic (Llama 3.2/4), qwen3_coder (Qwen3-Coder)",
     )
     p.add_argument(
         "--generation-config",

@@ -6,7 +6,8 @@ format, which the chat template taught it, and the gateway finds them in the tex
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; ``llama3_json``
 (Llama 3.1-3.3) writes the whole answer as one such object (``"parameters"`` for the arguments),
 or several joined by ``;``, optionally after ``<|python_tag|>``; ``mistral`` (Mistral's instruct
-models) writes its calls after ``[TOOL_CALLS]``; ``pythonic`` (Llama 3.2 and 4) a Python list of calls.
+models) writes its calls after ``[TOOL_CALLS]``; ``pythonic`` (Llama 3.2 and 4) a Python list of
+calls; ``qwen3_coder`` (Qwen3-Coder) XML whose values the tools' schemas type.
 
 The content is the text before the first call. A response whose calls do not all parse (bad JSON,
 no name, arguments that are not an object, a call cut short by ``max_tokens``) has none: its whole
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,8 @@ from gateway.stop import tag_prefix
 
 # One call: the function's name and its arguments as a JSON string.
 Call = tuple[str, str]
+# The request's tools' parameter schemas, by function name.
+Schemas = dict[str, dict[str, Any]]
 # Where models put the arguments: Hermes' key, Llama's. Either is read (a call whose arguments
 # were under the other key ran with none); a model's own key first.
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -87,7 +91,7 @@ class HermesParser:
         """How many characters at the end of ``text`` (which holds no call) may begin one."""
         return tag_prefix(text, self.start)
 
-    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+    def parse(self, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
         """The calls in ``region`` (the text from the first tag on); None unless all parse. The last
         call may lack its end tag only when the model stopped there (EOS): cut by the length
         limit, it may be incomplete JSON that happens to parse."""
@@ -125,7 +129,7 @@ class Llama3JsonParser:
         head = text.lstrip()  # (an answer yet to begin, or that begins with the tag, is still open)
         return len(text) if fresh and (not head or self.python_tag.startswith(head)) else 0
 
-    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+    def parse(self, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
         if not stopped:
             return None
         body = region.lstrip()
@@ -169,7 +173,7 @@ class MistralParser:
     def undecided(self, text: str, fresh: bool) -> int:
         return tag_prefix(text, self.start)
 
-    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+    def parse(self, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
         if not stopped:  # (no end tag: only the model's stop says the last call is whole)
             return None
         body = region[len(self.start) :].strip()
@@ -205,7 +209,7 @@ class PythonicParser:
         head = text.lstrip()
         return len(text) if fresh and (not head or self.tags[0].startswith(head)) else 0
 
-    def parse(self, region: str, stopped: bool) -> list[Call] | None:
+    def parse(self, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
         if not stopped:
             return None
         body = region.strip().removeprefix(self.tags[0]).removesuffix(self.tags[1]).strip()
@@ -226,19 +230,88 @@ class PythonicParser:
         return None if any(c is None for c in found) else [c for c in found if c is not None]
 
 
-ToolCallParser = HermesParser | Llama3JsonParser | MistralParser | PythonicParser
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3CoderParser:
+    """Qwen3-Coder's XML calls: ``<tool_call><function=NAME><parameter=P>value</parameter>...
+    </function></tool_call>``. A value is text, typed by its parameter's schema in the request's
+    tools (integer, number, boolean, object, array, null; a value that does not read as its type,
+    or of a parameter without a schema, stays a string, as vLLM's qwen3_coder does)."""
+
+    name: str = "qwen3_coder"
+    start: str = "<tool_call>"
+    end: str = "</tool_call>"
+    id_length: int = 0
+
+    def find(self, text: str, fresh: bool) -> int:
+        return text.find(self.start)
+
+    def undecided(self, text: str, fresh: bool) -> int:
+        return tag_prefix(text, self.start)
+
+    def parse(self, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
+        calls: list[Call] = []
+        for block in region.split(self.start)[1:]:
+            body, closed, _ = block.partition(self.end)
+            if not closed and not stopped:  # (cut by the length limit: maybe a value cut short)
+                return None
+            function = _FUNCTION.search(body)
+            if function is None:
+                return None
+            name = function.group(1).strip()
+            properties = ((schemas or {}).get(name) or {}).get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            arguments = {
+                key.strip(): _typed(value.removeprefix("\n").removesuffix("\n"), properties.get(key.strip()))
+                for key, value in _PARAMETER.findall(function.group(2))
+            }
+            call = _call({"name": name, "arguments": arguments}, ARGUMENT_KEYS) if name else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's text as its schema's type (the text itself when it does not read as one)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind in (None, "string") or not value.strip():
+        return value
+    if kind == "boolean":
+        return {"true": True, "false": False}.get(value.strip().lower(), value)
+    try:
+        read = _DECODER.decode(value.strip())
+    except (ValueError, RecursionError):
+        return value
+    fits = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+        "null": lambda v: v is None,
+    }.get(kind, lambda v: v is not None)  # (a list of types, or another: any JSON value)
+    return read if fits(read) else value
+
+
+ToolCallParser = HermesParser | Llama3JsonParser | MistralParser | PythonicParser | Qwen3CoderParser
 TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
-    p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser())
+    p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser(), Qwen3CoderParser())
 }
 
 
-def split_calls(parser: ToolCallParser, text: str, stopped: bool) -> tuple[str, list[Call] | None]:
+def split_calls(
+    parser: ToolCallParser, text: str, stopped: bool, schemas: Schemas | None = None
+) -> tuple[str, list[Call] | None]:
     """``text`` as (content, calls): the calls and the text before them, or (``text``, None) when
-    it makes none or not all of them parse."""
+    it makes none or not all of them parse. ``schemas``: the request's tools' parameter schemas
+    (by name), for a format whose values are text (qwen3_coder)."""
     at = parser.find(text, True)
     if at < 0:
         return text, None
-    calls = parser.parse(text[at:], stopped)
+    calls = parser.parse(text[at:], stopped, schemas)
     return (text[:at], calls) if calls else (text, None)
 
 
@@ -266,8 +339,8 @@ class CallStream:
         self.fresh = self.fresh and not out
         return out
 
-    def finish(self, stopped: bool) -> tuple[str, list[Call] | None]:
+    def finish(self, stopped: bool, schemas: Schemas | None = None) -> tuple[str, list[Call] | None]:
         """What is left to send as content, and the calls (None: none; the held text is content)."""
         held, self.held = self.held, ""
-        calls = self.parser.parse(held, stopped) if self.in_calls else None
+        calls = self.parser.parse(held, stopped, schemas) if self.in_calls else None
         return ("", calls) if calls else (held, None)

@@ -3,6 +3,7 @@ text, that a stream fed in any pieces agrees with the whole response, and the se
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -246,3 +247,47 @@ def test_pythonic_reads_a_list_of_calls_without_running_it() -> None:
     ):
         assert split_calls(pythonic, bad, True)[1] is None, bad
     assert split_calls(pythonic, text, False)[1] is None  # cut by the length limit
+
+
+def test_qwen3_coder_reads_xml_calls_typed_by_the_tools_schemas() -> None:
+    coder = TOOL_CALL_PARSERS["qwen3_coder"]
+    schema = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string"},
+            "line": {"type": "integer"},
+            "ratio": {"type": "number"},
+            "force": {"type": "boolean"},
+            "tags": {"type": "array"},
+            "meta": {"type": "object"},
+        },
+    }
+    schemas = {"edit": schema}
+    text = (
+        "Editing.\n<tool_call>\n<function=edit>\n<parameter=path>\n007.txt\n</parameter>\n<parameter=line>\n12\n</parameter>\n"
+        '<parameter=ratio>\n0.5\n</parameter>\n<parameter=force>\nTrue\n</parameter>\n<parameter=tags>\n["a", 1]\n</parameter>\n'
+        "<parameter=meta>\nnot json\n</parameter>\n<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>"
+    )
+    content, calls = split_calls(coder, text, True, schemas)
+    assert content == "Editing.\n" and calls is not None
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        # a string stays one ("007.txt"), a value that does not read as its type stays text,
+        # and one without a schema too (vLLM's rule)
+        (
+            "edit",
+            {"path": "007.txt", "line": 12, "ratio": 0.5, "force": True, "tags": ["a", 1], "meta": "not json", "extra": "42"},
+        )
+    ]
+    code = "<tool_call>\n<function=write>\n<parameter=body>\ndef f():\n    return 1\n</parameter>\n</function>\n</tool_call>"
+    assert split_calls(coder, code, True)[1] == [("write", json.dumps({"body": "def f():\n    return 1"}, separators=(",", ":")))]
+    two = code + "\n" + code.replace("write", "read")
+    assert [n for n, _ in split_calls(coder, two, True)[1] or []] == ["write", "read"]
+    assert split_calls(coder, code[:-12], True)[1] is not None and split_calls(coder, code[:-12], False)[1] is None
+    assert split_calls(coder, "<tool_call>no function</tool_call>", True)[1] is None
+    # Through the formatter, with the request's tools' schemas.
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": schema}}]
+    spec = parse_chat({**BODY, "tools": tools, "stream": True}, ChatParsers("qwen3_coder"))
+    fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
+    call = "<tool_call>\n<function=edit>\n<parameter=line>\n7\n</parameter>\n</function>\n</tool_call>"
+    chunks = [c for p in (Piece(call[:20]), Piece(call[20:], finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "edit", "arguments": '{"line":7}'}

@@ -291,3 +291,32 @@ def test_qwen3_coder_reads_xml_calls_typed_by_the_tools_schemas() -> None:
     call = "<tool_call>\n<function=edit>\n<parameter=line>\n7\n</parameter>\n</function>\n</tool_call>"
     chunks = [c for p in (Piece(call[:20]), Piece(call[20:], finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
     assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "edit", "arguments": '{"line":7}'}
+
+
+def test_review_cases_of_the_xml_and_mistral_parsers() -> None:
+    """A review found: a list-valued ``type`` raised (a 500, or a cut stream); a run of
+    ``<function=`` took minutes on the event loop; a block's second function was dropped;
+    mistral kept v11's ``[CALL_ID]`` in the name; an overflowing number lost the call."""
+    coder, mistral = TOOL_CALL_PARSERS["qwen3_coder"], TOOL_CALL_PARSERS["mistral"]
+    optional = {
+        "f": {"properties": {"n": {"type": ["integer", "null"]}, "m": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+    }
+    call = (
+        "<tool_call>\n<function=f>\n<parameter=n>\n5\n</parameter>\n<parameter=m>\nnull\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert split_calls(coder, call, True, optional)[1] == [("f", '{"n":5,"m":null}')]
+    assert split_calls(coder, call, True, {"f": {"properties": {"n": {"type": {"odd": 1}}}}})[1] == [
+        ("f", '{"n":"5","m":"null"}')
+    ]
+    huge = {"f": {"properties": {"x": {"type": "number"}}}}
+    assert split_calls(coder, call.replace("<parameter=n>\n5", "<parameter=x>\n1e999"), True, huge)[1] == [
+        ("f", '{"x":"1e999","m":"null"}')
+    ]
+    # (Hostile runs of tags read as no call; before the names stopped at "<", such a run of 400 KB
+    # took 147 s on the event loop.)
+    for hostile in ("<tool_call>" + "<function=" * 4_000, "<tool_call><function=f>" + "<parameter=" * 4_000):
+        assert split_calls(coder, hostile, True)[1] in (None, [("f", "{}")])
+    both = "<tool_call>\n<function=f>\n</function>\n<function=g>\n</function>\n</tool_call>"
+    assert [n for n, _ in split_calls(coder, both, True)[1] or []] == ["f", "g"]
+    echoed = '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
+    assert split_calls(mistral, echoed, True)[1] == [("get_weather", '{"city":"Paris"}')]

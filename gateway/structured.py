@@ -25,6 +25,7 @@ from typing import Any
 from common.sampling_params import SamplingParams
 from common.structured_outputs import StructuredOutputsParams, grammar_tokenizer
 from gateway.json_input import ApiError, bad, preview, typename
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 MAX_TOOLS = 128
 # OpenAI's rule for function names.
@@ -48,6 +49,7 @@ class ToolCallMode:
     name: str | None = None
     parser: str | None = None
     single: bool = False  # "parsed" under ``parallel_tool_calls: false``: the first call only
+    id_length: int = 0  # call ids of this many hex digits (the gateway's parser's: mistral's 9), else OpenAI's shape
 
 
 @dataclass(slots=True)
@@ -133,6 +135,7 @@ def parse_tools(
             raise bad("'tool_choice' requires 'tools'", "tool_choice")
         return StructuredRequest(param) if param else None
     schemas = _tool_schemas(tools)
+    id_length = TOOL_CALL_PARSERS[tool_parser].id_length if tool_parser is not None else 0
     if choice in (None, "auto"):  # vLLM's default with tools; it too refuses it without a parser
         if tool_parser is None:
             raise bad(
@@ -147,7 +150,7 @@ def parse_tools(
     if choice == "none":
         return StructuredRequest(param or "tools", None, tools)
     if choice == "required":
-        mode = ToolCallMode("required")
+        mode = ToolCallMode("required", id_length=id_length)
         calls = [
             {
                 "type": "object",
@@ -164,7 +167,7 @@ def parse_tools(
         name = choice["function"].get("name")
         if not isinstance(name, str) or name not in schemas:  # a list or an object is no name (and unhashable)
             raise bad(f"'tool_choice' names function {preview(name)}, which is not among 'tools'", "tool_choice")
-        mode, schema = ToolCallMode("named", name), schemas[name]
+        mode, schema = ToolCallMode("named", name, id_length=id_length), schemas[name]
     else:
         raise bad(
             "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",

@@ -42,7 +42,7 @@ def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, ch
                 calls.append((call["name"], parameters))
     except (ValueError, RecursionError):
         return None
-    return with_ids(calls, response_id, created, choice)
+    return with_ids(calls, response_id, created, choice, mode.id_length)
 
 
 def with_ids(calls: list[Call], response_id: str, created: int, choice: int, id_length: int = 0) -> list[dict[str, Any]]:

@@ -241,25 +241,30 @@ _PARAMETER = re.compile(r"<parameter=([^>\n<]+)>(.*?)(?:</parameter>|(?=<paramet
 @dataclass(frozen=True, slots=True)
 class Qwen3CoderParser:
     """Qwen3-Coder's XML calls: ``<tool_call><function=NAME><parameter=P>value</parameter>...
-    </function></tool_call>``. A value is text, typed by its parameter's schema in the request's
-    tools (integer, number, boolean, object, array, null; a value that does not read as its type,
-    or of a parameter without a schema, stays a string, as vLLM's qwen3_coder does)."""
+    </function></tool_call>``, or the functions without the ``<tool_call>`` around them (as
+    vLLM's reads them too). A value is text, typed by its parameter's schema in the request's tools
+    (`_typed`)."""
 
     name: str = "qwen3_coder"
     start: str = "<tool_call>"
     end: str = "</tool_call>"
+    bare: str = "<function="
     id_length: int = 0
 
     def find(self, text: str, fresh: bool) -> int:
-        return text.find(self.start)
+        found = [at for at in (text.find(self.start), text.find(self.bare)) if at >= 0]
+        return min(found) if found else -1
 
     def undecided(self, text: str, fresh: bool) -> int:
-        return tag_prefix(text, self.start)
+        return max(tag_prefix(text, self.start), tag_prefix(text, self.bare))
 
     def parse(self, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
         calls: list[Call] = []
-        for block in region.split(self.start)[1:]:
-            body, closed, _ = block.partition(self.end)
+        if region.startswith(self.start):
+            blocks = [(body, bool(closed)) for body, closed, _ in (b.partition(self.end) for b in region.split(self.start)[1:])]
+        else:  # bare functions: whole only when the model stopped after them
+            blocks = [(region, stopped)]
+        for body, closed in blocks:
             if not closed and not stopped:  # (cut by the length limit: maybe a value cut short)
                 return None
             functions = list(_FUNCTION.finditer(body))  # (a block may hold several)

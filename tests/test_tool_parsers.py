@@ -320,3 +320,24 @@ def test_review_cases_of_the_xml_and_mistral_parsers() -> None:
     assert [n for n, _ in split_calls(coder, both, True)[1] or []] == ["f", "g"]
     echoed = '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
     assert split_calls(mistral, echoed, True)[1] == [("get_weather", '{"city":"Paris"}')]
+
+
+def test_bare_qwen3_coder_functions_and_mistral_ids_for_every_tool_choice() -> None:
+    """A review's two gaps: Qwen3-Coder's functions without ``<tool_call>`` (vLLM reads them), and
+    "required" or a named function behind the mistral parser got OpenAI-shaped ids, which Mistral's
+    templates refuse on a later turn."""
+    coder = TOOL_CALL_PARSERS["qwen3_coder"]
+    bare = "Let me.\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>"
+    assert split_calls(coder, bare, True) == ("Let me.\n", [("f", '{"a":"x"}')])
+    assert split_calls(coder, bare, False)[1] is None  # (no end tag around it: only a stop says it is whole)
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        spec = parse_chat({**BODY, "tool_choice": choice}, ChatParsers("mistral"))
+        fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
+        text = '[{"name": "add", "parameters": {}}]' if choice == "required" else "{}"
+        (call,) = fmt.choice([Piece(text, finish_reason="stop")])["message"]["tool_calls"]
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+    plain = parse_chat({**BODY, "tool_choice": "required"})
+    (call,) = ResponseFormatter(plain, "chatcmpl-1", "m", None, 3, None).choice(
+        [Piece('[{"name": "add"}]', finish_reason="stop")]
+    )["message"]["tool_calls"]
+    assert call["id"].startswith("chatcmpl-tool-")

@@ -42,9 +42,7 @@ from common.sampling_params import SamplingParams, sampling_to_dict
 from common.step_outputs import StepOutputs as StepOutputs  # re-exported: the one schema module
 from common.step_outputs import unpack_prompt_logprobs
 
-# 3: group ids, prompt-logprob columns, the aborting gateway, choice ids; 4: priorities; 5: cache
-# salts; 6: journaled output parsers
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 6  # 4: priorities; 5: cache salts; 6: journaled output parsers (older: git log)
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -412,9 +410,7 @@ class JournalHeader:
     prompt_token_ids: list[int] = packed("i")
     echo_text: str | None = None
     choice_ids: list[str] = field(default_factory=list)
-    # The parsers of the accepting gateway ("" none), which a resuming one applies alike: of "auto"
-    # tool calls, of a thinking model's reasoning.
-    tool_parser: str = ""
+    tool_parser: str = ""  # the accepting gateway's output parsers ("" none): a resuming one applies them
     reasoning_parser: str = ""
     reasoning_phase: str = ""  # where the prompt left the output (the gateway's `prompt_phase`)
 

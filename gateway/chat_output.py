@@ -29,6 +29,7 @@ class ChatOutput:
         one_call: bool = False,
         phase: str = "",
         schemas: Schemas | None = None,
+        id_length: int = 0,
     ) -> None:
         self.reasoning = reasoning
         self.include_reasoning = include_reasoning
@@ -36,11 +37,12 @@ class ChatOutput:
         self.one_call = one_call  # ``parallel_tool_calls: false``: the first call only (vLLM's rule)
         self.phase = phase  # where the prompt left the output (`gateway.reasoning_parsers.prompt_phase`)
         self.schemas = schemas  # the tools' parameter schemas (a parser whose values are text types them)
+        self.id_length = id_length  # of call ids (`gateway.tool_calls.with_ids`)
         self.reasoning_stream = ReasoningStream(reasoning, phase) if reasoning is not None else None
         self.call_stream = CallStream(tools) if tools is not None else None
 
     def _with_ids(self, calls: list[Call], ids: tuple[str, int, int]) -> list[dict[str, Any]]:
-        return with_ids(calls, *ids, id_length=self.tools.id_length if self.tools is not None else 0)
+        return with_ids(calls, *ids, id_length=self.id_length)
 
     def _with_reasoning(self, fields: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
         if reasoning and self.include_reasoning:

@@ -72,6 +72,7 @@ class ResponseFormatter:
                 {t["function"]["name"]: t["function"].get("parameters") or {} for t in spec.structured.tools}
                 if spec.structured is not None
                 else None,
+                self.tool_call.id_length if self.tool_call is not None else 0,
             )
             if self.chat and (tools or spec.reasoning_parser)
             else None

@@ -145,7 +145,7 @@ def parse_tools(
                 "tool_choice",
             )
         # (a constraint from another field still applies: the parser reads what it lets through)
-        mode = ToolCallMode("parsed", parser=tool_parser, single=body.get("parallel_tool_calls") is False)
+        mode = ToolCallMode("parsed", parser=tool_parser, single=body.get("parallel_tool_calls") is False, id_length=id_length)
         return StructuredRequest(param or "tools", mode, tools)
     if choice == "none":
         return StructuredRequest(param or "tools", None, tools)

@@ -292,9 +292,10 @@ class Scheduler(ExecutorRecovery):
     def _lookup(self, request: Request) -> tuple[list[int], int]:
         """A waiting request's prefix-cache hit (blocks, tokens); none without prefix caching, or
         with prompt logprobs (a cached token has no logits)."""
-        if self.config.enable_prefix_caching and not request.needs_prompt_logprobs:
-            return self.cache.get_computed_blocks(request)
-        return [], 0
+        return self.cache.get_computed_blocks(request) if self._looks_up(request) else ([], 0)
+
+    def _looks_up(self, request: Request) -> bool:
+        return self.config.enable_prefix_caching and not request.needs_prompt_logprobs
 
     def _admit_blocks(self, request: Request, budget: int, hit: tuple[list[int], int] | None = None) -> int | None:
         """Allocate a waiting request's first chunk, after its prefix-cache hit (``hit``, if looked
@@ -303,13 +304,12 @@ class Scheduler(ExecutorRecovery):
         On success ``num_computed_tokens`` is the hit length (0 without prefix caching)."""
         assert request.num_computed_tokens == 0, "a waiting request has nothing computed"
         assert request.num_output_placeholders == 0, "a preempted request's token arrives before its next admission"
-        looked_up = self.config.enable_prefix_caching and not request.needs_prompt_logprobs
         hit_blocks, hit_tokens = self._lookup(request) if hit is None else hit
         n = min(request.num_tokens - hit_tokens, budget)
         if not self.cache.allocate_slots(request.request_id, hit_tokens + n, hit_blocks):
             return None
         request.num_computed_tokens = hit_tokens
-        if looked_up and not request.num_preemptions:  # as vLLM: a lookup, not a readmission after preemption
+        if self._looks_up(request) and not request.num_preemptions:  # as vLLM: a lookup, not a readmission after preemption
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += hit_tokens
         return n

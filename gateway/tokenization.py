@@ -54,9 +54,9 @@ class InputWorkers:
 def tokenizes_inline(spec: GenerationSpec, tokenizer: Any) -> bool:
     """Whether `tokenize` may run on the event loop for ``spec``: a small prompt (token ids, or text
     for a fast tokenizer's lock-free backend, see `encode_text`) without a grammar to compile or
-    tools or earlier tool calls for the chat template to render (none is counted in the input's
-    size). Such a prompt takes well under a millisecond; waiting for a worker thread took tens on a
-    busy gateway. Bad words (up to 256 encodings) take the worker too."""
+    tools, earlier tool calls or template variables for the chat template to render (walking them
+    costs more than their size says). Such a prompt takes well under a millisecond; waiting for a
+    worker thread took tens on a busy gateway. Bad words (up to 256 encodings) take the worker too."""
     if spec.input_size() > INLINE_INPUT_BYTES or spec.sampling.structured_outputs is not None or spec.bad_words:
         return False
     if spec.structured is not None and spec.structured.tools:

@@ -18,8 +18,7 @@ import time
 
 from bench.offline import WORKLOADS, make_workload, prompt_ids
 from common.config import ExecutorInfo, SchedulerConfig
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput
+from common.protocol import ExecutorOutput, SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.input_batch import PersistentBatch
 from scheduler.cache_manager import CacheManager

@@ -26,9 +26,16 @@ stream / key                 direction                    discipline and bound
 ``engines``                  sorted set                   scheduler ids seen (score: last beat);
                                                           stale ids dropped, TTL (refreshed)
 ``executors:unpaired``       sorted set                   executors offering themselves
-                                                          (`common.pairing`); TTL (refreshed)
+                                                          (score: Redis's clock); TTL (refreshed)
 ``claim:<executor>``         key with TTL                 the scheduler that holds an executor
 ===========================  ===========================  =======================================
+
+Pairing (``--scheduler-id auto``, for replicas started from one template with no ids to give):
+an executor nobody holds announces itself in ``executors:unpaired`` and polls its claim key
+(`executor.pairing`); a scheduler takes one announced, live executor with ``SET claim:<executor>
+<scheduler> NX PX ttl`` and refreshes the claim's TTL on its heartbeat while the value is its own
+(`scheduler.pairing`). A scheduler that dies stops refreshing, the claim expires, and the executor
+announces itself again. The executor serves the streams of the scheduler named in its claim.
 """
 
 from __future__ import annotations
@@ -66,6 +73,12 @@ ENGINE_FORGET_S = 600.0
 # Dead letters are for an operator to read; the stream goes a week after the last one.
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_TTL_MS = 7 * 24 * 3_600_000
+
+
+# Lua that sets ``now`` to the Redis server's clock in ms. Announcements are stamped and aged by it,
+# not the hosts' clocks: replicas on machines whose clocks disagree by more than a TTL would
+# otherwise see each other's offers as stale.
+REDIS_NOW_MS_LUA = "local t = redis.call('time') local now = t[1] * 1000 + math.floor(t[2] / 1000) "
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -347,6 +360,24 @@ class StepResult:
             if len(self.plp_num) != len(self.token_ids):
                 raise ValueError("plp_num disagrees with token_ids")
             unpack_prompt_logprobs(len(self.token_ids), self.plp_num, self.plp_counts, self.plp_token_ids, self.plp_values)
+
+
+@dataclass(slots=True)
+class ExecutorOutput:
+    """What one executed step returns to the scheduler, in process (`execute_model`) or decoded from
+    a `StepResult`: one entry per scheduled request, in the step's order.
+
+    ``token_ids[i]`` is the sampled token, or -1 where the request did not sample (a prefill chunk
+    that does not reach the end of its tokens). ``logprobs[i]`` maps token id -> logprob (sampled
+    token plus the top-N) or is None; the list is empty when no request asked for logprobs.
+    ``prompt_logprobs[i]``: for a request with ``prompt_logprobs``, one entry per prompt position
+    the step computed that predicts a prompt token (positions ``start .. min(end, P - 1) - 1``:
+    the logprobs of prompt tokens ``start + 1 ..``), else None; empty when no request has any.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[list[dict[int, float] | None] | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)

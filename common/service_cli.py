@@ -81,9 +81,12 @@ def redis_url_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+AUTO = "auto"  # the --scheduler-id that asks for claim-based pairing (`common.protocol`, "Pairing")
+
+
 def add_engine_id(p: argparse.ArgumentParser, role: str, pair: str) -> None:
     """``--scheduler-id``: a scheduler and an executor with the same id form one engine replica;
-    ``auto`` pairs them by claim instead (`common.pairing`), for replicas started without ids."""
+    ``auto`` pairs them by claim instead (`common.protocol`, "Pairing"), for replicas started without ids."""
     p.add_argument(
         "--scheduler-id",
         default=os.environ.get("CONVEYOR_SCHEDULER_ID", "0"),

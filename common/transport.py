@@ -29,7 +29,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from common.batch_send import APPEND_SCRIPT, script_arguments
+from common.append_script import APPEND_SCRIPT, script_arguments
 from common.protocol import (
     DEAD_LETTER_MAXLEN,
     DEAD_LETTER_TTL_MS,
@@ -232,7 +232,7 @@ class Transport(TransportCore[aioredis.Redis]):
 
     async def send_many(self, sends: list[Outgoing], deadline_s: float | None = None) -> None:
         """XADD every message (and refresh TTLs) in one round trip: one script call where the
-        server runs scripts (`common.batch_send`), else a pipeline."""
+        server runs scripts (`common.append_script`), else a pipeline."""
         if len(sends) > 1 and self._append_script is not False:
             if self._append_script is None:  # first use: can this server run it?
                 try:

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput
+from common.protocol import ExecutorOutput, SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops

@@ -8,7 +8,7 @@ previous binding. A step that fails drops every request's state and ends the epo
 steps of it, already sent one ahead, are ignored): the scheduler rebinds with a new epoch and
 resends every request. The step stream has exactly one reader (this process), so no consumer group. The loop
 is one thread (the forward pass inline; the read of the next step sent before the current one runs,
-results not waited for: `common.overlap`); heartbeats run on their own thread.
+results not waited for: `executor.overlap`); heartbeats run on their own thread.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from typing import Any
 from common.codec import pack_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.heartbeat import Heartbeat
-from common.overlap import PendingRead, WriteBehind
-from common.pairing import ANNOUNCE_INTERVAL_S, AUTO, Pairing
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
 from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS
 from common.service_cli import (
+    AUTO,
     add_engine_id,
     env_flag,
     freeze_startup_heap,
@@ -43,6 +42,8 @@ from common.service_cli import (
 from common.step_outputs import pack_prompt_logprobs
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
+from executor.overlap import PendingRead, WriteBehind
+from executor.pairing import ANNOUNCE_INTERVAL_S, ExecutorOffer
 
 logger = logging.getLogger("conveyor.executor")
 
@@ -107,7 +108,7 @@ class ExecutorService:
 
     def run(self) -> None:
         """Serve until interrupted: the scheduler of ``--scheduler-id``, or with ``auto`` whichever
-        scheduler claims this executor (`common.pairing`), again after each claim ends."""
+        scheduler claims this executor (`executor.pairing`), again after each claim ends."""
         t = self.transport
         t.ping()
         ttl = self.config.heartbeat_ttl_ms
@@ -122,7 +123,7 @@ class ExecutorService:
         ).start()
         record_process_id("executor", self.eid)
         logger.info("executor %s up (%d blocks of %d)", self.eid, self.info.num_blocks, self.info.block_size)
-        pairing = Pairing(t.redis, self.names, ttl) if self.config.scheduler_id == AUTO else None
+        pairing = ExecutorOffer(t.redis, self.names, ttl) if self.config.scheduler_id == AUTO else None
         try:
             if pairing is None:
                 self._serve(self.config.scheduler_id, None)
@@ -149,7 +150,7 @@ class ExecutorService:
                 try:
                     t.call(pairing.withdraw, self.eid, deadline_s=2)
                 except TRANSIENT_ERRORS:
-                    pass  # its entry goes stale and is dropped: `Pairing.offered`
+                    pass  # its entry goes stale and is dropped: `ExecutorClaims.offered`
             heartbeat.stop(wait_s=2.0)  # no beat may land after the delete below
             try:  # its scheduler sees it gone now, not a TTL later (a stop, a rolling update, a crash)
                 t.call(heartbeat.withdraw, deadline_s=2)
@@ -157,7 +158,7 @@ class ExecutorService:
                 logger.warning("could not delete this executor's heartbeat (it expires with its TTL): %s", exc)
             t.close()
 
-    def _wait_for_claim(self, pairing: Pairing) -> str | None:
+    def _wait_for_claim(self, pairing: ExecutorOffer) -> str | None:
         """Announce this executor until a scheduler claims it: that scheduler's id (None: stopping)."""
         t = self.transport
         logger.info("executor %s: waiting for a scheduler to claim it", self.eid)
@@ -172,13 +173,13 @@ class ExecutorService:
             self.stopping.wait(ANNOUNCE_INTERVAL_S)
         return None
 
-    def _serve(self, scheduler_id: str, pairing: Pairing | None, resume: Served | None = None) -> Served:
+    def _serve(self, scheduler_id: str, pairing: ExecutorOffer | None, resume: Served | None = None) -> Served:
         """Execute the steps of ``scheduler_id`` (by default those sent from now on; those after
         where ``resume`` ended, its unconfirmed results sent first) until stopped, or (``pairing``)
         until its claim on this executor ends; returns where serving the same scheduler goes on.
 
         The read of the steps stream leaves before the step at hand runs, and a result leaves without
-        waiting for Redis's answer (`common.overlap`), so a step the scheduler sent meanwhile is
+        waiting for Redis's answer (`executor.overlap`), so a step the scheduler sent meanwhile is
         here when the current one ends. After a Redis error both are redone with retries.
         """
         t = self.transport

@@ -35,8 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ModelConfig, ParallelConfig
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput, decode, encode
+from common.protocol import ExecutorOutput, SchedulerOutput, decode, encode
 from executor.model_config import load_config
 from executor.model_executor import ModelExecutor, resolve_device_dtype
 from executor.parallel import (

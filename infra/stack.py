@@ -20,9 +20,9 @@ from typing import cast
 
 import redis
 
-from common.pairing import AUTO
 from common.protocol import EngineStatus, Names, decode
 from common.redis_url import PASSWORD_ENV, PASSWORD_FILE_ENV, sync_client
+from common.service_cli import AUTO
 from infra.cpu_placement import Placement, allowed_cpus, plan_placement, tensor_parallel_size
 from infra.launcher import free_port, proc_argv, start_redis, stop_all, wait_for_port, wait_healthy
 

@@ -2,7 +2,7 @@
 
 With a fixed ``--scheduler-id`` the executor is whichever announces itself (`ExecutorHello`) on
 this scheduler's results stream: the executor started with the same id. With ``auto``
-(`common.pairing`) the scheduler first claims an announced, unpaired executor; the executor then
+(`scheduler.pairing`) the scheduler first claims an announced, unpaired executor; the executor then
 announces itself on this scheduler's streams, and is bound like any other. A thread keeps the
 claim alive while the scheduler lives; losing it (taken by another scheduler after this one
 stalled past its TTL) sets ``claim_lost``, which the step loop treats as the executor being lost. A
@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 
 from common.config import ExecutorInfo, ServiceDefaults
-from common.pairing import Pairing
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
     ENTRY_FIELD,
@@ -32,6 +31,7 @@ from common.protocol import (
 from common.redis_errors import TRANSIENT_ERRORS
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
+from scheduler.pairing import ExecutorClaims
 from scheduler.stream_executor import StreamExecutor
 
 logger = logging.getLogger("conveyor.scheduler")
@@ -59,7 +59,7 @@ class ExecutorBinding:
         self.watchdog = watchdog  # of the engine thread, which waits in the executors it binds
         self.hello: ExecutorHello | None = None  # of the executor bound last
         self.epoch = 0
-        self.pairing = Pairing(transport.redis, transport.names, ttl_ms) if auto else None
+        self.pairing = ExecutorClaims(transport.redis, transport.names, ttl_ms) if auto else None
         self.claimed: str | None = None  # the executor this scheduler holds a claim on (auto)
         self.claim_lost = threading.Event()
         # Held by the claim thread's refresh and the engine thread's `_claim`: a refresh that ran

@@ -21,8 +21,7 @@ from collections import deque
 from typing import Protocol
 
 from common.config import ExecutorInfo
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput
+from common.protocol import ExecutorOutput, SchedulerOutput
 from scheduler.request import StepOutput
 from scheduler.scheduler import Scheduler
 

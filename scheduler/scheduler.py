@@ -50,11 +50,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.config import ExecutorInfo, SchedulerConfig
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput
+from common.protocol import ExecutorOutput, SchedulerOutput
 from scheduler.cache_manager import CacheManager
 from scheduler.displacement import plan_room
-from scheduler.recovery import ExecutorRecovery
 from scheduler.request import Request, RequestStatus, StepOutput
 from scheduler.request_queue import WaitingQueue, pick_victim
 from scheduler.step_bytes import check_fits, new_request_bytes, prompt_logprob_bytes, sampling_bytes
@@ -70,7 +68,7 @@ class ScheduledStep:
     rows: list[tuple[Request, int, int, bool]] = field(default_factory=list)
 
 
-class Scheduler(ExecutorRecovery):
+class Scheduler:
     """Owns the waiting/running queues and the cache manager; decides steps, applies their outputs.
 
     Invariant: ``executor_blocks`` names exactly the requests the executor holds (how many of
@@ -426,3 +424,79 @@ class Scheduler(ExecutorRecovery):
             (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
             self._finish(request, request.finish_reason or "stop")
         return outputs
+
+    # -- executor faults (see the module's docstring, "Faults") -----------------------------
+    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> dict[str, str]:
+        """Carry on with another executor and KV pool: running requests are preempted (recompute).
+        Those it cannot serve (a shorter ``max_model_len``, a smaller vocabulary) are failed, and
+        returned with why (kept, one would preempt itself forever or fail its steps)."""
+        self.executor_lost()
+        assert cache_manager.block_size == info.block_size
+        for request in self.requests.values():
+            request.block_hashes.clear()  # they depend on the block size, which may change
+        self.info = info
+        self.cache = cache_manager
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        unfit: dict[str, str] = {}
+        for request in list(self.requests.values()):
+            try:
+                request.check_servable(info.max_model_len, info.vocab_size)
+            except ValueError as exc:
+                unfit[request.request_id] = str(exc)
+                self.abort(request.request_id, "error")
+        return unfit
+
+    def executor_lost(self) -> None:
+        """The executor dropped every request (it failed, died or was replaced): steps in flight
+        will never answer, so every running request is preempted and all are resent as new."""
+        self.pending.clear()
+        for request in self.requests.values():
+            request.num_output_placeholders = 0
+        self.preempt_all(counted=False)  # not memory pressure: vLLM's preemption count stays
+        self.executor_blocks.clear()
+        self.finished_for_executor.clear()
+
+    def preempt_all(self, counted: bool = True) -> None:
+        """Preempt every running request (their KV is gone or untrusted); order is kept.
+        ``counted``: in ``num_preemptions`` (vLLM's metric counts those memory pressure caused)."""
+        for request in reversed(self.running):
+            self._preempt(request, counted)
+        self.running.clear()
+
+    def step_failed(self, request_ids: list[str]) -> str | None:
+        """A step of ``request_ids`` failed (after `executor_lost`). A step of one request that is
+        still live convicts it: it is failed (finish reason "error") and returned. Otherwise the
+        live ones are isolated (a culprit aborted while its step ran leaves no one to blame)."""
+        live = [r for r in request_ids if r in self.requests]
+        if len(request_ids) == 1 and live:
+            self.abort(live[0], "error")
+            return live[0]
+        self.isolate(live)
+        return None
+
+    def isolate(self, request_ids: list[str]) -> None:
+        """Run these requests (of a step that failed) one per step until each has passed alone."""
+        self.suspects = [r for r in request_ids if r in self.requests]
+
+    def _decide_alone(self, request: Request) -> dict[str, int]:
+        """Schedule ``request`` alone; other running requests wait (keeping their blocks)."""
+        budget = self.config.max_num_batched_tokens
+        while True:
+            if request.status is RequestStatus.WAITING:
+                n = self._admit_blocks(request, budget)
+            else:
+                n = self._num_new_tokens(request, budget)
+                if n == 0:
+                    return {}  # its last token is on the way
+                if not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                    n = None
+            if n is not None:
+                break
+            victim = pick_victim(self.running, self.waiting.by_priority, spare=request)  # the pool holds one max-length request
+            self._stop_running(victim)
+            self._preempt(victim)
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            self._start_running(request)
+        return {request.request_id: n}

@@ -31,11 +31,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from common.config import SchedulerConfig, ServiceDefaults
-from common.pairing import AUTO
 from common.protocol import MAX_MESSAGE_BYTES, AbortRequests, EngineStatus, GenerateRequest, Names, SyncRequest
 from common.redis_errors import TRANSIENT_ERRORS
 from common.sampling_params import sampling_from_dict
-from common.service_cli import record_process_id
+from common.service_cli import AUTO, record_process_id
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 from scheduler.binding import ExecutorBinding
@@ -100,7 +99,7 @@ class SchedulerService:
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
         self.names = Names(config.namespace)
-        # `auto`: an id of its own, and the executor is claimed (`common.pairing`)
+        # `auto`: an id of its own, and the executor is claimed (`scheduler.pairing`)
         self.sid = f"s-{uuid.uuid4().hex[:10]}" if config.scheduler_id == AUTO else config.scheduler_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.transport = SyncTransport(
@@ -195,7 +194,7 @@ class SchedulerService:
             if self.beat is not None:
                 self.beat.stop(wait_s=5.0)
                 try:
-                    t.call(self.beat.remove, deadline_s=2)
+                    t.call(self.beat.withdraw, deadline_s=2)
                 except TRANSIENT_ERRORS as exc:  # its keys expire with their TTL instead
                     logger.warning("could not take this engine out of Redis: %s", exc)
             t.close()

@@ -19,8 +19,7 @@ from collections import deque
 
 from common.codec import unpack_logprobs
 from common.config import ExecutorInfo
-from common.executor_output import ExecutorOutput
-from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, BindExecutor, SchedulerOutput, StepResult
+from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, BindExecutor, ExecutorOutput, SchedulerOutput, StepResult
 from common.step_outputs import unpack_prompt_logprobs
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from common.config import ExecutorInfo
-from common.executor_output import ExecutorOutput
-from common.protocol import SchedulerOutput
+from common.protocol import ExecutorOutput, SchedulerOutput
 from executor.input_batch import Batch, PersistentBatch
 
 

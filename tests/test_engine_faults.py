@@ -234,8 +234,7 @@ def test_a_bind_read_twice_resets_nothing_and_runs_no_step_twice() -> None:
     """A retried send may append the scheduler's batch twice: [bind, step 41] [bind, step 41, step 42]."""
     from types import SimpleNamespace
 
-    from common.executor_output import ExecutorOutput
-    from common.protocol import BindExecutor, SchedulerOutput
+    from common.protocol import BindExecutor, ExecutorOutput, SchedulerOutput
 
     ran: list[int] = []
     resets: list[int] = []

@@ -1,4 +1,4 @@
-"""`common.overlap` against real Redis: a read sent ahead answers when its entries land, writes land
+"""`executor.overlap` against real Redis: a read sent ahead answers when its entries land, writes land
 in order without being waited for, and a connection killed under either is redone without a loss;
 and the executor's loop has its next read out while a step runs."""
 
@@ -14,11 +14,10 @@ import pytest
 import redis
 
 from common.config import ExecutorInfo
-from common.executor_output import ExecutorOutput
-from common.overlap import PendingRead, WriteBehind
-from common.protocol import ENTRY_FIELD, BindExecutor, Names, SchedulerOutput, StepResult, decode, encode
+from common.protocol import ENTRY_FIELD, BindExecutor, ExecutorOutput, Names, SchedulerOutput, StepResult, decode, encode
 from common.redis_errors import TRANSIENT_ERRORS
 from common.transport import Outgoing, SyncTransport
+from executor.overlap import PendingRead, WriteBehind
 from executor.service import ExecutorService, ExecutorServiceConfig
 from tests.redis_servers import private_namespace
 

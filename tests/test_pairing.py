@@ -19,20 +19,22 @@ import openai
 import pytest
 import redis
 
-from common.pairing import Pairing
 from common.protocol import Names
 from common.transport import SyncTransport
+from executor.pairing import ExecutorOffer
 from infra.launcher import free_port, stop_all
 from infra.stack import REPO, Stack, find_redis
 from scheduler.binding import ExecutorBinding
+from scheduler.pairing import ExecutorClaims
 
 
 @pytest.fixture()
-def pairing(tmp_path: Path) -> Iterator[Pairing]:
+def pairing(tmp_path: Path) -> Iterator[tuple[ExecutorOffer, ExecutorClaims]]:
+    """Both sides of pairing on one Redis: the executor's offer, the scheduler's claims."""
     url, proc = find_redis(tmp_path)
     client = redis.Redis.from_url(url)
     namespace = f"test-pairing-{uuid.uuid4().hex[:8]}"
-    yield Pairing(client, Names(namespace), ttl_ms=300)
+    yield ExecutorOffer(client, Names(namespace), ttl_ms=300), ExecutorClaims(client, Names(namespace), ttl_ms=300)
     keys = list(client.scan_iter(match=f"{namespace}:*"))
     if keys:
         client.delete(*keys)
@@ -40,43 +42,46 @@ def pairing(tmp_path: Path) -> Iterator[Pairing]:
         proc.kill()
 
 
-def test_one_owner_at_a_time(pairing: Pairing) -> None:
-    assert pairing.try_claim("e1", "s1")
-    assert not pairing.try_claim("e1", "s2")  # taken: NX
-    assert pairing.owner("e1") == "s1"
-    assert not pairing.refresh("e1", "s2") and not pairing.release("e1", "s2")  # only the owner may
-    assert pairing.owner("e1") == "s1"
-    assert pairing.refresh("e1", "s1")
-    assert pairing.release("e1", "s1")
-    assert pairing.owner("e1") is None
-    assert pairing.try_claim("e1", "s2")  # free again once released
+def test_one_owner_at_a_time(pairing: tuple[ExecutorOffer, ExecutorClaims]) -> None:
+    offer, claims = pairing
+    assert claims.try_claim("e1", "s1")
+    assert not claims.try_claim("e1", "s2")  # taken: NX
+    assert offer.owner("e1") == "s1"
+    assert not claims.refresh("e1", "s2") and not claims.release("e1", "s2")  # only the owner may
+    assert offer.owner("e1") == "s1"
+    assert claims.refresh("e1", "s1")
+    assert claims.release("e1", "s1")
+    assert offer.owner("e1") is None
+    assert claims.try_claim("e1", "s2")  # free again once released
 
 
-def test_claim_expires_without_refresh(pairing: Pairing) -> None:
-    assert pairing.try_claim("e1", "s1")
+def test_claim_expires_without_refresh(pairing: tuple[ExecutorOffer, ExecutorClaims]) -> None:
+    offer, claims = pairing
+    assert claims.try_claim("e1", "s1")
     time.sleep(0.2)
-    assert pairing.refresh("e1", "s1")  # a refresh extends it past the first TTL...
+    assert claims.refresh("e1", "s1")  # a refresh extends it past the first TTL...
     time.sleep(0.2)
-    assert pairing.owner("e1") == "s1"
+    assert offer.owner("e1") == "s1"
     time.sleep(0.4)  # ...and without one it expires: the scheduler is gone
-    assert pairing.owner("e1") is None
-    assert not pairing.refresh("e1", "s1")
-    assert pairing.try_claim("e1", "s2")
+    assert offer.owner("e1") is None
+    assert not claims.refresh("e1", "s1")
+    assert claims.try_claim("e1", "s2")
 
 
-def test_offered_executors(pairing: Pairing) -> None:
-    pairing.announce("e1")
-    pairing.announce("e2")
-    assert pairing.offered() == ["e1", "e2"]  # longest waiting first
-    pairing.withdraw("e1")
-    assert pairing.offered() == ["e2"]
+def test_offered_executors(pairing: tuple[ExecutorOffer, ExecutorClaims]) -> None:
+    offer, claims = pairing
+    offer.announce("e1")
+    offer.announce("e2")
+    assert claims.offered() == ["e1", "e2"]  # longest waiting first
+    offer.withdraw("e1")
+    assert claims.offered() == ["e2"]
     time.sleep(0.4)  # no longer announcing (claimed, or dead): dropped after a TTL
-    pairing.announce("e3")
-    assert pairing.offered() == ["e3"]
+    offer.announce("e3")
+    assert claims.offered() == ["e3"]
     # The set itself goes a TTL after the last announcement, though no scheduler is left to trim it.
-    assert 0 < int(pairing.redis.pttl(pairing.unpaired)) <= 300
+    assert 0 < int(offer.redis.pttl(offer.unpaired)) <= 300
     time.sleep(0.4)
-    assert not pairing.redis.exists(pairing.unpaired)
+    assert not offer.redis.exists(offer.unpaired)
 
 
 def _executors(stack: Stack) -> dict[str, str]:
@@ -191,18 +196,19 @@ def _stream_texts(url: str, body: dict[str, Any]) -> Iterator[str]:
 
 def test_a_refresh_during_a_release_does_not_take_the_claim_back(tmp_path: Path) -> None:
     """The engine thread gives its executor up and claims one again (`_claim`) while the claim
-    thread refreshes. A refresh between the release and the new claim used to take the released
-    claim back for nobody (the binding no longer named it, so nobody refreshed it and the new
-    claim failed): the executor waited out that claim's TTL. Now the two take turns."""
+    thread refreshes. A refresh between the release and the new claim must not take the released
+    claim back for nobody (the binding no longer names it, so nobody would refresh it and the new
+    claim would fail, leaving the executor to wait out that claim's TTL): the two take turns."""
     url, proc = find_redis(tmp_path)
     names = Names(f"test-pairing-{uuid.uuid4().hex[:8]}")
     transport = SyncTransport(url, names, owner="test")
     binding = ExecutorBinding(transport, "s-a", auto=True, ttl_ms=60_000, result_timeout_s=30, redis_restarted=threading.Event())
     pairing = binding.pairing
     assert pairing is not None
+    offer = ExecutorOffer(transport.redis, names, ttl_ms=60_000)
     try:
         transport.redis.set(names.heartbeat("executor", "e"), "1", px=60_000)  # a live executor
-        pairing.announce("e")  # it let this scheduler go and offers itself again
+        offer.announce("e")  # it let this scheduler go and offers itself again
         assert pairing.try_claim("e", "s-a")
         binding.claimed = "e"
         binding.claim_lost.set()  # the step loop is to give it up and claim again
@@ -218,7 +224,7 @@ def test_a_refresh_during_a_release_does_not_take_the_claim_back(tmp_path: Path)
         pairing.release = release_while_refreshing  # type: ignore[method-assign]
         assert binding._claim()  # given up, and claimed again at once
         refresh.join(5)
-        assert binding.claimed == "e" and pairing.owner("e") == "s-a" and not binding.claim_lost.is_set()
+        assert binding.claimed == "e" and offer.owner("e") == "s-a" and not binding.claim_lost.is_set()
     finally:
         keys = list(transport.redis.scan_iter(match=f"{names.namespace}:*"))
         if keys:

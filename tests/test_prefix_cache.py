@@ -18,8 +18,7 @@ import random
 import pytest
 
 from common.config import ExecutorInfo, SchedulerConfig
-from common.executor_output import ExecutorOutput
-from common.protocol import EngineStatus, SchedulerOutput, decode, encode
+from common.protocol import EngineStatus, ExecutorOutput, SchedulerOutput, decode, encode
 from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
 from scheduler.cache_manager import ROOT_HASH, CacheManager, extra_keys, hash_block

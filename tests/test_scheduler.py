@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from common.config import ExecutorInfo, SchedulerConfig
-from common.executor_output import ExecutorOutput
+from common.protocol import ExecutorOutput
 from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
 from scheduler.cache_manager import CacheManager

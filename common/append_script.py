@@ -1,11 +1,10 @@
 """Many stream appends as one Redis command: a server-side script instead of a pipeline.
 
 A gateway journals every event of every stream it serves (one XADD and one PEXPIRE per request
-per step). Pipelined, redis-py builds and parses two commands per event in Python, which made the
-journal a fifth of the gateway's CPU at 64 streams; as one EVALSHA the same 64 appends take 0.7 ms
-instead of 5.1 ms (measured on this machine, redis-py 7, Redis 7.0). Where the server refuses
-scripts (an ACL without ``EVAL``, a Redis stand-in without Lua) the caller falls back to the
-pipeline: same effect, one round trip either way.
+per step). Pipelined, redis-py builds and parses two commands per event in Python; as one
+EVALSHA, Redis does that work instead (docs/performance.md has the numbers). Where the server
+refuses scripts (an ACL without ``EVAL``, a Redis stand-in without Lua) the caller falls back to
+the pipeline: same effect, one round trip either way.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ import msgpack
 from common.protocol import ENTRY_FIELD
 
 # KEYS: the streams. ARGV[1]: the entry field; ARGV[2]: one msgpack array of [data, maxlen, ttl_ms]
-# per stream (-1: untrimmed / no TTL). One packed argument instead of three per stream halves the
-# client's CPU per call (redis-py encodes every argument in Python: 0.52-0.58 -> 0.28-0.31 ms for
-# 64 streams). Redis's Lua `cmsgpack` reads only the old msgpack spec: raw strings, no bin type.
+# per stream (-1: untrimmed / no TTL). One packed argument instead of three per stream: redis-py
+# encodes every argument in Python, so fewer arguments cost the client less CPU. Redis's Lua
+# `cmsgpack` reads only the old msgpack spec: raw strings, no bin type.
 # MAXLEN "~" as `TransportCore._xadd`: trimming whole radix nodes is cheap.
 APPEND_SCRIPT = """
 local field = ARGV[1]

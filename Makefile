@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve bench clean
+.PHONY: install test test-fast serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The unit tier alone (no checkpoint, no Redis server, no processes): under a minute on 2 cores.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "unit and not (model or stack or slow)" $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/conveyor up --host 127.0.0.1 --port $(PORT)

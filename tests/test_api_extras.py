@@ -34,6 +34,8 @@ from infra.launcher import free_port, wait_healthy
 from infra.stack import find_redis
 from tests.test_gateway_validation import ENGINE, MAX_MODEL_LEN, VOCAB_SIZE, _error, register_engine
 
+pytestmark = pytest.mark.stack
+
 API_KEY = "sk-extras-secret-1234"
 HOLD_MAX_TOKENS = 77  # a request with this max_tokens stops after its first token until `FakeEngine.release`
 

@@ -22,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.protocol import EngineStatus
 from infra.stack import Stack
 
+pytestmark = pytest.mark.stack
+
 BLOCK = 16  # the executor's default block size
 NO_EOS = {"ignore_eos": True}
 

@@ -22,6 +22,8 @@ from bench.serve_data import SAFE_IDS, BenchRequest, TokenSource, arrival_delays
 from bench.serve_metrics import RequestResult, compute_metrics, format_report
 from infra.stack import Stack
 
+pytestmark = pytest.mark.stack
+
 # vLLM's benchmark_serving result fields: every run's result file must hold them.
 FIELDS = [
     "completed",

@@ -8,6 +8,8 @@ import pytest
 
 from scheduler.cache_manager import CacheManager
 
+pytestmark = pytest.mark.unit
+
 
 def test_allocate_free_reuses_lru_order() -> None:
     cm = CacheManager(total_blocks=8, block_size=4)

@@ -27,7 +27,7 @@ import pytest
 
 from infra.stack import Stack
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 NUM_STREAMS = 10
 MAX_TOKENS = 48

@@ -15,6 +15,8 @@ from gateway.outputs import replay
 from gateway.request_handle import RequestHandle, base_request_id
 from tests.test_engine_client import SAMPLING, outputs, tokens_of
 
+pytestmark = pytest.mark.unit
+
 
 def test_event_ids_round_trip() -> None:
     cursor = ChoiceCursor([5, 0, 12])

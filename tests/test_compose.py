@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 AIRGAP = REPO / "infra" / "airgap.sh"
 INDEX_PORT = 8765
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 
 def _run(*cmd: str, env: dict[str, str] | None = None, timeout: float = 600, check: bool = True) -> str:

@@ -8,6 +8,8 @@ import torch
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from executor.model_executor import ModelExecutor
 
+pytestmark = pytest.mark.model
+
 NO_CUDA = not torch.cuda.is_available()
 
 

@@ -26,6 +26,8 @@ from infra.cpu_placement import (
 )
 from infra.launcher import free_port, stop_all, wait_healthy
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 linux_only = pytest.mark.skipif(allowed_cpus() is None, reason="CPU affinity is Linux-only")
 
@@ -91,6 +93,7 @@ def _cpus_of(pid: int) -> set[int]:
     raise AssertionError(f"no Cpus_allowed_list for {pid}")
 
 
+@pytest.mark.stack
 @linux_only
 def test_a_service_process_applies_conveyor_cpus_before_it_starts() -> None:
     """`infra.cli` pins the process it runs; a CPU the process may not use is refused, exit 2."""
@@ -147,6 +150,7 @@ def _children(pid: int) -> dict[str, int]:
     return out
 
 
+@pytest.mark.stack
 @linux_only
 @pytest.mark.skipif(plan_placement(allowed_cpus(), 1) is None, reason="needs 2 CPUs or more")
 def test_conveyor_up_places_the_executor_apart_and_serves(tiny_model: Any, tmp_path: Path) -> None:

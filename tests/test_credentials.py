@@ -17,6 +17,8 @@ import pytest
 from infra.launcher import free_port, wait_for_port
 from infra.stack import REPO
 
+pytestmark = pytest.mark.stack
+
 SECRET = "hunter2-not-this-one"
 
 

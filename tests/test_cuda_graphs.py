@@ -14,6 +14,8 @@ from executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, GraphInputs,
 from executor.input_batch import Batch
 from executor.model_executor import ModelExecutor
 
+pytestmark = pytest.mark.model
+
 BLOCK = 4
 
 

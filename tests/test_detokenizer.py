@@ -10,6 +10,8 @@ import pytest
 from gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from gateway.stop import StopMatcher
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):  # type: ignore[no-untyped-def]

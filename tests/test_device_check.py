@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.stack
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -10,6 +10,8 @@ import torch
 from common import SamplingParams
 from scheduler import LLM
 
+pytestmark = pytest.mark.model
+
 PROMPT_LENS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 320]
 MAX_TOKENS = 10
 

@@ -35,6 +35,8 @@ from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnav
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request, StepOutput
 
+pytestmark = pytest.mark.unit
+
 NAMES = Names("t-client")
 SAMPLING = {"temperature": 0.0, "max_tokens": 10}
 

@@ -16,6 +16,8 @@ from gateway.outputs import journal_write
 from gateway.request_handle import EngineEvent
 from tests.test_engine_client import NAMES, SAMPLING, async_test, drain, engine, make_client, outputs, publish, sent
 
+pytestmark = pytest.mark.unit
+
 
 def kinds(msgs: list[Any]) -> list[str]:
     return [type(m).__name__ for m in msgs]

@@ -28,6 +28,8 @@ from executor.service import ExecutorService, ExecutorServiceConfig
 from infra.stack import find_redis
 from scheduler.service import SchedulerService, SchedulerServiceConfig
 
+pytestmark = pytest.mark.stack
+
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 

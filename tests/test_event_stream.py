@@ -9,10 +9,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from gateway.generation import Piece
 from gateway.json_input import ApiError
 from gateway.openai_schema import parse_completion
 from gateway.responses import EventStreamResponse, ResponseFormatter, done_event, sse, stream_events
+
+pytestmark = pytest.mark.unit
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET", "path": "/"}
 

@@ -16,6 +16,8 @@ from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
 from executor.model import Linear, row_bucket
 
+pytestmark = pytest.mark.model
+
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 

@@ -26,6 +26,8 @@ from gateway.config import GatewayConfig
 from gateway.openai_schema import parse_chat
 from infra.stack import find_redis
 
+pytestmark = pytest.mark.stack
+
 MAX_MODEL_LEN = 2048
 VOCAB_SIZE = 1024
 ENGINE = "s0"  # the scheduler id the test plays

@@ -33,6 +33,8 @@ from infra.launcher import free_port, stop_all, wait_healthy
 from infra.stack import REPO, find_redis
 from tests.test_gateway_validation import MAX_MODEL_LEN, VOCAB_SIZE, register_engine
 
+pytestmark = pytest.mark.stack
+
 MAX_BODY_BYTES = 16 * 1024 * 1024
 LONG_CONTEXT = 1_000_000
 HEALTH_LIMIT_S = 0.1  # what /health may take while a huge prompt is being processed

@@ -16,6 +16,8 @@ from common.redact import RedactingFilter, redact_text, redact_url
 from infra.launcher import free_port
 from infra.stack import REPO, find_redis
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.parametrize(
     "url, expected",

@@ -27,6 +27,8 @@ from gateway.tokenization import (
     tokenizes_inline,
 )
 
+pytestmark = pytest.mark.model
+
 
 def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth

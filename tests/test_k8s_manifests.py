@@ -17,6 +17,8 @@ import yaml
 from common.redis_url import PASSWORD_FILE_ENV, check_redis_url
 from infra.stack import REPO
 
+pytestmark = pytest.mark.unit
+
 K8S = REPO / "infra" / "k8s"
 BASE = K8S / "base"
 # The oldest Kubernetes these manifests target, and the newest schemas the validator bundles.
@@ -121,6 +123,7 @@ def test_config_and_the_redis_password() -> None:
     assert "nvidia.com/gpu" in _pod(resources[("Deployment", "conveyor-executor")])["containers"][0]["resources"]["limits"]
 
 
+@pytest.mark.stack
 def test_cpu_overlay_renders_without_a_gpu() -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:

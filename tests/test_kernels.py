@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.model
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_CASES = ["attn_4_4", "attn_8_2", "attn_5_1", "decode_split", "engine_shapes", "huge_pool", "norm_act", "rotary"]
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from executor.model import Linear
+
+pytestmark = pytest.mark.model
 
 
 def test_packed_linear_matches_plain_matmul() -> None:

@@ -11,6 +11,8 @@ from tokenizers import Tokenizer
 from executor.loader import checkpoint_files, read_state_dict
 from executor.make_model import main as make_model_main
 
+pytestmark = pytest.mark.model
+
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
 

@@ -32,6 +32,8 @@ from infra.stack import Stack
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request, StepOutput
 
+pytestmark = pytest.mark.unit
+
 MODEL = "tiny"
 
 
@@ -229,6 +231,7 @@ def scrape(url: str) -> list[Sample]:
     return samples(r.text)
 
 
+@pytest.mark.stack
 def test_every_gateway_shows_every_engine(stack: Stack) -> None:
     model = stack.stats().model_name
     for url in stack.urls:
@@ -253,6 +256,7 @@ def test_every_gateway_shows_every_engine(stack: Stack) -> None:
         assert value(got, "conveyor:redis_rtt_seconds", model_name=model) > 0
 
 
+@pytest.mark.stack
 def test_request_counts_are_exact(stack: Stack) -> None:
     clients = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) for url in stack.urls]
     no_eos = {"ignore_eos": True}
@@ -356,6 +360,7 @@ def _finished(got: list[Any]) -> float:
     return sum(s.value for s in got if s.name == "vllm:request_success_total")
 
 
+@pytest.mark.stack
 def test_client_disconnect_is_not_a_finished_request(stack: Stack) -> None:
     """As in vLLM, a request its client abandoned is aborted in the engine but not counted as
     finished (a resumable stream may still be resumed and end on another gateway)."""
@@ -376,6 +381,7 @@ def test_client_disconnect_is_not_a_finished_request(stack: Stack) -> None:
     assert delta(before, after, "vllm:generation_tokens_total") >= 1  # what it did receive counts
 
 
+@pytest.mark.stack
 def test_resuming_an_ended_stream_counts_nothing_again(stack: Stack) -> None:
     """A stream that ended on one gateway and is read again from its journal on another (and on
     the first) is one finished request, as vLLM counts each request once."""
@@ -395,6 +401,7 @@ def test_resuming_an_ended_stream_counts_nothing_again(stack: Stack) -> None:
     assert sum(delta(b, a, "vllm:generation_tokens_total") for a, b in zip(after, before)) == 6
 
 
+@pytest.mark.stack
 def test_concurrent_streams_count_exactly(stack: Stack) -> None:
     url = stack.urls[0]
     before = scrape(url)

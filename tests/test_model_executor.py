@@ -17,6 +17,8 @@ from executor.model_config import load_config, parse_config
 from executor.model_executor import ModelExecutor
 from executor.ops_torch import write_kv
 
+pytestmark = pytest.mark.model
+
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 BLOCK = 4  # small blocks so every sequence spans several, out of order
 

@@ -21,6 +21,8 @@ from executor import ops_torch
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
 
+pytestmark = pytest.mark.model
+
 
 def _mutable_globals(module: types.ModuleType) -> list[str]:
     """Module attributes holding mutable data (containers, tensors, instances with state)."""

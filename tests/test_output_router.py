@@ -12,6 +12,8 @@ from common.transport import Outgoing
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request, StepOutput
 
+pytestmark = pytest.mark.unit
+
 NAMES = Names("t-router")
 WINDOW_S = 30.0
 

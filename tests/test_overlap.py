@@ -21,6 +21,8 @@ from executor.overlap import PendingRead, WriteBehind
 from executor.service import ExecutorService, ExecutorServiceConfig
 from tests.redis_servers import private_namespace
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[tuple[redis.Redis, Names, SyncTransport]]:

@@ -27,6 +27,8 @@ from infra.stack import REPO, Stack, find_redis
 from scheduler.binding import ExecutorBinding
 from scheduler.pairing import ExecutorClaims
 
+pytestmark = pytest.mark.stack
+
 
 @pytest.fixture()
 def pairing(tmp_path: Path) -> Iterator[tuple[ExecutorOffer, ExecutorClaims]]:

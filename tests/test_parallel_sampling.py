@@ -13,6 +13,8 @@ from common.parallel_sampling import child_params, cumulative_logprob, select_be
 from common.sampling_params import INT64_MAX, INT64_MIN
 from scheduler import LLM
 
+pytestmark = pytest.mark.model
+
 BLOCK = 16
 
 

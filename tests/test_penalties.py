@@ -16,6 +16,8 @@ from executor.input_batch import PersistentBatch
 from executor.penalties import BadWords, TokenCountPool, TokenCounts, apply_logit_bias, apply_penalties
 from executor.sampler import Sampler
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 12
 
 

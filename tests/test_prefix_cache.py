@@ -28,6 +28,8 @@ from scheduler.scheduler import Scheduler
 from tests.fake_executor import FakeExecutor
 from tests.test_scheduler import BOTH, VOCAB, expected_output, next_token
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 
 
@@ -479,6 +481,7 @@ def test_scheduler_flag_from_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 # -- the real model ----------------------------------------------------------------------------------
+@pytest.mark.model
 def test_offline_greedy_outputs_identical_with_and_without(tiny_model) -> None:
     from scheduler import LLM
 

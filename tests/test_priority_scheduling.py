@@ -19,6 +19,8 @@ from scheduler.scheduler import Scheduler
 from scheduler.step_bytes import prompt_logprob_bytes
 from tests.test_scheduler import ScriptedExecutor, expected_output, run, step
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -160,6 +162,7 @@ def test_fcfs_refuses_a_priority() -> None:
         SchedulerConfig(scheduling_policy="lifo").validate()
 
 
+@pytest.mark.model
 def test_the_offline_engine_runs_prompts_by_priority(tiny_model) -> None:
     """``LLM(scheduling_policy="priority").generate(prompts, params, priority=[...])``: one sequence
     at a time, prompts start in priority order; outputs come back in prompt order, unchanged."""

@@ -33,6 +33,8 @@ from common.sampling_params import SamplingParams
 from common.transport import Transport
 from executor.input_batch import Batch, PersistentBatch
 
+pytestmark = pytest.mark.unit
+
 V = PROTOCOL_VERSION  # raw messages below are of this build's version
 
 

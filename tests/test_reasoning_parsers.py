@@ -20,6 +20,8 @@ from gateway.responses import ResponseFormatter
 from gateway.server import build_parser
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
+pytestmark = pytest.mark.unit
+
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
 MESSAGES = [{"role": "user", "content": "hi"}]
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'

@@ -21,7 +21,7 @@ from common.redis_url import PASSWORD_ENV
 from infra.stack import Stack
 from tests.redis_servers import SentinelCluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 PASSWORD = "sentinel-test-secret"
 NUM_CLIENTS = 6

@@ -20,6 +20,8 @@ from common.transport import Outgoing, SyncTransport, Transport
 from infra.stack import Stack
 from tests.redis_servers import start_tls_redis
 
+pytestmark = pytest.mark.stack
+
 PASSWORD = "tls-test-secret"
 
 

@@ -27,6 +27,8 @@ from common.redis_url import (
 from infra.stack import REPO, find_redis
 from scheduler.cli import build_parser
 
+pytestmark = pytest.mark.unit
+
 SECRET = "s3cr3t-in-url"
 
 
@@ -104,6 +106,7 @@ def test_clients_take_the_environment_password_unless_the_url_has_one() -> None:
     assert isinstance(pool, sentinel.SentinelConnectionPool) and pool.connection_kwargs["password"] == SECRET
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(DriverInfo is None, reason="redis-py < 7.2 reads its version once, at import")
 def test_new_connections_do_not_read_the_package_metadata(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """redis-py >= 7.2 reads its version from the package metadata for each new connection (0.7 ms:
@@ -133,6 +136,7 @@ def test_redaction_of_sentinel_urls() -> None:
     assert SECRET not in redact_url(url)
 
 
+@pytest.mark.stack
 def test_logs_never_show_the_environment_password() -> None:
     code = (
         "import logging; from common.service_cli import setup_logging\n"

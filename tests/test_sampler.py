@@ -10,6 +10,8 @@ import torch
 from common.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from executor.sampler import Sampler
 
+pytestmark = pytest.mark.unit
+
 LOGITS = [2.0, 1.5, 1.2, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0]
 DRAWS = 20_000
 

@@ -26,6 +26,8 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.fake_executor import FakeExecutor
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 97
 EOS = 0
 

@@ -13,6 +13,8 @@ from common.transport import Outgoing, Transport
 from gateway.send_batch import MAX_BATCH_BYTES, SendBatch
 from tests.test_engine_client import SAMPLING, async_test, engine, make_client, publish, sent
 
+pytestmark = pytest.mark.unit
+
 NAMES = Names("t-batch")
 
 

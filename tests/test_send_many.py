@@ -8,11 +8,14 @@ import uuid
 from pathlib import Path
 
 import fakeredis
+import pytest
 import redis.asyncio as aioredis
 
 from common.protocol import ENTRY_FIELD, Names
 from common.transport import Outgoing, Transport
 from infra.stack import find_redis
+
+pytestmark = pytest.mark.stack
 
 
 def _sends(prefix: str) -> list[Outgoing]:

@@ -26,6 +26,8 @@ from common.sampling_params import SamplingParams
 from infra.launcher import free_port, wait_healthy
 from infra.stack import Stack
 
+pytestmark = pytest.mark.stack
+
 NUM_BLOCKS = 256
 
 

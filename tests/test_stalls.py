@@ -27,7 +27,7 @@ from infra.stack import Stack
 from tests.hang_inject import HANG_DIR_ENV, hang_flag
 from tests.test_chaos import NUM_STREAMS, _busiest_engine, _check, reference_run, run_load
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 STALL_TIMEOUT_S = 3.0
 

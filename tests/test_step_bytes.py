@@ -18,6 +18,8 @@ from scheduler.step_bytes import new_request_bytes, prompt_logprob_bytes
 from tests.test_engine_client import NAMES
 from tests.test_scheduler import ScriptedExecutor, step
 
+pytestmark = pytest.mark.unit
+
 MAX_STEP_BYTES = 6_000
 
 

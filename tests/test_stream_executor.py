@@ -17,6 +17,8 @@ from infra.stack import find_redis
 from scheduler.stream_executor import StepFailed, StreamExecutor
 from tests.redis_servers import private_namespace
 
+pytestmark = pytest.mark.stack
+
 EPOCH = 7
 
 

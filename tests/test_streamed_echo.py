@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gateway.choice_stream import SharedPromptLogprobs
 from gateway.generation import Piece
 from gateway.openai_schema import parse_completion
 from gateway.responses import ResponseFormatter
+
+pytestmark = pytest.mark.unit
 
 PROMPT = [5, 6, 7]
 PROMPT_LPS: list[dict[int, float] | None] = [None, {6: -0.5, 9: -1.5}, {7: -0.25, 6: -2.0}]

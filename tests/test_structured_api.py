@@ -17,6 +17,8 @@ import pytest
 from infra.launcher import free_port, wait_healthy
 from infra.stack import Stack
 
+pytestmark = pytest.mark.stack
+
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},

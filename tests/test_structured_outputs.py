@@ -18,6 +18,8 @@ from common.structured_outputs import INITIAL_LEXER_FUEL
 from common.structured_outputs import StructuredOutputsParams as S
 from executor.grammar import GrammarMask, GrammarStats, StructuredDecoding
 
+pytestmark = pytest.mark.model
+
 SCHEMA = {
     "type": "object",
     "properties": {

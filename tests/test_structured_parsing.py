@@ -18,6 +18,8 @@ from gateway.openai_schema import parse_chat, parse_completion
 from gateway.structured import check_grammar
 from gateway.tool_calls import tool_calls
 
+pytestmark = pytest.mark.model
+
 MESSAGES = [{"role": "user", "content": "hi"}]
 ADD = {
     "type": "function",

@@ -20,6 +20,8 @@ from executor.shard_loader import load_shard
 from scheduler import LLM
 from tests.test_engine import hf_greedy, random_prompts
 
+pytestmark = pytest.mark.model
+
 MAX_TOKENS = 8
 # One thread per rank: two ranks share this machine's two cores.
 OPTIONS: dict[str, Any] = dict(

@@ -23,6 +23,8 @@ from executor.threads import (
     usable_cpus,
 )
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "CONVEYOR_NUM_THREADS", "OMP_DISPLAY_ENV")
 

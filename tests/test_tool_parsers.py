@@ -19,6 +19,8 @@ from gateway.responses import ResponseFormatter
 from gateway.server import build_parser, main
 from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
 
+pytestmark = pytest.mark.unit
+
 HERMES = TOOL_CALL_PARSERS["hermes"]
 HERMES_ONLY = ChatParsers(tools="hermes")
 LLAMA = TOOL_CALL_PARSERS["llama3_json"]

@@ -20,6 +20,8 @@ import pytest
 from common.sampling_params import SamplingParams
 from infra.stack import Stack
 
+pytestmark = pytest.mark.stack
+
 NUM_BLOCKS = 128
 # Each rank one thread: two ranks share this machine's two cores.
 EXECUTOR_ARGS = ("--tensor-parallel-size", "2", "--num-threads", "1", "--num-blocks", str(NUM_BLOCKS), "--device", "cpu")

@@ -16,6 +16,8 @@ from common.watchdog import STALLED_EXIT_CODE, Watchdog
 from infra.launcher import free_port
 from tests.redis_servers import private_namespace
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:
@@ -142,6 +144,7 @@ def test_limit_must_be_positive_and_beyond_a_late_check() -> None:
         Watchdog("the loop", 10.0).check_interval(5.0)  # 30 s heartbeats
 
 
+@pytest.mark.stack
 def test_heartbeat_deletes_its_key_when_the_watched_thread_stalls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     codes: list[int] = []
     gone = threading.Event()
@@ -173,6 +176,7 @@ def test_heartbeat_deletes_its_key_when_the_watched_thread_stalls(tmp_path: Path
             gone.set()
 
 
+@pytest.mark.stack
 def test_heartbeat_that_cannot_reach_redis_excuses_the_loop(tmp_path: Path, exits: list[int]) -> None:
     """The working thread of a process cut off from Redis waits in retries: not a stall."""
     port = free_port()  # nothing listens there

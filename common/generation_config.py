@@ -30,7 +30,7 @@ def load_sampling_defaults(model_dir: str) -> dict[str, float]:
     path = Path(model_dir) / "generation_config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError, RecursionError) as exc:  # (a file nested past the limit: a review's case)
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: a file nested past the parser's limit
         logger.warning("ignoring %s: %s", path, exc)
         return {}
     defaults: dict[str, float] = {}

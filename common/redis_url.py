@@ -189,7 +189,7 @@ def _client(
         options["timeout"] = pool_timeout_s
     if DriverInfo is not None:
         # Resolved here once: redis-py would read its version from the package metadata for every new
-        # connection (0.7 ms each; a gateway opens dozens in its first burst, and again after a Redis restart).
+        # connection, and a gateway opens dozens in its first burst, and again after a Redis restart.
         options.setdefault("driver_info", DriverInfo(lib_version=redis.__version__))
     if not target.sentinels:
         pool = (face.blocking_pool if blocking else face.pool).from_url(url, **options)

@@ -203,7 +203,7 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
 
         try:
             built = from_tokenizer(tokenizer, n_vocab=vocab_size)
-        except Exception as exc:  # not one llguidance reads: validate as before, without it
+        except Exception as exc:  # not one llguidance reads: validate without the vocabulary
             logger.warning("grammars are checked without the vocabulary: llguidance cannot read this tokenizer (%s)", exc)
             built = None
         cached = (vocab_size, built)

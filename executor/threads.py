@@ -4,10 +4,9 @@ torch's CPU kernels, oneDNN's linears included, run on an OpenMP team (the pip w
 libgomp). Two settings decide how the engine fares when other processes share the cores:
 
 * **How idle OpenMP threads wait.** libgomp's default (``OMP_WAIT_POLICY`` and
-  ``GOMP_SPINCOUNT`` unset) spins 300,000 ``pause`` iterations before sleeping. libgomp
-  budgets that as ~3 ms, but a ``pause`` takes ~90 ns on the development machine's EPYC, so it is
-  ~28 ms: longer than the gaps between a step's ops and between steps, so a worker thread never
-  sleeps and every thread of the team holds a core. On an idle machine that costs nothing. On a
+  ``GOMP_SPINCOUNT`` unset) spins 300,000 ``pause`` iterations before sleeping; on current x86
+  cores that is tens of milliseconds, longer than the gaps between a step's ops and between
+  steps, so a worker thread never sleeps and every thread of the team holds a core. On an idle machine that costs nothing. On a
   busy one the spinners take CPU time from the threads they wait for (and from everything else),
   a team barrier waits for a preempted member for up to a scheduler slice, and a thread that
   never sleeps loses the wake-up preference the kernel gives to sleepers. The engine runs many
@@ -37,9 +36,9 @@ ENV_NUM_THREADS = "CONVEYOR_NUM_THREADS"
 # Each of these means someone chose how idle OpenMP threads wait; `set_openmp_env_defaults`
 # leaves the environment alone when any is set (GOMP_SPINCOUNT would override OMP_WAIT_POLICY).
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-# ~0.1 ms of `pause` on the development machine: covers the gaps between one step's ops (a few
-# to tens of microseconds of Python), so an idle machine keeps its speed, and stops burning a core
-# right after. 0 (OMP_WAIT_POLICY=PASSIVE) measured as robust under load but slower when idle.
+# A spin long enough to cover the gaps between one step's ops (Python between kernels), so an idle
+# machine keeps its speed, and short enough to stop burning a core right after. Passive waiting
+# (OMP_WAIT_POLICY=PASSIVE) is as robust under load but slower when idle (docs/performance.md).
 DEFAULT_GOMP_SPINCOUNT = "1000"
 _OPENMP_LIBS = ("libgomp", "libiomp", "libomp.so")
 

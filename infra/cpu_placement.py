@@ -2,15 +2,12 @@
 plane (gateways, schedulers, a Redis the launcher started) on the rest.
 
 Why: an executor that shares its CPUs with the control plane is preempted mid-step and resumes
-with cold caches. On the 2-core development VM the steps of one serving run of the tiny model
-cost its executor 2.1 CPU-s there (its first 500) and a median 1.1 s (all 550) replayed alone in
-one process. Pinning that executor to CPU 1 and the rest (the load client too) to CPU 0 served
-32% more tokens/s over four alternating rounds each (10% in an earlier series), at a higher
-inter-token latency (12.7-14.5 ms against 7.5-12.0: the gateway, with one CPU, merges more steps
-per event); ``small``, whose executor ran two threads unpinned and one pinned, lost a quarter
-(572 -> 429 tok/s). So it is off by default: a trade for hosts where the control plane's load
-would otherwise preempt the executor (docs/performance.md, "CPU placement"). vLLM's CPU backend
-binds its OpenMP threads to cores for the same reason.
+with cold caches. Pinning it apart serves more tokens/s with a model whose executor needs one
+thread, at a higher inter-token latency (the gateway, with fewer CPUs, merges more steps per
+event), and costs a model whose executor would run more threads than it is left (docs/performance.md,
+"CPU placement", has the numbers). So it is off by default: a trade for hosts where the control
+plane's load would otherwise preempt the executor. vLLM's CPU backend binds its OpenMP threads to
+cores for the same reason.
 
 Every service process applies ``CONVEYOR_CPUS`` (a Linux CPU list such as ``0-3,6``) first
 thing (`apply_cpus_from_env`, from `infra.cli`), before torch reads its affinity mask to choose

@@ -631,7 +631,7 @@ def test_bad_words_reach_the_engine_as_token_sequences(env: dict[str, Any]) -> N
 
 def test_a_resumed_stream_keeps_its_bad_words(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream resumed on another gateway re-parses its body: its bad words are tokenized again,
-    so the engine it may move to later still bans them (they were dropped)."""
+    so the engine it may move to later still bans them."""
     from gateway.tokenization import bad_words_token_ids
 
     words = ["hello", "tokenization"]
@@ -695,8 +695,7 @@ def test_cache_salt_reaches_the_engine_and_bad_ones_are_400s(env: dict[str, Any]
 
 def test_vllms_request_id_field_is_the_request_id_without_the_header(env: dict[str, Any]) -> None:
     """vLLM's body field ``request_id`` stands for ``X-Request-Id`` when the header is absent (the
-    header wins, as in vLLM), with the same rules and the same journal claim for a stream; it was
-    ignored."""
+    header wins, as in vLLM), with the same rules and the same journal claim for a stream."""
     c = env["a"]
     response = c.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 3, "request_id": "body-0001"})
     assert response.status_code == 200 and response.json()["id"] == "body-0001"
@@ -724,7 +723,7 @@ def test_vllms_request_id_field_is_the_request_id_without_the_header(env: dict[s
 def test_the_models_generation_config_gives_the_sampling_defaults(env: dict[str, Any]) -> None:
     """vLLM's ``--generation-config auto``: what a request leaves out is the model's (Qwen3's
     temperature 0.6, top_p 0.95, top_k 20), what it sets is its own; a value the engine would
-    refuse (min_p -1) is ignored; ``vllm`` keeps OpenAI's defaults. It was always OpenAI's."""
+    refuse (min_p -1) is ignored; ``vllm`` keeps OpenAI's defaults."""
     messages = [{"role": "user", "content": "hi"}]
     for client, rid, body, want in (
         (env["c"], "defaults-1", {"messages": messages}, SAMPLING_DEFAULTS),

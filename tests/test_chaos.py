@@ -440,8 +440,8 @@ def test_a_stream_failed_for_want_of_an_engine_can_be_resumed_to_its_error(
 ) -> None:
     """The only engine's scheduler dies for good: the stream waits for an engine for the recovery
     timeout (5 s), longer than the resume window (3 s) after its last event, then fails. A client
-    that lost the connection meanwhile resumes and gets the error; it used to get a 404, the
-    journal having expired under the waiting stream."""
+    that lost the connection meanwhile resumes and gets the error, not a 404: the journal must not
+    expire under the waiting stream."""
     s = Stack(
         tiny_model(),
         Path(tmp_path_factory.mktemp("no-engine")),

@@ -146,7 +146,7 @@ def test_sentencepiece_style_tokenizer_streams_its_spaces_and_bytes(clean_up: bo
         full = tokenizer.decode(ids)
         assert detok.diverged and full == "the quick" + 3 * REPLACEMENT + " brown fox is a test"
         # "\x19" went out before the bytes after it made it U+FFFD; all the rest streams as it
-        # comes (it used to be held back for good, and dropped at the end)
+        # comes (nothing is held back for good, or dropped at the end)
         assert streamed == "the quick\x19" + 2 * REPLACEMENT + " brown fox is a test" and detok.finish() == ""
 
 

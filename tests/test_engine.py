@@ -276,7 +276,7 @@ def _shared_llm(model_dir: str) -> LLM:
 @pytest.mark.parametrize("where", ["execute_model", "update_from_output"])
 def test_an_interrupted_generate_leaves_the_llm_usable(tiny_model, where: str) -> None:
     """Ctrl-C in a notebook: inside a forward pass, or while a step's tokens are applied. The next
-    ``generate`` runs as on a fresh engine (before, the step bookkeeping was left out of step)."""
+    ``generate`` runs as on a fresh engine (the step bookkeeping stays in step)."""
     llm = LLM(tiny_model("llama"), block_size=16)
     prompts = [[5, 17, 99, 3], [42] * 20, list(range(40, 73))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

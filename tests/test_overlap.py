@@ -200,8 +200,8 @@ class _Echo:
 
 def test_a_step_that_skips_ahead_is_ignored(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
     """Within an epoch the scheduler numbers steps one by one. A step far ahead (a forged or corrupt
-    entry) used to run and make every real step after it look old: the engine stalled until the
-    scheduler's result timeout rebound it. Now it is ignored, and so is a repeated step."""
+    entry) is ignored, and so is a repeated step: run, it would make every real step after it look
+    old, and the engine would stall until the scheduler's result timeout rebound it."""
     r, names, t = env
     service = ExecutorService(ExecutorServiceConfig(t.url, "echo", names.namespace, executor_id="e"), _Echo())
     serving = threading.Thread(target=service._serve, args=("0", None), daemon=True)

@@ -145,7 +145,7 @@ def test_scheduler_frozen_past_its_claim_goes_on_without_waiting_for_a_lost_step
     lapse: its executor stops serving it and offers itself again, with steps of it in flight.
     Once the scheduler runs again and takes the claim back, the executor goes on where it stopped,
     so the scheduler gets its results, rather than waiting out ``--result-timeout`` for steps that
-    were never run (before 2026-12-02: 60 s here); the stream ends as without the fault."""
+    were never run; the stream ends as without the fault."""
     stack = Stack(
         tiny_model(),
         tmp_path,

@@ -305,10 +305,10 @@ def test_arrivals_that_displace_running_requests_keep_every_output_exact(seed: i
 
 
 def test_a_displacement_never_leaves_the_step_empty() -> None:
-    """A review's case: ``L`` takes every byte of the step, so ``P`` gets none; ``H`` finds the
-    seats taken. Displacing ``L`` (its bytes given back, but ``P`` not looked at again) left ``H``
-    short of blocks all the same: an empty step, which stops the engine. The room is now planned
-    first: ``H`` gets in, or ``L`` runs."""
+    """``L`` takes every byte of the step, so ``P`` gets none; ``H`` finds the seats taken.
+    Displacing ``L`` (its bytes given back, but ``P`` not looked at again) would leave ``H`` short
+    of blocks all the same: an empty step, which stops the engine. The room is planned first:
+    ``H`` gets in, or ``L`` runs."""
     lp20 = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=20)
     sched = byte_bound(2, 14, lp20)
     _running(sched, "L", [3] * 14, lp20, 9, 0)
@@ -319,8 +319,8 @@ def test_a_displacement_never_leaves_the_step_empty() -> None:
 
 
 def test_no_request_is_displaced_for_nothing() -> None:
-    """A review's case: ``L``'s blocks and the free ones are not enough for ``H``: ``L`` keeps
-    running (it was preempted, and ``H`` waited all the same)."""
+    """``L``'s blocks and the free ones are not enough for ``H``: ``L`` keeps running (preempting
+    it would gain ``H`` nothing)."""
     ex = ScriptedExecutor(16)
     sched = Scheduler(SchedulerConfig(64, 8, async_scheduling=False, scheduling_policy="priority"), CacheManager(16, 4), ex.info)
     core = EngineCore(sched, InlineExecutor(ex), async_scheduling=False)

@@ -285,8 +285,8 @@ def test_garbage_is_dead_lettered_and_reader_continues() -> None:
 def test_columns_that_disagree_are_dead_lettered_alone() -> None:
     """A `StepOutputs` (or `StepResult`) whose columns disagree, or that carries negative token
     ids, is rejected at decode: dead-lettered by itself, while the good messages of the same read
-    go on. It used to raise while the gateway routed the read (IndexError, or OverflowError in the
-    detokenizer), which dropped every output in that read, other requests' included."""
+    go on. Raising while the gateway routes the read (IndexError, or OverflowError in the
+    detokenizer) would drop every output in that read, other requests' included."""
     bad_outputs = [
         StepOutputs(["a", "b"], [0], [1], [5], [False], [None], [None]),  # two requests, one row of columns
         StepOutputs(["a"], [0], [2], [5], [False], [None], [None]),  # 2 tokens said, 1 given

@@ -60,7 +60,7 @@ def test_the_prompt_may_have_opened_or_closed_the_thinking() -> None:
     assert prompt_phase("...", continued="<think>Let me") == "reasoning"
     assert prompt_phase("...", continued="The answer is") == ""
     assert QWEN3.split("I should add.</think>42", "reasoning") == ("I should add.", "42")  # (vLLM's qwen3 does too)
-    assert R1.split(" 42.", "content") == (None, " 42.")  # it was all reasoning (a review found it)
+    assert R1.split(" 42.", "content") == (None, " 42.")  # in the content phase it stays content
     assert R1.split("<think>x</think>y", "content") == (None, "<think>x</think>y")
 
 
@@ -144,7 +144,8 @@ def test_the_reasoning_parser_setting() -> None:
 
 
 def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> None:
-    """A review found ``messages`` got past the check, and a variable a template divides by a 500."""
+    """``messages`` cannot be passed as a template variable, and a variable a template divides by
+    is a clear error, not a 500."""
     from types import SimpleNamespace
 
     from gateway.chat_messages import TemplateOptions, chat_text

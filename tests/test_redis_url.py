@@ -109,8 +109,8 @@ def test_clients_take_the_environment_password_unless_the_url_has_one() -> None:
 @pytest.mark.stack
 @pytest.mark.skipif(DriverInfo is None, reason="redis-py < 7.2 reads its version once, at import")
 def test_new_connections_do_not_read_the_package_metadata(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """redis-py >= 7.2 reads its version from the package metadata for each new connection (0.7 ms:
-    a gateway's first burst opens dozens) unless the client gives it: ours give it once."""
+    """redis-py >= 7.2 reads its version from the package metadata for each new connection (a
+    gateway's first burst opens dozens) unless the client gives it: ours give it once."""
     import redis
     import redis.utils
 

@@ -148,14 +148,14 @@ def test_banned_tokens_are_never_sampled() -> None:
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-40, 5e-324, 1e-20, 9.9e-6])
 def test_tiny_temperatures_are_greedy(temperature: float) -> None:
-    """Below GREEDY_TEMPERATURE a row takes the argmax (1e-40 used to overflow and pick token 0)."""
+    """Below GREEDY_TEMPERATURE a row takes the argmax (1e-40 must not overflow and pick token 0)."""
     assert temperature < GREEDY_TEMPERATURE
     params = SamplingParams(temperature=temperature, seed=None)
     params.validate()
     assert params.greedy
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 100, generator=g) * 5
-    logits[:, 0] = -50.0  # token 0 (what the overflow used to pick) is never the argmax
+    logits[:, 0] = -50.0  # token 0 (what an overflow picks) is never the argmax
     want = logits.argmax(dim=-1).tolist()
     sampler = Sampler(seed=3)
     assert sampler.sample(logits, [params] * 16, [0] * 16)[0] == want

@@ -429,8 +429,8 @@ def random_workload(seed: int) -> None:
 
 def test_prompt_logprobs_survive_a_preemption_mid_prompt() -> None:
     """A request preempted part-way through its prompt recomputes it in other chunks; the prompt
-    logprobs it had were kept and later chunks only added to them if one began exactly where they
-    ended, so it finished with 10 of its 12."""
+    logprobs it has are kept, and later chunks add what is new even when a chunk does not begin
+    exactly where they end, so it finishes with every one."""
 
     class PromptLogprobsExecutor(FakeExecutor):
         def execute_model(self, output):  # type: ignore[no-untyped-def]

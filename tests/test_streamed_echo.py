@@ -87,9 +87,9 @@ def test_a_sibling_ahead_of_child_0_waits_for_its_prompt_logprobs() -> None:
 
 def test_top_logprobs_carry_the_chosen_token_and_offsets_never_go_back() -> None:
     """Completions' ``top_logprobs`` hold the top ``logprobs`` and the token chosen there when it is
-    not among them (OpenAI's and vLLM's rule; it was left out). Offsets count token strings, and the
-    completion's go on from the prompt's, even when the echoed text leaves a special token out (a
-    BOS): they went backwards."""
+    not among them (OpenAI's and vLLM's rule). Offsets count token strings, and the completion's go
+    on from the prompt's, never backwards, even when the echoed text leaves a special token out (a
+    BOS)."""
     spec = parse_completion({"prompt": PROMPT, "echo": True, "logprobs": 1})
     fmt = ResponseFormatter(spec, "cmpl-1", "m", Tokens(), len(PROMPT), "<6><7>", 0, PROMPT)  # <5> is not echoed
     chosen = Piece("<8>", [8], [{8: -1.0, 3: -0.1}], finish_reason="length", prompt_logprobs=PROMPT_LPS)

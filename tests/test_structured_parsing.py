@@ -90,12 +90,12 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
         ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}}, "structured_outputs"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),  # these four were ignored
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),  # these four are refused, not ignored
         ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
         ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
         ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
         ({"length_penalty": 0.5}, "length_penalty"),
-        ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": ["add"]}}}, "tool_choice"),  # was a 500
+        ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": ["add"]}}}, "tool_choice"),  # not a 500
         ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": {"x": 1}}}}, "tool_choice"),
         ({"functions": [ADD["function"]]}, "functions"),
     ]

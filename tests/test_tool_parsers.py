@@ -53,7 +53,7 @@ def test_hermes_finds_the_calls_and_the_content_before_them() -> None:
         '<tool_call>["add"]</tool_call>',
         ONE + "<tool_call>{oops}</tool_call>",  # one bad call: none of them
         "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>",  # past the recursion limit
-        # No UTF-8 response can hold a lone surrogate (it was a 500, and a stream cut off):
+        # No UTF-8 response can hold a lone surrogate (not a 500, nor a stream cut off):
         '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}</tool_call>',
         '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>',
         '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>',  # no JSON a client parses
@@ -66,7 +66,7 @@ def test_calls_that_do_not_all_parse_leave_the_whole_text_as_content(text: str) 
 
 def test_llama3_json_reads_a_whole_answer_of_calls() -> None:
     one = '{"name": "add", "parameters": {"a": 1}}'
-    # Either parser reads the arguments under either key (they ran with none: a review found it).
+    # Either parser reads the arguments under either key.
     assert split_calls(LLAMA, one.replace("parameters", "arguments"), True)[1] == [("add", '{"a":1}')]
     assert split_calls(HERMES, f"<tool_call>{one}</tool_call>", True)[1] == [("add", '{"a":1}')]
     # Arguments nested just short of the limit for the reader, past it for the writer: no call, no 500.
@@ -295,10 +295,10 @@ def test_qwen3_coder_reads_xml_calls_typed_by_the_tools_schemas() -> None:
     assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "edit", "arguments": '{"line":7}'}
 
 
-def test_review_cases_of_the_xml_and_mistral_parsers() -> None:
-    """A review found: a list-valued ``type`` raised (a 500, or a cut stream); a run of
-    ``<function=`` took minutes on the event loop; a block's second function was dropped;
-    mistral kept v11's ``[CALL_ID]`` in the name; an overflowing number lost the call."""
+def test_edge_cases_of_the_xml_and_mistral_parsers() -> None:
+    """A list-valued ``type`` is read (not a 500, or a cut stream); a run of ``<function=`` is
+    cheap on the event loop; a block's second function is kept; mistral drops v11's ``[CALL_ID]``
+    from the name; an overflowing number keeps the call."""
     coder, mistral = TOOL_CALL_PARSERS["qwen3_coder"], TOOL_CALL_PARSERS["mistral"]
     optional = {
         "f": {"properties": {"n": {"type": ["integer", "null"]}, "m": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
@@ -314,8 +314,7 @@ def test_review_cases_of_the_xml_and_mistral_parsers() -> None:
     assert split_calls(coder, call.replace("<parameter=n>\n5", "<parameter=x>\n1e999"), True, huge)[1] == [
         ("f", '{"x":"1e999","m":"null"}')
     ]
-    # (Hostile runs of tags read as no call; before the names stopped at "<", such a run of 400 KB
-    # took 147 s on the event loop.)
+    # (Hostile runs of tags read as no call, in linear time: names stop at "<".)
     for hostile in ("<tool_call>" + "<function=" * 4_000, "<tool_call><function=f>" + "<parameter=" * 4_000):
         assert split_calls(coder, hostile, True)[1] in (None, [("f", "{}")])
     both = "<tool_call>\n<function=f>\n</function>\n<function=g>\n</function>\n</tool_call>"
@@ -325,9 +324,9 @@ def test_review_cases_of_the_xml_and_mistral_parsers() -> None:
 
 
 def test_bare_qwen3_coder_functions_and_mistral_ids_for_every_tool_choice() -> None:
-    """A review's two gaps: Qwen3-Coder's functions without ``<tool_call>`` (vLLM reads them), and
-    "required" or a named function behind the mistral parser got OpenAI-shaped ids, which Mistral's
-    templates refuse on a later turn."""
+    """Qwen3-Coder's functions without ``<tool_call>`` are read (as vLLM does), and "required" or a
+    named function behind the mistral parser get Mistral-shaped ids (Mistral's templates refuse
+    OpenAI-shaped ones on a later turn)."""
     coder = TOOL_CALL_PARSERS["qwen3_coder"]
     bare = "Let me.\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>"
     assert split_calls(coder, bare, True) == ("Let me.\n", [("f", '{"a":"x"}')])

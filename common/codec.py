@@ -215,3 +215,50 @@ def unpack_logprobs(counts: list[int], ids: list[int], values: list[float]) -> l
     if pos != len(ids) or len(ids) != len(values):
         raise ProtocolError("logprob columns disagree in length")
     return out
+
+
+# -- prompt logprobs and wire sizes ------------------------------------------------------------------
+PromptLogprobs = list[dict[int, float] | None]
+
+# Sizes as packed here: what message splitting and the scheduler's byte budget
+# (`scheduler.step_bytes`) count.
+INT_BYTES = 4  # a packed int32: a token id, block id, count or index
+LOGPROB_ENTRY_BYTES = 12  # a packed int32 id and float64 value
+
+
+def logprobs_bytes(entries: list[dict[int, float] | None] | None) -> int:
+    """The packed size of per-position logprob entries (a count each, and their pairs)."""
+    return sum(INT_BYTES + LOGPROB_ENTRY_BYTES * len(e) if e else INT_BYTES for e in entries) if entries else 0
+
+
+def pack_prompt_logprobs(
+    per_row: list[PromptLogprobs | None],
+) -> tuple[list[int], list[int], list[int], list[float]]:
+    """Columns ``(num, counts, ids, values)`` of per-row prompt logprobs (None: the row has none,
+    ``num`` -1); all empty when no row has any (the common case)."""
+    if all(entries is None for entries in per_row):
+        return [], [], [], []
+    num = [-1 if entries is None else len(entries) for entries in per_row]
+    counts, ids, values = pack_logprobs([e for entries in per_row if entries is not None for e in entries])
+    return num, counts, ids, values
+
+
+def unpack_prompt_logprobs(
+    rows: int, num: list[int], counts: list[int], ids: list[int], values: list[float]
+) -> list[PromptLogprobs | None]:
+    """Inverse of `pack_prompt_logprobs` for ``rows`` rows (all None when the columns are empty);
+    raises `ProtocolError` if the columns disagree."""
+    if not num:
+        return [None] * rows
+    if len(num) != rows or sum(max(k, 0) for k in num) != len(counts):
+        raise ProtocolError("prompt-logprob columns disagree with the rows")
+    flat = unpack_logprobs(counts, ids, values)
+    out: list[PromptLogprobs | None] = []
+    pos = 0
+    for k in num:
+        if k < 0:
+            out.append(None)
+        else:
+            out.append(flat[pos : pos + k])
+            pos += k
+    return out

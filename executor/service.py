@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.codec import pack_logprobs
+from common.codec import pack_logprobs, pack_prompt_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.heartbeat import Heartbeat
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
@@ -39,7 +39,6 @@ from common.service_cli import (
     setup_logging,
     stop_on_sigterm,
 )
-from common.step_outputs import pack_prompt_logprobs
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 from executor.overlap import PendingRead, WriteBehind

@@ -16,11 +16,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from common.codec import unpack_logprobs
+from common.codec import INT_BYTES, LOGPROB_ENTRY_BYTES, unpack_logprobs
 from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, encode
 from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import SamplingParams
-from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES
 from common.transport import Outgoing, Transport
 from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 

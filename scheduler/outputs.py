@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, TAKEN_OVER, Names, StepOutputs, encode
-from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES, row_bytes
+from common.codec import INT_BYTES, LOGPROB_ENTRY_BYTES
+from common.protocol import OUTPUTS_MAXLEN, OUTPUTS_TTL_MS, TAKEN_OVER, Names, StepOutputs, encode, row_bytes
 from common.transport import Outgoing
 from scheduler.request import Request, StepOutput
 

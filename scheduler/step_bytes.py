@@ -14,8 +14,8 @@ the same size (`scheduler.outputs`). In process (`LLM`) nothing crosses Redis: n
 
 from __future__ import annotations
 
+from common.codec import INT_BYTES, LOGPROB_ENTRY_BYTES
 from common.sampling_params import wire_size
-from common.step_outputs import INT_BYTES, LOGPROB_ENTRY_BYTES
 from scheduler.request import Request
 
 REQUEST_OVERHEAD_BYTES = 256  # its id and the fixed fields of its entry in a step

@@ -17,10 +17,9 @@ import threading
 import time
 from collections import deque
 
-from common.codec import unpack_logprobs
+from common.codec import unpack_logprobs, unpack_prompt_logprobs
 from common.config import ExecutorInfo
 from common.protocol import ENGINE_STREAMS_TTL_MS, STEPS_MAXLEN, BindExecutor, ExecutorOutput, SchedulerOutput, StepResult
-from common.step_outputs import unpack_prompt_logprobs
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 

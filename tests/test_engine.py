@@ -137,8 +137,20 @@ def test_presence_and_frequency_penalties(tiny_model) -> None:
     assert llm.executor.input_batch.num_slots <= len(prompts)  # pool rows are reused across requests
 
 
-def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
-    llm = LLM(tiny_model("llama"), block_size=16)
+@pytest.fixture(scope="module")
+def llama(tiny_model) -> LLM:
+    """One engine on the tiny llama for the tests that only generate (none changes its options)."""
+    return LLM(tiny_model("llama"), block_size=16)
+
+
+@pytest.fixture(scope="module")
+def llama_512(tiny_model) -> LLM:
+    """One engine with a 512-token context, shared by the bad-input cases."""
+    return LLM(tiny_model("llama"), block_size=16, max_model_len=512)
+
+
+def test_logit_bias_forces_and_bans_tokens(llama: LLM) -> None:
+    llm = llama
     prompt = [5, 6, 7, 8]
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     forced_token = next(t for t in range(100, 1000) if t not in base)
@@ -157,8 +169,8 @@ def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
     assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids == base
 
 
-def test_text_prompts_and_mixed_params(tiny_model) -> None:
-    llm = LLM(tiny_model("llama"), block_size=16)
+def test_text_prompts_and_mixed_params(llama: LLM) -> None:
+    llm = llama
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate(["Hello world", "def f(x):"], [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=6)])
     assert outs[0].prompt == "Hello world"
@@ -254,23 +266,14 @@ def test_seeded_sampling_ignores_batch_mates(tiny_model) -> None:
         ("hi", SamplingParams(logit_bias={5: -101}), "logit_bias"),
     ],
 )
-def test_bad_input_raises_and_engine_stays_usable(tiny_model, prompt, params, match) -> None:
-    llm = _shared_llm(tiny_model("llama"))
+def test_bad_input_raises_and_engine_stays_usable(llama_512: LLM, prompt, params, match) -> None:
+    llm = llama_512
     with pytest.raises(ValueError, match=match):
         llm.generate(["fine prompt", prompt], params)
     assert not llm.scheduler.has_unfinished()
     out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
     llm.cache_manager.check_invariants()
-
-
-_LLMS: dict[str, LLM] = {}
-
-
-def _shared_llm(model_dir: str) -> LLM:
-    if model_dir not in _LLMS:
-        _LLMS[model_dir] = LLM(model_dir, block_size=16, max_model_len=512)
-    return _LLMS[model_dir]
 
 
 @pytest.mark.parametrize("where", ["execute_model", "update_from_output"])

@@ -149,8 +149,8 @@ def test_bad_parallel_params_raise(params: SamplingParams, match: str) -> None:
 
 
 def test_prompt_logprob_columns_round_trip() -> None:
+    from common.codec import pack_prompt_logprobs, unpack_prompt_logprobs
     from common.protocol import StepOutputs, StepResult, decode, encode
-    from common.step_outputs import pack_prompt_logprobs, unpack_prompt_logprobs
 
     msg = StepOutputs()
     msg.add("a", 0, [5], None)

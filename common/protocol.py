@@ -6,7 +6,8 @@ Every message is a ``@dataclass(slots=True)`` encoded as one msgpack map
 version, the type tag, every field's presence and type, and the size, raising `ProtocolError`
 with a message that says what is wrong. Token ids and other integer columns travel as packed
 little-endian int32 arrays (fields marked ``packed("i")``); batches are columnar (one list per
-attribute, not one map per sequence), which is ~4x cheaper to pack and ~6x smaller.
+attribute, not one map per sequence): msgpack then packs a few long arrays instead of a map and its
+keys per sequence.
 
 Streams and keys (all names carry a namespace prefix so several stacks or test runs share one
 Redis). Every one has an owner that bounds it:
@@ -56,7 +57,7 @@ from common.codec import (
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
 from common.sampling_params import SamplingParams, sampling_to_dict
 
-PROTOCOL_VERSION = 6  # 4: priorities; 5: cache salts; 6: journaled output parsers (older: git log)
+PROTOCOL_VERSION = 6  # bumped whenever a message changes shape: messages of another version are rejected at decode
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

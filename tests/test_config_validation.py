@@ -8,7 +8,7 @@ import torch
 from common.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from executor.model_executor import ModelExecutor
 
-pytestmark = pytest.mark.model
+pytestmark = pytest.mark.unit
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -136,6 +136,7 @@ def test_model_executor_validates_before_loading(tmp_path, monkeypatch) -> None:
         (dict(num_blocks=-1), "num_blocks"),
     ],
 )
+@pytest.mark.model
 def test_llm_refuses_bad_options(tiny_model, option: dict, match: str) -> None:
     from scheduler import LLM
 
@@ -143,6 +144,7 @@ def test_llm_refuses_bad_options(tiny_model, option: dict, match: str) -> None:
         LLM(str(tiny_model("llama")), **option)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("option", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0)])
 def test_llm_refuses_bad_scheduler_options(tiny_model, option: dict) -> None:
     from scheduler import LLM

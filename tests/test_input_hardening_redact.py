@@ -16,7 +16,7 @@ from common.redact import RedactingFilter, redact_text, redact_url
 from infra.launcher import free_port
 from infra.stack import REPO, find_redis
 
-pytestmark = pytest.mark.stack
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
@@ -69,6 +69,7 @@ def test_filter_redacts_messages_arguments_and_tracebacks(monkeypatch: pytest.Mo
     assert out.count("***") >= 4 and "ConnectionError" in out and "redis://u:***@db/0" in out
 
 
+@pytest.mark.stack
 def test_services_install_the_filter_once(tmp_path: Path) -> None:
     code = (
         "import logging; from common.service_cli import setup_logging\n"
@@ -88,6 +89,7 @@ def test_services_install_the_filter_once(tmp_path: Path) -> None:
     assert "url redis://a:***@h key ***" in result.stderr and "hunter2" not in result.stderr
 
 
+@pytest.mark.stack
 def test_json_logs_are_redacted_too(tmp_path: Path) -> None:
     """``log_format="json"``: one JSON object per line, with secrets redacted from the message, the
     exception text and a structured record's fields."""
@@ -120,6 +122,7 @@ def test_json_logs_are_redacted_too(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_gateway_logs_neither_the_redis_password_nor_the_api_key(tmp_path: Path, log_format: str) -> None:
     """The gateway with wrong Redis credentials: it says so, and stops, showing neither secret, in

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from executor.make_model import make_model
-
 TIERS = ("unit", "model", "stack", "slow")
 _MODULE_MARK = re.compile(r"^pytestmark = (.+)$", re.M)
 _TEST_TIER_MARK = re.compile(r"^@pytest\.mark\.(?:unit|model|stack|slow)\b", re.M)
@@ -55,6 +53,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
     Each distinct argument tuple is written once per session and then reused.
     """
+    from executor.make_model import make_model  # here: the unit tier needs no checkpoint
+
     cache: dict[tuple[str, str, int, int], Path] = {}
 
     def get(arch: str = "llama", size: str = "tiny", seed: int = 0, shards: int = 1) -> Path:

@@ -1,6 +1,6 @@
 """Resumable streams with several choices, unit by unit: the event ids that count each choice's
-events (`gateway.choice_stream.ChoiceCursor`) and the replay of one choice from the journal its
-siblings share (`gateway.outputs.replay`). Through the real stack: tests/test_api_parallel.py,
+events (`gateway.output.choice_stream.ChoiceCursor`) and the replay of one choice from the journal its
+siblings share (`gateway.engine.outputs.replay`). Through the real stack: tests/test_api_parallel.py,
 tests/test_chaos.py."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gateway.choice_stream import ChoiceCursor
-from gateway.json_input import ApiError
-from gateway.outputs import replay
-from gateway.request_handle import RequestHandle, base_request_id
+from gateway.engine.handle import RequestHandle, base_request_id
+from gateway.engine.outputs import replay
+from gateway.http.errors import ApiError
+from gateway.output.choice_stream import ChoiceCursor
 from tests.test_engine_client import SAMPLING, outputs, tokens_of
 
 
@@ -78,10 +78,10 @@ def test_continuous_usage_counts_each_pieces_own_tokens_with_several_choices() -
     import json
 
     from common.sampling_params import SamplingParams
-    from gateway.choice_stream import stream_choices
-    from gateway.generation import Piece
-    from gateway.openai_schema import GenerationSpec
-    from gateway.responses import ResponseFormatter
+    from gateway.openai.schema import GenerationSpec
+    from gateway.output.choice_stream import stream_choices
+    from gateway.output.generation import Piece
+    from gateway.output.responses import ResponseFormatter
 
     class Tokenizer:
         def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from gateway.stop import StopMatcher
+from gateway.output.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from gateway.output.stop import StopMatcher
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +184,8 @@ def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[
     import asyncio
 
     from common.sampling_params import SamplingParams
-    from gateway.generation import Generation
-    from gateway.request_handle import EngineEvent, RequestHandle
+    from gateway.engine.handle import EngineEvent, RequestHandle
+    from gateway.output.generation import Generation
 
     async def run() -> tuple[str, int, list[int], int, int]:
         client, metrics = _Client(), _Metrics()

@@ -200,7 +200,7 @@ def test_an_abort_from_before_a_resume_is_ignored(engine: Engine, resumer: str) 
     """The client hung up on gateway 'gw' and resumed at once, on 'gw2' or on 'gw' itself: the
     scheduler reads gw's abort and the resumer's sync together; the stream goes on, to the resumer,
     to its end. (On 'gw' itself the abort cannot be told from a later one by its gateway: that it
-    came before the sync is what makes it stale; the gateway sees to that order, `gateway.aborts`.)"""
+    came before the sync is what makes it stale; the gateway sees to that order, `gateway.engine.aborts`.)"""
     sampling = {**GREEDY, "max_tokens": 300}
     request = GenerateRequest("s", "gw", "0", engine.incarnation, [5, 6, 7], [], sampling, 0.0, "resp")
     engine.r.set(engine.names.heartbeat("gateway", "gw2"), "1", px=120_000)

@@ -9,10 +9,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.generation import Piece
-from gateway.json_input import ApiError
-from gateway.openai_schema import parse_completion
-from gateway.responses import EventStreamResponse, ResponseFormatter, done_event, sse, stream_events
+from gateway.http.errors import ApiError
+from gateway.openai.schema import parse_completion
+from gateway.output.generation import Piece
+from gateway.output.responses import EventStreamResponse, ResponseFormatter, done_event, sse, stream_events
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET", "path": "/"}
 

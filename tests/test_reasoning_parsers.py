@@ -1,5 +1,5 @@
-"""Reasoning parsers (`gateway.reasoning_parsers`) and a chat choice's output through them and the
-tool-call parsers (`gateway.chat_output`): the split of a whole output, and that a stream in any
+"""Reasoning parsers (`gateway.output.reasoning_parsers`) and a chat choice's output through them and the
+tool-call parsers (`gateway.output.chat_output`): the split of a whole output, and that a stream in any
 pieces joins to it."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from common.protocol import JournalHeader, decode, encode
-from gateway.chat_output import ChatOutput
-from gateway.config import GatewayConfig
-from gateway.generation import Piece
-from gateway.journal import journal_body, journaled_spec
-from gateway.openai_schema import ChatParsers, parse_chat
-from gateway.reasoning_parsers import REASONING_PARSERS, ReasoningStream, prompt_phase
-from gateway.responses import ResponseFormatter
-from gateway.server import build_parser
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.engine.journal import journal_body, journaled_spec
+from gateway.http.config import GatewayConfig
+from gateway.http.server import build_parser
+from gateway.openai.schema import ChatParsers, parse_chat
+from gateway.output.chat_output import ChatOutput
+from gateway.output.generation import Piece
+from gateway.output.reasoning_parsers import REASONING_PARSERS, ReasoningStream, prompt_phase
+from gateway.output.responses import ResponseFormatter
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -145,8 +145,8 @@ def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> Non
     """A review found ``messages`` got past the check, and a variable a template divides by a 500."""
     from types import SimpleNamespace
 
-    from gateway.chat_messages import TemplateOptions, chat_text
-    from gateway.json_input import ApiError
+    from gateway.http.errors import ApiError
+    from gateway.openai.chat_messages import TemplateOptions, chat_text
 
     def render(
         messages: Any, tools: Any = None, tokenize: bool = False, add_generation_prompt: bool = True, **kwargs: Any
@@ -166,8 +166,8 @@ def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> Non
 
 
 def test_big_template_variables_or_messages_count_as_a_large_input() -> None:
-    from gateway.json_input import LARGE_INPUT_BYTES, json_size
-    from gateway.openai_schema import parse_tokenize
+    from gateway.openai.json_input import LARGE_INPUT_BYTES, json_size
+    from gateway.openai.schema import parse_tokenize
 
     big = {"messages": MESSAGES, "chat_template_kwargs": {"docs": ["x" * 1000] * 100}}
     assert parse_chat(big).input_size() > LARGE_INPUT_BYTES and parse_tokenize(big).input_size() > LARGE_INPUT_BYTES

@@ -1,15 +1,15 @@
 """The streamed echo chunk's prompt logprobs, unit by unit: when `ResponseFormatter` sends the echo,
-and how `gateway.fanout` hands child 0's prompt logprobs to a sibling whose pieces came first.
+and how `gateway.http.completions` hands child 0's prompt logprobs to a sibling whose pieces came first.
 (Through the real stack: tests/test_api_parallel.py.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.choice_stream import SharedPromptLogprobs
-from gateway.generation import Piece
-from gateway.openai_schema import parse_completion
-from gateway.responses import ResponseFormatter
+from gateway.openai.schema import parse_completion
+from gateway.output.choice_stream import SharedPromptLogprobs
+from gateway.output.generation import Piece
+from gateway.output.responses import ResponseFormatter
 
 PROMPT = [5, 6, 7]
 PROMPT_LPS: list[dict[int, float] | None] = [None, {6: -0.5, 9: -1.5}, {7: -0.25, 6: -2.0}]

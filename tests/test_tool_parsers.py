@@ -1,4 +1,4 @@
-"""Tool-call parsers for ``tool_choice: "auto"`` (`gateway.tool_parsers`): what they find in free-form
+"""Tool-call parsers for ``tool_choice: "auto"`` (`gateway.output.tool_parsers`): what they find in free-form
 text, that a stream fed in any pieces agrees with the whole response, and the settings around them."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 
 from common.protocol import JournalHeader, decode, encode
-from gateway.config import GatewayConfig
-from gateway.generation import Piece
-from gateway.journal import journal_body, journaled_spec
-from gateway.json_input import ApiError
-from gateway.openai_schema import ChatParsers, parse_chat
-from gateway.responses import ResponseFormatter
-from gateway.server import build_parser, main
-from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
+from gateway.engine.journal import journal_body, journaled_spec
+from gateway.http.config import GatewayConfig
+from gateway.http.errors import ApiError
+from gateway.http.server import build_parser, main
+from gateway.openai.schema import ChatParsers, parse_chat
+from gateway.output.generation import Piece
+from gateway.output.responses import ResponseFormatter
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
 
 HERMES = TOOL_CALL_PARSERS["hermes"]
 HERMES_ONLY = ChatParsers(tools="hermes")

@@ -12,9 +12,9 @@ prompt once and every generated token, the discarded candidates' too (as OpenAI 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
 each ending with its ``finish_reason``; a final usage chunk covers them all. With ``echo`` and
 logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed
-(`gateway.choice_stream.SharedPromptLogprobs`). Such a stream is journaled (all its choices in
-one journal: `gateway.journal`) and ``GET /v1/streams/{id}`` resumes it (`resume_choices`) with
-event ids that count each choice's events (`gateway.choice_stream`).
+(`gateway.output.choice_stream.SharedPromptLogprobs`). Such a stream is journaled (all its choices in
+one journal: `gateway.engine.journal`) and ``GET /v1/streams/{id}`` resumes it (`resume_choices`) with
+event ids that count each choice's events (`gateway.output.choice_stream`).
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ from common.parallel_sampling import child_params, cumulative_logprob, num_child
 from common.protocol import EngineStatus, JournalHeader, Route, encode
 from common.sampling_params import sampling_to_dict, wire_size
 from common.transport import Outgoing
-from gateway.choice_stream import ChoiceCursor, stream_choices
-from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import Journal, journal_body, journaled_spec, stream_not_found
-from gateway.json_input import ApiError
-from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import ChatParsers, GenerationSpec
-from gateway.responses import ResponseFormatter, stream_events
-from gateway.router import EngineClient, RequestIdInUse
-from gateway.tokenization import InputWorkers, echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
+from gateway.engine.client import EngineClient, RequestIdInUse
+from gateway.engine.journal import Journal, journal_body, journaled_spec, stream_not_found
+from gateway.http.errors import ApiError
+from gateway.http.metrics import GatewayMetrics
+from gateway.openai.input_workers import InputWorkers
+from gateway.openai.schema import ChatParsers, GenerationSpec
+from gateway.openai.tokenization import echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
+from gateway.output.choice_stream import ChoiceCursor, stream_choices
+from gateway.output.generation import Generation, Piece, RequestLog
+from gateway.output.responses import ResponseFormatter, stream_events
 
 
 @dataclass(slots=True)
@@ -192,7 +193,7 @@ def _journal_headers(
     budgets: list[int],
     gens: list[list[Generation]],
 ) -> list[Outgoing]:
-    """A stream's journal headers, one per prompt naming its choices (`gateway.journal`)."""
+    """A stream's journal headers, one per prompt naming its choices (`gateway.engine.journal`)."""
     return [
         Outgoing(
             ctx.client.names.journal(response_id),
@@ -309,7 +310,7 @@ async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]
 async def resume_choice(
     ctx: FanoutContext, response_id: str, header: JournalHeader, route: Route, journal: Journal, last_event_id: str
 ) -> AsyncIterator[str]:
-    """Resume a stream of one choice from its ``journal`` (`gateway.journal.read_journal`): the
+    """Resume a stream of one choice from its ``journal`` (`gateway.engine.journal.read_journal`): the
     request is adopted, and the events up to ``Last-Event-ID`` (a number) are not sent again."""
     if not (last_event_id.isascii() and last_event_id.isdigit()) or len(last_event_id) > 9:
         raise ApiError(400, f"Last-Event-ID must be an event number, got {last_event_id[:20]!r}", param="Last-Event-ID")
@@ -342,7 +343,7 @@ async def resume_choice(
 
 
 async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal, last_event_id: str) -> AsyncIterator[str]:
-    """Resume a multi-choice stream from its ``journal`` (`gateway.journal.read_journal`): every
+    """Resume a multi-choice stream from its ``journal`` (`gateway.engine.journal.read_journal`): every
     choice is adopted as a stream of one choice is, and the events the client has
     (``Last-Event-ID``, `ChoiceCursor`) are skipped."""
     ids = [rid for header in journal.headers for rid in header.choice_ids]

@@ -1,9 +1,9 @@
 """OpenAI response bodies and SSE chunks for completions and chat completions.
 
-A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.structured`) answers
+A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.openai.structured`) answers
 with ``tool_calls`` and finish reason "tool_calls"; streamed, its text is held back and the calls
-come whole in the final chunk (`gateway.tool_calls`). Free-form output goes through the gateway's
-parsers, of a thinking model's reasoning and of "auto" tool calls (`gateway.chat_output`).
+come whole in the final chunk (`gateway.output.tool_calls`). Free-form output goes through the gateway's
+parsers, of a thinking model's reasoning and of "auto" tool calls (`gateway.output.chat_output`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from gateway.chat_output import ChatOutput
-from gateway.generation import Generation, Piece
-from gateway.json_input import ApiError
-from gateway.openai_schema import GenerationSpec
-from gateway.reasoning_parsers import REASONING_PARSERS
-from gateway.structured import ToolCallMode
-from gateway.tool_calls import stream_tool_calls, tool_calls
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.http.errors import ApiError
+from gateway.openai.schema import GenerationSpec
+from gateway.openai.structured import ToolCallMode
+from gateway.output.chat_output import ChatOutput
+from gateway.output.generation import Generation, Piece
+from gateway.output.reasoning_parsers import REASONING_PARSERS
+from gateway.output.tool_calls import stream_tool_calls, tool_calls
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -316,7 +316,7 @@ class ResponseFormatter:
         return {"content": self.tool_text}, piece.finish_reason
 
     def _call_ids(self) -> tuple[str, int, int]:
-        """What this choice's tool call ids derive from (`gateway.tool_calls.with_ids`)."""
+        """What this choice's tool call ids derive from (`gateway.output.tool_calls.with_ids`)."""
         return self.request_id, self.created, self.index
 
     def _constrained_calls(self, text: str) -> list[dict[str, Any]] | None:

@@ -19,12 +19,12 @@ from common.protocol import TAKEN_OVER
 from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import SamplingParams, sampling_to_dict
 from common.transport import Outgoing
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.json_input import ApiError
-from gateway.metrics import RequestMetrics
-from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
-from gateway.router import EngineClient
-from gateway.stop import StopMatcher
+from gateway.engine.client import EngineClient
+from gateway.engine.handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
+from gateway.http.errors import ApiError
+from gateway.http.metrics import RequestMetrics
+from gateway.output.detokenizer import IncrementalDetokenizer
+from gateway.output.stop import StopMatcher
 
 # One line per finished request (`RequestLog`), under a logger of its own: easy to route or mute.
 request_logger = logging.getLogger("conveyor.gateway.requests")

@@ -17,9 +17,9 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gateway.generation import Generation, Piece
-from gateway.json_input import ApiError
-from gateway.responses import ResponseFormatter, done_event, sse
+from gateway.http.errors import ApiError
+from gateway.output.generation import Generation, Piece
+from gateway.output.responses import ResponseFormatter, done_event, sse
 
 logger = logging.getLogger("conveyor.gateway")
 

@@ -5,7 +5,7 @@ response on any gateway.
 Request ids: a completion's response id is the client's ``X-Request-Id`` when it sends one (else
 ``cmpl-<hex>`` / ``chatcmpl-<hex>``), and every completion response (errors included, once the
 id is known) carries it back in an ``X-Request-Id`` header. What makes ids that clients chose
-safe to share is in `gateway.router`: the engine id gets a random suffix, and a stream's id must
+safe to share is in `gateway.engine.client`: the engine id gets a random suffix, and a stream's id must
 be free (no journal under it), else 409.
 
 Resumable streams: every SSE event carries an ``id:`` (1, 2, ...). A streaming response is
@@ -13,7 +13,7 @@ journaled in Redis (``journal:<response id>``: a `JournalHeader`, the `Route` of
 then every engine output, written before the client sees what it produces), so the events are a
 pure function of the journal. Another gateway replays it, skips what the client has
 (``Last-Event-ID``), adopts the request in its engine (`SyncRequest`) and continues live. A
-response with several choices shares one journal among them (`gateway.journal`, `gateway.fanout`).
+response with several choices shares one journal among them (`gateway.engine.journal`, `gateway.http.completions`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ from common.generation_config import apply_sampling_defaults
 from common.protocol import EngineStatus, JournalHeader, Names, encode
 from common.redis_errors import REDIS_FAILURES
 from common.transport import Outgoing
-from gateway.config import GatewayConfig
-from gateway.fanout import FanoutContext, needs_fanout, resume_choice, resume_choices, serve_choices
-from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import journal_body, read_journal, stream_not_found
-from gateway.json_input import LARGE_INPUT_BYTES, ApiError
-from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from gateway.openai_schema import (
+from gateway.engine.client import EngineClient
+from gateway.engine.journal import journal_body, read_journal, stream_not_found
+from gateway.http.completions import FanoutContext, needs_fanout, resume_choice, resume_choices, serve_choices
+from gateway.http.config import GatewayConfig
+from gateway.http.errors import ApiError
+from gateway.http.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from gateway.http.request_ids import header_request_id, request_id_of
+from gateway.openai.input_workers import InputWorkers
+from gateway.openai.json_input import LARGE_INPUT_BYTES, read_json
+from gateway.openai.schema import (
     BYTES_PER_TOKEN_ID,
     GenerationSpec,
     parse_chat,
@@ -51,20 +54,17 @@ from gateway.openai_schema import (
     parse_detokenize,
     parse_tokenize,
 )
-from gateway.request_ids import header_request_id, request_id_of
-from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
-from gateway.router import EngineClient
-from gateway.tokenization import (
-    InputWorkers,
+from gateway.openai.tokenization import (
     Tokenizers,
     detokenize,
     echo_text,
     prepare_prompt,
-    read_json,
     tokenize_only,
     tokenizes_inline,
 )
-from gateway.vllm_fields import check_priority
+from gateway.openai.vllm_fields import check_priority
+from gateway.output.generation import Generation, Piece, RequestLog
+from gateway.output.responses import EventStreamResponse, ResponseFormatter, stream_events
 
 logger = logging.getLogger("conveyor.gateway")
 SHUTDOWN_TIMEOUT_S = 5.0  # the most the lifespan's clean-up may take (aborts, key deletes, close)
@@ -234,7 +234,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        """Prometheus metrics of the whole deployment (`gateway.metrics`); no API key, as /health."""
+        """Prometheus metrics of the whole deployment (`gateway.http.metrics`); no API key, as /health."""
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     version_body = {"version": package_version()}  # read once: each read parses the package metadata (0.5 ms)
@@ -378,7 +378,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = client.model_info or ready_info()
         tokenizer = await tokenizers.get(info)
         ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
-        if header.choice_ids:  # several choices, one journal (`gateway.fanout`)
+        if header.choice_ids:  # several choices, one journal (`gateway.http.completions`)
             return event_stream(await resume_choices(ctx, response_id, journal, last), response_id)
         return event_stream(await resume_choice(ctx, response_id, header, route, journal, last), response_id)
 

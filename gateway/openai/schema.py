@@ -1,13 +1,13 @@
-"""OpenAI request parsing and validation (the error format is `gateway.json_input.ApiError`).
+"""OpenAI request parsing and validation (the error format is `gateway.openai.json_input.ApiError`).
 
 Parsing is by hand rather than with pydantic models so every rejection carries OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
 values we cannot honour (``suffix``, ``best_of`` on chat...) are rejected. Structured outputs
-and tools are parsed in `gateway.structured`, vLLM's own fields in `gateway.vllm_fields`.
+and tools are parsed in `gateway.openai.structured`, vLLM's own fields in `gateway.openai.vllm_fields`.
 
 No input gets past here as a 500 or as work that would slow other requests: the body has been
-through `gateway.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
+through `gateway.openai.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
 integers are range-checked (`SamplingParams.validate`); lists are bounded, since parsing runs on
 the event loop, except prompt token ids, which `check_token_ids` checks later in a worker thread.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import INT32_MAX, SamplingParams
-from gateway.chat_messages import TemplateOptions, parse_messages, parse_template_options
-from gateway.json_input import (
+from gateway.http.errors import bad
+from gateway.openai.chat_messages import TemplateOptions, parse_messages, parse_template_options
+from gateway.openai.json_input import (
     all_ints,
-    bad,
     get_bool,
     get_field,
     get_int,
@@ -32,8 +32,8 @@ from gateway.json_input import (
     preview,
     typename,
 )
-from gateway.structured import StructuredRequest, parse_structured, parse_tools
-from gateway.vllm_fields import (
+from gateway.openai.structured import StructuredRequest, parse_structured, parse_tools
+from gateway.openai.vllm_fields import (
     CHAT_TEMPLATE_FIELDS,
     UNSUPPORTED_VLLM_FIELDS,
     parse_allowed_token_ids,
@@ -85,7 +85,7 @@ class GenerationSpec:
     add_special_tokens: bool = True
     echo: bool = False
     logprobs: int | None = None  # top-N per token; None: no logprobs
-    structured: StructuredRequest | None = None  # structured output / tools (`gateway.structured`)
+    structured: StructuredRequest | None = None  # structured output / tools (`gateway.openai.structured`)
     # vLLM's: keep only the prompt's last this many tokens (-1: the model's context; `keep_tokens`)
     truncate_prompt_tokens: int | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" (a token's text may not be valid UTF-8 alone)
@@ -96,7 +96,7 @@ class GenerationSpec:
     cache_salt: str = ""  # vLLM's: keeps the request's prefix-cache entries apart ("": none)
     return_token_ids: bool = False  # vLLM's: responses carry the prompt's and the output's token ids
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how its template renders
-    reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.reasoning_parsers`)
+    reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.output.reasoning_parsers`)
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     reasoning_phase: str = ""  # where the rendered prompt leaves the output (`reasoning_parsers.prompt_phase`)
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
 
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     model = args.model or str(cached_model("llama", "small"))
     llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=max(256, args.batch))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import SamplingParams
-from scheduler import LLM
+from gateway.llm import LLM
 
 PROMPT_LENS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 320]
 MAX_TOKENS = 10

@@ -128,7 +128,7 @@ def engine(tiny_model: Any, tmp_path: Path, request: pytest.FixtureRequest) -> I
 
 
 def test_failing_request_fails_alone(engine: Engine, tiny_model: Any) -> None:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     prompts = {"a": [5, 6, 7], "poison": [8, 9], "b": [10, 11, 12, 13], "c": [14]}
     for request_id, prompt in prompts.items():
@@ -264,7 +264,7 @@ def test_redis_refusing_writes_for_a_while_loses_nothing(engine: Engine, tiny_mo
     """Out of memory for 1.5 s mid-stream (maxmemory reached; a read-only replica or a failing disk
     are refused alike): the executor and the scheduler wait it out, the stream finishes whole.
     Before, the executor exited and the scheduler failed every request as an engine bug."""
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     sampling = {**GREEDY, "max_tokens": 160}
     engine.submit("a", [5, 6, 7], sampling)

@@ -79,9 +79,6 @@ class GenerationSpec:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # every chunk carries the usage so far, not only the last
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     add_special_tokens: bool = True
     echo: bool = False
     logprobs: int | None = None  # top-N per token; None: no logprobs
@@ -185,6 +182,9 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     except ValueError as exc:
         message = str(exc)
         raise bad(message, message.split(" ", 1)[0]) from None
+    sampling.stop = list(stop)  # (checked above, with the gateway's limits)
+    sampling.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output", False)
+    sampling.skip_special_tokens = get_bool(body, "skip_special_tokens", True)
     return GenerationSpec(
         kind=kind,
         model=model,
@@ -193,9 +193,6 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        stop=list(stop),
-        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
         structured=StructuredRequest(structured_param) if structured_param else None,
@@ -312,7 +309,7 @@ def parse_chat(body: Any, parsers: ChatParsers = ChatParsers()) -> GenerationSpe
     spec.template = parse_template_options(body, spec.messages)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, parsers.tools)
     if spec.structured is not None and spec.structured.tool_call is not None and spec.structured.tool_call.kind == "parsed":
-        spec.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
+        spec.sampling.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
     spec.include_reasoning = get_bool(body, "include_reasoning", True)
     if spec.sampling.structured_outputs is None:  # (a grammar binds from the first token: no thinking)
         spec.reasoning_parser = parsers.reasoning

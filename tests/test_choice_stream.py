@@ -98,8 +98,6 @@ def test_continuous_usage_counts_each_pieces_own_tokens_with_several_choices() -
 
     spec = GenerationSpec("completion", None, SamplingParams(), 4, stream=True, include_usage=True, continuous_usage=True)
     formatters = [ResponseFormatter(spec, "r", "m", Tokenizer(), 3, None, i, [1, 2, 3]) for i in range(2)]
-    for f in formatters:
-        f.final_usage = False
     envelope = ResponseFormatter(spec, "r", "m", Tokenizer(), 6, None)
 
     async def counts() -> dict[int, list[int]]:

@@ -185,11 +185,11 @@ def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[
 
     from common.sampling_params import SamplingParams
     from gateway.engine.handle import EngineEvent, RequestHandle
-    from gateway.output.generation import Generation
+    from gateway.output.generation import Generation, SequenceRequest
 
     async def run() -> tuple[str, int, list[int], int, int]:
         client, metrics = _Client(), _Metrics()
-        gen = Generation(client, tokenizer, "r", [1], SamplingParams(max_tokens=100, stop=["stop"]), metrics)  # type: ignore[arg-type]
+        gen = Generation(client, tokenizer, SequenceRequest("r", [1], SamplingParams(max_tokens=100, stop=["stop"])), metrics)  # type: ignore[arg-type]
         gen.handle = RequestHandle("r", [1], {})
         for i in range(0, len(token_ids), steps_per_event):
             chunk = token_ids[i : i + steps_per_event]

@@ -13,7 +13,7 @@ import pytest
 from common.sampling_params import SamplingParams, sampling_to_dict
 from gateway.engine.handle import EngineEvent, RequestHandle
 from gateway.llm import LLM
-from gateway.output.generation import Generation
+from gateway.output.generation import Generation, SequenceRequest
 
 pytestmark = pytest.mark.model
 
@@ -43,7 +43,7 @@ def _served(
     then ended with ``finish_reason``: (text, the client's tokens, finish_reason, stop_reason)."""
 
     async def run() -> tuple[str, list[int], str | None, int | str | None]:
-        gen = Generation(_Client(), tokenizer, "r", [1], params)  # type: ignore[arg-type]
+        gen = Generation(_Client(), tokenizer, SequenceRequest("r", [1], params))  # type: ignore[arg-type]
         gen.handle = RequestHandle("r", [1], {})
         for i in range(0, len(token_ids), per_event):
             chunk = token_ids[i : i + per_event]

@@ -120,7 +120,7 @@ def test_the_formatter_splits_chat_only_and_not_under_a_grammar() -> None:
     parsers = ChatParsers(reasoning="deepseek_r1")
     spec = parse_chat({"messages": MESSAGES, "stream": True}, parsers)
     fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
-    chunks = [c for p in (Piece("Hmm</th"), Piece("ink>4", finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    chunks = [c for p in (Piece("Hmm</th"), Piece("ink>4", finish_reason="stop")) for c in fmt.stream_piece(p)]
     assert [c["choices"][0]["delta"] for c in chunks] == [{"reasoning": "Hmm", "reasoning_content": "Hmm"}, {"content": "4"}]
     # A grammar binds the output from its first token: there is no thinking to take out.
     constrained = parse_chat({"messages": MESSAGES, "response_format": {"type": "json_object"}}, parsers)

@@ -143,19 +143,19 @@ def test_a_failure_while_streaming_ends_the_stream_with_an_error_event_and_done(
     """Not a cut connection, which clients read as a network fault and retry."""
     import asyncio
 
-    from gateway.output.responses import stream_events
+    from gateway.output.choice_stream import stream_choices
 
     async def pieces() -> Any:
         yield SimpleNamespace(finish_reason=None)
 
-    def broken(piece: Any, num_tokens: int) -> list[dict[str, Any]]:
+    def broken(piece: Any) -> list[dict[str, Any]]:
         raise RuntimeError("a formatting bug")
 
     gen = SimpleNamespace(pieces=pieces, num_completion_tokens=1)
     fmt = SimpleNamespace(stream_start=lambda: [{"id": "x"}], stream_piece=broken, request_id="cmpl-x")
 
     async def read() -> list[str]:
-        return [event async for event in stream_events(gen, fmt, 0)]  # type: ignore[arg-type]
+        return [event async for event in stream_choices([gen], [fmt], fmt, 1)]  # type: ignore[list-item, arg-type]
 
     events = "".join(asyncio.run(read()))
     assert '"type":"server_error"' in events.replace(" ", "") and events.endswith("data: [DONE]\n\n")

@@ -1,11 +1,11 @@
 """What a streaming response's journal holds, for the gateway that resumes it (``journal:<id>``).
 
-A response with one choice: a `JournalHeader`, the `Route` of each attempt, then every output
-(`gateway.engine.client`). A response with several choices (`gateway.http.completions`) has one journal for all of
-them: one header per prompt, naming its choices' request ids (``choice_ids``), then every choice's
-routes and outputs, each tagged with its request id. One journal, not one per choice, so that a
-response id is claimed once (a client's ``X-Request-Id`` names at most one stream), its TTL is
-refreshed by whichever choice writes, and a scheduler journals every orphaned choice in it.
+A response (`gateway.http.completions`) has one journal for all its choices: one `JournalHeader`
+per prompt, naming its choices' request ids (``choice_ids``), then every choice's routes (one
+`Route` per attempt) and outputs, each tagged with its request id (`gateway.engine.client`). One
+journal, not one per choice, so that a response id is claimed once (a client's ``X-Request-Id``
+names at most one stream), its TTL is refreshed by whichever choice writes, and a scheduler
+journals every orphaned choice in it.
 """
 
 from __future__ import annotations

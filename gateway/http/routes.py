@@ -5,15 +5,16 @@ response on any gateway.
 Request ids: a completion's response id is the client's ``X-Request-Id`` when it sends one (else
 ``cmpl-<hex>`` / ``chatcmpl-<hex>``), and every completion response (errors included, once the
 id is known) carries it back in an ``X-Request-Id`` header. What makes ids that clients chose
-safe to share is in `gateway.engine.client`: the engine id gets a random suffix, and a stream's id must
-be free (no journal under it), else 409.
+safe to share is in `gateway.engine.client`: the engine id gets a random suffix, and a stream's
+id must be free (no journal under it), else 409.
 
-Resumable streams: every SSE event carries an ``id:`` (1, 2, ...). A streaming response is
-journaled in Redis (``journal:<response id>``: a `JournalHeader`, the `Route` of each attempt,
-then every engine output, written before the client sees what it produces), so the events are a
-pure function of the journal. Another gateway replays it, skips what the client has
-(``Last-Event-ID``), adopts the request in its engine (`SyncRequest`) and continues live. A
-response with several choices shares one journal among them (`gateway.engine.journal`, `gateway.http.completions`).
+Completions, of one choice or several, whole or streamed, take one path
+(`gateway.http.completions`). Resumable streams: every SSE event carries an ``id:``
+(`gateway.output.choice_stream.ChoiceCursor`). A streaming response is journaled in Redis
+(``journal:<response id>``: one `JournalHeader` per prompt, the `Route` of each attempt of each
+choice, then every engine output, written before the client sees what it produces), so the
+events are a pure function of the journal. Another gateway replays it, skips what the client has
+(``Last-Event-ID``), adopts the requests in their engines (`SyncRequest`) and continues live.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.generation_config import apply_sampling_defaults
-from common.protocol import EngineStatus, JournalHeader, Names, encode
+from common.protocol import EngineStatus, Names
 from common.redis_errors import REDIS_FAILURES
-from common.transport import Outgoing
 from gateway.engine.client import EngineClient
-from gateway.engine.journal import journal_body, read_journal, stream_not_found
-from gateway.http.completions import FanoutContext, needs_fanout, resume_choice, resume_choices, serve_choices
+from gateway.engine.journal import read_journal, stream_not_found
+from gateway.http.completions import ServeContext, resume
+from gateway.http.completions import serve as serve_completion
 from gateway.http.config import GatewayConfig
 from gateway.http.errors import ApiError
 from gateway.http.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
@@ -57,14 +58,10 @@ from gateway.openai.schema import (
 from gateway.openai.tokenization import (
     Tokenizers,
     detokenize,
-    echo_text,
-    prepare_prompt,
     tokenize_only,
-    tokenizes_inline,
 )
 from gateway.openai.vllm_fields import check_priority
-from gateway.output.generation import Generation, Piece, RequestLog
-from gateway.output.responses import EventStreamResponse, ResponseFormatter, stream_events
+from gateway.output.responses import EventStreamResponse
 
 logger = logging.getLogger("conveyor.gateway")
 SHUTDOWN_TIMEOUT_S = 5.0  # the most the lifespan's clean-up may take (aborts, key deletes, close)
@@ -282,6 +279,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         text = await workers.run(BYTES_PER_TOKEN_ID * len(tokens) > LARGE_INPUT_BYTES, detokenize, tokenizer, tokens, info)
         return JSONResponse({"prompt": text})
 
+    def context(info: EngineStatus, tokenizer: Any, model: str) -> ServeContext:
+        limit, parsers = config.max_inflight, config.chat_parsers
+        return ServeContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, model, limit, parsers)
+
     async def serve(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
         arrival = time.monotonic()
         info = ready_info()
@@ -289,69 +290,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_priority(spec.priority, client.engines.values())
         tokenizer = await tokenizers.get(info)
         apply_sampling_defaults(spec.sampling, body, tokenizers.sampling_defaults)
-        if needs_fanout(spec):
-            response_id, engine_id = response_ids(request, spec, client_id)
-            limit, parsers = config.max_inflight, config.chat_parsers
-            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, limit, parsers)
-            out = await serve_choices(ctx, request, spec, (response_id, engine_id, client_id is not None), body, arrival)
-            return (
-                JSONResponse(out, headers={"X-Request-Id": response_id})
-                if isinstance(out, dict)
-                else event_stream(out, response_id)
-            )
-        prompt_ids, prompt_text, max_tokens = await prepare_prompt(
-            workers, tokenizer, tokenizers.call_lock, spec, info, tokenizes_inline(spec, tokenizer)
-        )
-        n_prompt = len(prompt_ids)
-        spec.sampling.max_tokens = max_tokens
-        try:
-            spec.sampling.validate(info.vocab_size)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
-        if len(client.requests) >= config.max_inflight:
-            raise ApiError(
-                429,
-                f"too many requests in flight ({config.max_inflight}); retry shortly",
-                "rate_limit_error",
-                code="too_many_requests",
-            )
         response_id, engine_id = response_ids(request, spec, client_id)
-        gen = Generation(
-            client,
-            tokenizer,
-            engine_id,
-            prompt_ids,
-            spec.sampling,
-            metrics.request(name, n_prompt, arrival),
-            RequestLog(response_id, name, spec.kind, spec.stream, arrival),
-            spec.priority,
-            spec.cache_salt,
-        )
-        echo = echo_text(spec, prompt_text, prompt_ids, tokenizer)
-        fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo, 0, prompt_ids)
-        if not spec.stream:
-            await gen.start()
-            return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
-        parsers = config.chat_parsers
-        header = JournalHeader(
-            response_id,
-            spec.kind,
-            journal_body(body, spec.kind),
-            name,
-            fmt.created,
-            max_tokens,
-            prompt_ids,
-            echo,
-            tool_parser=parsers.tools or "",
-            reasoning_parser=parsers.reasoning or "",
-            reasoning_phase=spec.reasoning_phase,
-        )
-        first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
-        if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip
-            await gen.start(response_id, [first])
-        else:  # a client's id may be taken: the journal is claimed first
-            await gen.start(response_id, claim=first)
-        return event_stream(stream_events(gen, fmt, 0), response_id)
+        ids = (response_id, engine_id, client_id is not None)
+        out = await serve_completion(context(info, tokenizer, name), request, spec, ids, body, arrival)
+        if isinstance(out, dict):
+            return JSONResponse(out, headers={"X-Request-Id": response_id})
+        return event_stream(out, response_id)
 
     def response_ids(request: Request, spec: GenerationSpec, client_id: str | None) -> tuple[str, str]:
         """The response id and the engine id (vLLM's rule: a client's id gets a random suffix)."""
@@ -367,17 +311,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_key(request)
         last = request.headers.get("last-event-id", "").strip() or "0"  # empty: nothing yet, as for n > 1
         journal = await read_journal(client, response_id)
-        header, route = journal.single()
-        if header is None or route is None:
+        if not journal.headers:
             raise stream_not_found(response_id)
         # The journal holds what was streamed: a stream that ended resumes without a live engine
         # (one that did not waits for an engine, as any request whose engine is gone).
         info = client.model_info or ready_info()
         tokenizer = await tokenizers.get(info)
-        ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
-        if header.choice_ids:  # several choices, one journal (`gateway.http.completions`)
-            return event_stream(await resume_choices(ctx, response_id, journal, last), response_id)
-        return event_stream(await resume_choice(ctx, response_id, header, route, journal, last), response_id)
+        ctx = context(info, tokenizer, journal.headers[0].served_model)
+        return event_stream(await resume(ctx, response_id, journal, last), response_id)
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> EventStreamResponse:
         # The id in a header too: a client whose gateway dies before the first event can still resume.
@@ -386,29 +327,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": response_id},
         )
-
-    async def collect(request: Request, gen: Generation, fmt: ResponseFormatter) -> dict[str, Any]:
-        pieces: list[Piece] = []
-
-        async def run() -> None:
-            async for piece in gen.pieces():
-                pieces.append(piece)
-
-        task = asyncio.create_task(run())
-        try:
-            # A non-streaming client that hangs up must abort its request too.
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    raise ApiError(499, "client disconnected")
-            task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-        return fmt.full_response(pieces, gen.num_completion_tokens)
 
     return app
 

@@ -100,6 +100,19 @@ class RequestLog:
         )
 
 
+@dataclass(slots=True)
+class SequenceRequest:
+    """What one sequence of a response (a choice, or a ``best_of`` candidate) asks of the engine:
+    `GenerateRequest`'s fields that the gateway chooses. ``request_id`` is unique
+    (`RequestHandle.request_id`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    cache_salt: str = ""
+
+
 class Generation:
     """Drives one submitted request and yields `Piece`s until it finishes."""
 
@@ -107,20 +120,15 @@ class Generation:
         self,
         client: EngineClient,
         tokenizer: Any,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
+        request: SequenceRequest,
         metrics: RequestMetrics | None = None,
         log: RequestLog | None = None,
-        priority: int = 0,
-        cache_salt: str = "",
     ) -> None:
         self.client = client
-        self.priority, self.cache_salt = priority, cache_salt  # (`GenerateRequest`'s)
-        self.request_id = request_id  # unique: `RequestHandle.request_id`
-        self.prompt_token_ids = prompt_token_ids
-        self.sampling = sampling
-        self.output = OutputProcessor(tokenizer, sampling)
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output = OutputProcessor(tokenizer, request.sampling)
         self.num_completion_tokens = 0
         self.handle: RequestHandle | None = None
         self.finished = False
@@ -142,14 +150,14 @@ class Generation:
             self.handle = await self.client.submit(
                 self.request_id,
                 self.prompt_token_ids,
-                sampling_to_dict(self.sampling),
+                sampling_to_dict(self.request.sampling),
                 journal_id,
                 journal,
                 claim,
                 group_id,
                 prefer_engine,
-                self.priority,
-                self.cache_salt,
+                self.request.priority,
+                self.request.cache_salt,
             )
         except RequestIdInUse:
             raise ApiError(

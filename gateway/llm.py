@@ -229,12 +229,12 @@ class LLM:
                 for out in self.engine_core.step():
                     if out.request_id not in pending:
                         continue  # (a step scheduled before a stop string ended its request)
-                    text = texts[out.request_id]
-                    if text.processor.stop.stops:  # read as they come, so that a stop string stops the engine
-                        text.add(text.processor.add(out.new_token_ids, out.finished, out.finish_reason, out.stop_reason))
-                        if text.cut_short:
+                    seq = texts[out.request_id]
+                    if seq.processor.stop.stops:  # read as they come, so that a stop string stops the engine
+                        seq.add(seq.processor.add(out.new_token_ids, out.finished, out.finish_reason, out.stop_reason))
+                        if seq.cut_short:
                             self.scheduler.abort(out.request_id)
-                    if out.finished or text.finish_reason is not None:
+                    if out.finished or seq.finish_reason is not None:
                         pending.discard(out.request_id)
             while self.engine_core.in_flight:  # steps scheduled one ahead for requests now finished
                 self.engine_core.step()
@@ -253,24 +253,24 @@ class LLM:
         """One prompt's result: its children as `CompletionOutput`s (the best ``n`` with ``best_of``)."""
         samples = []
         for i, request in enumerate(children):
-            text = texts[request.request_id]
-            if text.finish_reason is None:  # without stop strings: all its tokens at once (the same text)
-                text.add(text.processor.add(request.output_token_ids, True, request.finish_reason, request.stop_reason))
-            if request.finish_reason in ("abort", "error") and not text.cut_short:
-                text.finish_reason = request.finish_reason  # the engine's own end, not the API's stop or length
-            token_ids = request.output_token_ids[: text.num_tokens]  # (a stop string's: up to it)
+            seq = texts[request.request_id]
+            if seq.finish_reason is None:  # without stop strings: all its tokens at once (the same text)
+                seq.add(seq.processor.add(request.output_token_ids, True, request.finish_reason, request.stop_reason))
+            if request.finish_reason in ("abort", "error") and not seq.cut_short:
+                seq.finish_reason = request.finish_reason  # the engine's own end, not the API's stop or length
+            token_ids = request.output_token_ids[: seq.num_tokens]  # (a stop string's: up to it)
             computed = request.sampling_params.logprobs is not None  # asked, or added to rank by
-            logprobs = request.output_logprobs[: text.num_tokens]
+            logprobs = request.output_logprobs[: seq.num_tokens]
             total = cumulative_logprob(token_ids, logprobs) if computed else None
             samples.append(
                 CompletionOutput(
                     index=i,
-                    text="".join(text.parts),
+                    text="".join(seq.parts),
                     token_ids=token_ids,
                     cumulative_logprob=total,
                     logprobs=list(logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]
-                    finish_reason=text.finish_reason or "stop",
-                    stop_reason=text.stop_reason,
+                    finish_reason=seq.finish_reason or "stop",
+                    stop_reason=seq.stop_reason,
                 )
             )
         outputs = [samples[i] for i in select_best([s.cumulative_logprob for s in samples], params.n)]

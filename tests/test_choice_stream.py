@@ -1,5 +1,5 @@
 """Resumable streams with several choices, unit by unit: the event ids that count each choice's
-events (`gateway.output.choice_stream.ChoiceCursor`) and the replay of one choice from the journal its
+events (`gateway.output.streaming.ChoiceCursor`) and the replay of one choice from the journal its
 siblings share (`gateway.engine.outputs.replay`). Through the real stack: tests/test_api_parallel.py,
 tests/test_chaos.py."""
 
@@ -12,7 +12,7 @@ import pytest
 from gateway.engine.handle import RequestHandle, base_request_id
 from gateway.engine.outputs import replay
 from gateway.http.errors import ApiError
-from gateway.output.choice_stream import ChoiceCursor
+from gateway.output.streaming import ChoiceCursor
 from tests.test_engine_client import SAMPLING, outputs, tokens_of
 
 
@@ -79,9 +79,9 @@ def test_continuous_usage_counts_each_pieces_own_tokens_with_several_choices() -
 
     from common.sampling_params import SamplingParams
     from gateway.openai.schema import GenerationSpec
-    from gateway.output.choice_stream import stream_choices
     from gateway.output.generation import Piece
     from gateway.output.responses import ResponseFormatter
+    from gateway.output.streaming import stream_choices
 
     class Tokenizer:
         def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

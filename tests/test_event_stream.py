@@ -11,9 +11,9 @@ from typing import Any
 
 from gateway.http.errors import ApiError
 from gateway.openai.schema import parse_completion
-from gateway.output.choice_stream import ChoiceCursor, stream_choices
 from gateway.output.generation import Piece
 from gateway.output.responses import EventStreamResponse, ResponseFormatter, done_event, sse
+from gateway.output.streaming import ChoiceCursor, stream_choices
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET", "path": "/"}
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openai.schema import parse_completion
-from gateway.output.choice_stream import SharedPromptLogprobs
 from gateway.output.generation import Piece
 from gateway.output.responses import ResponseFormatter
+from gateway.output.streaming import SharedPromptLogprobs
 
 PROMPT = [5, 6, 7]
 PROMPT_LPS: list[dict[int, float] | None] = [None, {6: -0.5, 9: -1.5}, {7: -0.25, 6: -2.0}]

@@ -143,7 +143,7 @@ def test_a_failure_while_streaming_ends_the_stream_with_an_error_event_and_done(
     """Not a cut connection, which clients read as a network fault and retry."""
     import asyncio
 
-    from gateway.output.choice_stream import stream_choices
+    from gateway.output.streaming import stream_choices
 
     async def pieces() -> Any:
         yield SimpleNamespace(finish_reason=None)

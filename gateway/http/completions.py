@@ -14,9 +14,9 @@ prompt once and every generated token, the discarded candidates' too (as OpenAI 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
 each ending with its ``finish_reason``; a final usage chunk covers them all. With ``echo`` and
 logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed
-(`gateway.output.choice_stream.SharedPromptLogprobs`). A stream is journaled (all its choices
+(`gateway.output.streaming.SharedPromptLogprobs`). A stream is journaled (all its choices
 in one journal: `gateway.engine.journal`) and ``GET /v1/streams/{id}`` resumes it (`resume`)
-with event ids that count each choice's events (`gateway.output.choice_stream.ChoiceCursor`).
+with event ids that count each choice's events (`gateway.output.streaming.ChoiceCursor`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from gateway.http.metrics import GatewayMetrics
 from gateway.openai.input_workers import InputWorkers
 from gateway.openai.schema import ChatParsers, GenerationSpec
 from gateway.openai.tokenization import echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
-from gateway.output.choice_stream import ChoiceCursor, stream_choices
 from gateway.output.generation import Generation, Piece, RequestLog, SequenceRequest
 from gateway.output.responses import ResponseFormatter
+from gateway.output.streaming import ChoiceCursor, stream_choices
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ id must be free (no journal under it), else 409.
 
 Completions, of one choice or several, whole or streamed, take one path
 (`gateway.http.completions`). Resumable streams: every SSE event carries an ``id:``
-(`gateway.output.choice_stream.ChoiceCursor`). A streaming response is journaled in Redis
+(`gateway.output.streaming.ChoiceCursor`). A streaming response is journaled in Redis
 (``journal:<response id>``: one `JournalHeader` per prompt, the `Route` of each attempt of each
 choice, then every engine output, written before the client sees what it produces), so the
 events are a pure function of the journal. Another gateway replays it, skips what the client has

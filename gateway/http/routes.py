@@ -39,8 +39,7 @@ from common.protocol import EngineStatus, Names
 from common.redis_errors import REDIS_FAILURES
 from gateway.engine.client import EngineClient
 from gateway.engine.journal import read_journal, stream_not_found
-from gateway.http.completions import ServeContext, resume
-from gateway.http.completions import serve as serve_completion
+from gateway.http.completions import ServeContext, resume, serve
 from gateway.http.config import GatewayConfig
 from gateway.http.errors import ApiError
 from gateway.http.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
@@ -120,7 +119,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else {}
         response_id = getattr(request.state, "response_id", None)
-        if response_id is not None:  # set once a completion request's id is known (`serve`)
+        if response_id is not None:  # set once a completion request's id is known (`response_ids`)
             headers["X-Request-Id"] = response_id
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
@@ -246,7 +245,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
         client_id = request_id_of(request, header_id, body)  # (first: a 400 below echoes it too)
-        return await serve(request, parse_completion(body), body, client_id)
+        return await complete(request, parse_completion(body), body, client_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -254,7 +253,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
         client_id = request_id_of(request, header_id, body)
-        return await serve(request, parse_chat(body, config.chat_parsers), body, client_id)
+        return await complete(request, parse_chat(body, config.chat_parsers), body, client_id)
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> Response:
@@ -283,7 +282,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         limit, parsers = config.max_inflight, config.chat_parsers
         return ServeContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, model, limit, parsers)
 
-    async def serve(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
+    async def complete(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
         arrival = time.monotonic()
         info = ready_info()
         name = check_model(spec.model, info)
@@ -292,7 +291,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         apply_sampling_defaults(spec.sampling, body, tokenizers.sampling_defaults)
         response_id, engine_id = response_ids(request, spec, client_id)
         ids = (response_id, engine_id, client_id is not None)
-        out = await serve_completion(context(info, tokenizer, name), request, spec, ids, body, arrival)
+        out = await serve(context(info, tokenizer, name), request, spec, ids, body, arrival)
         if isinstance(out, dict):
             return JSONResponse(out, headers={"X-Request-Id": response_id})
         return event_stream(out, response_id)

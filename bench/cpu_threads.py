@@ -54,7 +54,7 @@ def run_one(which: str, model: str, limit: int, output_len: int) -> dict:
     outs = [output_len] * len(work.output_lens)
     prompts = prompt_ids(work, cfg["vocab_size"], num_special=8)
     if which == "engine":
-        from scheduler.llm import LLM
+        from gateway.llm import LLM
 
         llm = LLM(model, dtype="float32", device="cpu", max_num_batched_tokens=1024, max_num_seqs=256)
         run = run_engine(llm, prompts, outs)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         from executor.make_model import make_model
 
         make_model("llama", args.make, 0, args.model)
-    from scheduler.llm import LLM
+    from gateway.llm import LLM
 
     batches = [int(b) for b in args.batches.split(",")]
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from common.sampling_params import SamplingParams
-    from scheduler.llm import LLM
+    from gateway.llm import LLM
 
     work = make_workload(args.workload, args.num_requests)
     outs = list(work.output_lens)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         import executor.model
 
         executor.model.row_bucket = lambda rows: rows
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     model = args.model or str(cached_model("llama", args.size))
     llm = LLM(

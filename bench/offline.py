@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model={model} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} torch.mm={roof:.1f} GFLOP/s")
     from transformers import AutoModelForCausalLM
 
-    from scheduler.llm import LLM
+    from gateway.llm import LLM
 
     names = ["uniform", "mixed"] if args.workload == "all" else [args.workload]
     if args.compare_prefix_caching or names == ["shared-prefix"]:
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_prefix_caching(args: argparse.Namespace, model: str, cfg: dict, engine_kw: dict, names: list[str]) -> int:
     """One engine with prefix caching and one without, in the same process, alternating."""
-    from scheduler.llm import LLM
+    from gateway.llm import LLM
 
     on = LLM(model, **engine_kw, enable_prefix_caching=True)
     off = LLM(model, **engine_kw, enable_prefix_caching=False)

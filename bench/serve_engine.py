@@ -64,7 +64,7 @@ def offline_breakdown(
     """The same requests in-process (``concurrency`` per `generate` call; arrival times are not
     reproduced), with timers around execute_model, the forward pass and sampling."""
     from common.sampling_params import SamplingParams
-    from scheduler.llm import LLM
+    from gateway.llm import LLM
 
     llm = LLM(model, **engine_kw)
     prompts: list[Any] = [r.prompt for r in requests]  # token ids or text, as sent

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
 
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     model = args.model or str(cached_model("llama", "small"))
     llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=max(256, args.batch))
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
 
+    from executor.model_executor import ModelExecutor
+
+    assert isinstance(llm.executor, ModelExecutor), "one rank: its executor runs in this process"
     stats = llm.executor.structured.stats
 
     def run(spec: StructuredOutputsParams | None) -> tuple[float, int, list[str], tuple[int, float, float]]:

@@ -60,6 +60,11 @@ class SamplingParams:
     contain; a sequence's last token is banned wherever the output ends with the rest of it.
     Neither goes with ``structured_outputs``. Where the bans (these, or EOS before ``min_tokens``)
     would leave a row no token at all, that row's bans are lifted for the step.
+
+    Output processing (vLLM's fields; the frontend's alone, never sent to the engine: see
+    `sampling_to_dict`): ``stop`` strings end the text before the first of them (after it with
+    ``include_stop_str_in_output``, which also keeps the text of the token that stopped the engine);
+    ``skip_special_tokens`` leaves special tokens out of the text.
     """
 
     temperature: float = 1.0
@@ -82,6 +87,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     # The most top logprobs a request may ask for; bounds the executor's top-k work.
     MAX_LOGPROBS = 20
@@ -113,6 +121,8 @@ class SamplingParams:
         ids must lie in the vocabulary.
         """
         self.validate_lengths()
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {reprlib.repr(self.stop)}")
         if not _is_num(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -229,11 +239,14 @@ class SamplingParams:
 
 
 # -- the plain map that carries it on the wire ---------------------------------------------------
-_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
+# Output processing happens in the frontend (`gateway.output.processor`): the engine never needs it.
+OUTPUT_FIELDS = frozenset({"stop", "include_stop_str_in_output", "skip_special_tokens"})
+_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.name not in OUTPUT_FIELDS]
 
 
 def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`.
+    """`SamplingParams` as the plain map carried by `GenerateRequest` and `SchedulerOutput`: the
+    engine's fields, without the frontend's `OUTPUT_FIELDS`.
 
     ``logit_bias`` travels as ``[[token id, bias], ...]``: msgpack map keys must be strings here
     (the codec decodes with ``strict_map_key``). `sampling_from_dict` undoes it.

@@ -11,7 +11,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("executor.make_model", "write a small random checkpoint in Hugging Face format"),
-    "gateway": ("gateway.server", "run the OpenAI-compatible HTTP gateway"),
+    "gateway": ("gateway.http.server", "run the OpenAI-compatible HTTP gateway"),
     "scheduler": ("scheduler.cli", "run the scheduler service"),
     "executor": ("executor.service", "run the executor service"),
     "up": ("infra.launcher", "start Redis, executor, scheduler and gateway together"),

@@ -24,7 +24,7 @@ ROLES = ("gateway", "scheduler", "executor")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gateway.server import build_parser as gateway_parser  # the gateway's own --port default
+    from gateway.http.server import build_parser as gateway_parser  # the gateway's own --port default
 
     p = service_parser("conveyor health", "Exit 0 if this host's service of --role is live.", "unused")
     p.add_argument("--role", choices=ROLES, required=True)

@@ -350,7 +350,7 @@ class SchedulerService:
                 aborts.extend((r, msg.gateway_id) for r in msg.request_ids)
             elif not msg.gateway_id:  # would route the request's outputs to no gateway's stream
                 logger.warning("sync for %s names no gateway; ignored", msg.request_id)
-            else:  # it makes an earlier abort from its own gateway stale: the client resumed there (`gateway.aborts`)
+            else:  # it makes an earlier abort from its own gateway stale: the client resumed there (`gateway.engine.aborts`)
                 aborts = [a for a in aborts if a != (msg.request_id, msg.gateway_id)]
                 sends.extend(
                     self.router.adopt(engine.requests.get(msg.request_id), msg.request_id, msg.gateway_id, msg.from_index)

@@ -48,9 +48,9 @@ def _patch(command: str, flag: Path) -> None:
 
         ModelExecutor.execute_model = _hanging(ModelExecutor.execute_model, flag)  # type: ignore[method-assign]
     elif command == "gateway":
-        import gateway.router
+        import gateway.engine.client
 
-        gateway.router.route_outputs = _hanging(gateway.router.route_outputs, flag)  # type: ignore[assignment]
+        gateway.engine.client.route_outputs = _hanging(gateway.engine.client.route_outputs, flag)  # type: ignore[assignment]
 
 
 def main() -> int:

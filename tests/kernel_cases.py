@@ -266,7 +266,7 @@ def case_rotary() -> None:
 def case_e2e() -> None:
     """Greedy tokens of the engine with every op on Triton equal those of the torch ops."""
     from common.sampling_params import SamplingParams
-    from scheduler.llm import LLM
+    from gateway.llm import LLM
 
     model = os.environ["CONVEYOR_TEST_MODEL"]
     prompts = [[5, 17, 99, 3, 250, 31, 7], [42] * 20, [300, 301, 302], list(range(40, 73))]

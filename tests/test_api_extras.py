@@ -28,8 +28,8 @@ import redis
 from common.logs import STRUCTURED, formatter
 from common.protocol import AbortRequests, GenerateRequest, Names, StepOutputs, decode, encode
 from common.redact import RedactingFilter
-from gateway.config import GatewayConfig
-from gateway.request_ids import MAX_REQUEST_ID_CHARS
+from gateway.http.config import GatewayConfig
+from gateway.http.request_ids import MAX_REQUEST_ID_CHARS
 from infra.launcher import free_port, wait_healthy
 from infra.stack import find_redis
 from tests.test_gateway_validation import ENGINE, MAX_MODEL_LEN, VOCAB_SIZE, _error, register_engine
@@ -96,7 +96,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
     import uvicorn
     from transformers import AutoTokenizer
 
-    from gateway.app import create_app
+    from gateway.http.routes import create_app
 
     model = tiny_model()
     work = Path(tmp_path_factory.mktemp("extras"))
@@ -248,7 +248,7 @@ def test_chat_template_options_reach_the_template(env: dict[str, Any]) -> None:
         "{% if add_generation_prompt %}",
         "{% if enable_thinking is false %}[no thinking]{% endif %}{% if add_generation_prompt %}",
     )
-    from gateway.chat_messages import TemplateOptions, chat_text
+    from gateway.openai.chat_messages import TemplateOptions, chat_text
 
     original, tok.chat_template = tok.chat_template, thinking
     try:
@@ -595,7 +595,7 @@ def test_bad_words_reach_the_engine_as_token_sequences(env: dict[str, Any]) -> N
     space (vLLM's two spellings); bad lists are 400s naming the field."""
     import openai
 
-    from gateway.tokenization import bad_words_token_ids
+    from gateway.openai.tokenization import bad_words_token_ids
 
     tok = env["tokenizer"]
     base = str(env["a"].base_url)
@@ -632,7 +632,7 @@ def test_bad_words_reach_the_engine_as_token_sequences(env: dict[str, Any]) -> N
 def test_a_resumed_stream_keeps_its_bad_words(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream resumed on another gateway re-parses its body: its bad words are tokenized again,
     so the engine it may move to later still bans them."""
-    from gateway.tokenization import bad_words_token_ids
+    from gateway.openai.tokenization import bad_words_token_ids
 
     words = ["hello", "tokenization"]
     body = {"prompt": "one two three", "max_tokens": 3, "stream": True, "bad_words": words}

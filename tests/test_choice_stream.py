@@ -1,6 +1,6 @@
 """Resumable streams with several choices, unit by unit: the event ids that count each choice's
-events (`gateway.choice_stream.ChoiceCursor`) and the replay of one choice from the journal its
-siblings share (`gateway.outputs.replay`). Through the real stack: tests/test_api_parallel.py,
+events (`gateway.output.streaming.ChoiceCursor`) and the replay of one choice from the journal its
+siblings share (`gateway.engine.outputs.replay`). Through the real stack: tests/test_api_parallel.py,
 tests/test_chaos.py."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gateway.choice_stream import ChoiceCursor
-from gateway.json_input import ApiError
-from gateway.outputs import replay
-from gateway.request_handle import RequestHandle, base_request_id
+from gateway.engine.handle import RequestHandle, base_request_id
+from gateway.engine.outputs import replay
+from gateway.http.errors import ApiError
+from gateway.output.streaming import ChoiceCursor
 from tests.test_engine_client import SAMPLING, outputs, tokens_of
 
 pytestmark = pytest.mark.unit
@@ -80,10 +80,10 @@ def test_continuous_usage_counts_each_pieces_own_tokens_with_several_choices() -
     import json
 
     from common.sampling_params import SamplingParams
-    from gateway.choice_stream import stream_choices
-    from gateway.generation import Piece
-    from gateway.openai_schema import GenerationSpec
-    from gateway.responses import ResponseFormatter
+    from gateway.openai.schema import GenerationSpec
+    from gateway.output.generation import Piece
+    from gateway.output.responses import ResponseFormatter
+    from gateway.output.streaming import stream_choices
 
     class Tokenizer:
         def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -100,8 +100,6 @@ def test_continuous_usage_counts_each_pieces_own_tokens_with_several_choices() -
 
     spec = GenerationSpec("completion", None, SamplingParams(), 4, stream=True, include_usage=True, continuous_usage=True)
     formatters = [ResponseFormatter(spec, "r", "m", Tokenizer(), 3, None, i, [1, 2, 3]) for i in range(2)]
-    for f in formatters:
-        f.final_usage = False
     envelope = ResponseFormatter(spec, "r", "m", Tokenizer(), 6, None)
 
     async def counts() -> dict[int, list[int]]:

@@ -138,7 +138,7 @@ def test_model_executor_validates_before_loading(tmp_path, monkeypatch) -> None:
 )
 @pytest.mark.model
 def test_llm_refuses_bad_options(tiny_model, option: dict, match: str) -> None:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_model("llama")), **option)
@@ -147,7 +147,7 @@ def test_llm_refuses_bad_options(tiny_model, option: dict, match: str) -> None:
 @pytest.mark.model
 @pytest.mark.parametrize("option", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0)])
 def test_llm_refuses_bad_scheduler_options(tiny_model, option: dict) -> None:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     # Construction only: without validation a zero limit would make `generate` spin forever.
     with pytest.raises(ValueError, match=next(iter(option))):

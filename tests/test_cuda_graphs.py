@@ -113,7 +113,7 @@ def test_load_refuses_what_a_graph_cannot_run(tiny_model) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_on_cuda(tiny_model) -> None:
     """Greedy decoding with graphs (batches of 1..8, padded) equals ``enforce_eager``."""
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     prompts = [[random.Random(i).randrange(3, 1000) for _ in range(4 + 7 * i)] for i in range(7)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from gateway.stop import StopMatcher
+from gateway.output.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from gateway.output.stop import StopMatcher
 
 pytestmark = pytest.mark.model
 
@@ -186,12 +186,12 @@ def _stopped_at(tokenizer, token_ids: list[int], steps_per_event: int) -> tuple[
     import asyncio
 
     from common.sampling_params import SamplingParams
-    from gateway.generation import Generation
-    from gateway.request_handle import EngineEvent, RequestHandle
+    from gateway.engine.handle import EngineEvent, RequestHandle
+    from gateway.output.generation import Generation, SequenceRequest
 
     async def run() -> tuple[str, int, list[int], int, int]:
         client, metrics = _Client(), _Metrics()
-        gen = Generation(client, tokenizer, "r", [1], SamplingParams(max_tokens=100), ["stop"], False, True, metrics)  # type: ignore[arg-type]
+        gen = Generation(client, tokenizer, SequenceRequest("r", [1], SamplingParams(max_tokens=100, stop=["stop"])), metrics)  # type: ignore[arg-type]
         gen.handle = RequestHandle("r", [1], {})
         for i in range(0, len(token_ids), steps_per_event):
             chunk = token_ids[i : i + steps_per_event]

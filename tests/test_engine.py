@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import SamplingParams
-from scheduler import LLM
+from gateway.llm import LLM
 
 pytestmark = pytest.mark.model
 

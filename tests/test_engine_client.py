@@ -29,9 +29,9 @@ from common.protocol import (
 )
 from common.sampling_params import SamplingParams
 from common.transport import Outgoing
-from gateway.journal import read_journal
-from gateway.outputs import replay
-from gateway.router import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
+from gateway.engine.client import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
+from gateway.engine.journal import read_journal
+from gateway.engine.outputs import replay
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request, StepOutput
 
@@ -92,7 +92,7 @@ async def publish(client: EngineClient, *statuses: EngineStatus) -> None:
     for status in statuses:
         await r.set(NAMES.engine(status.scheduler_id), encode(status))
         await r.zadd(NAMES.engines, {status.scheduler_id: 1.0})
-    await client._refresh()
+    await client.watch.refresh()
 
 
 async def sent(client: EngineClient, sid: str) -> list[Any]:
@@ -152,7 +152,7 @@ async def test_pick_engine_prefers_executor_then_least_load() -> None:
     assert msgs[0] == GenerateRequest("r1", "g1", "light", "inc-light", [1, 2], [], SAMPLING, msgs[0].arrival_time, "")
     assert await sent(client, "idle-no-executor") == []
     # A refresh starts counting anew.
-    await client._refresh()
+    await client.watch.refresh()
     assert client.sent_since_refresh == {} and client.pick_engine().scheduler_id == "light"
 
 
@@ -350,7 +350,7 @@ async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
     server = fakeredis.FakeServer()
     g1, g2 = make_client("g1", server), make_client("g2", server)
     await publish(g1, engine("s0"))
-    await g2._refresh()
+    await g2.watch.refresh()
     header = JournalHeader("mine", "completion", "{}", "tiny", 1, 10, [1], None)
     first = Outgoing(NAMES.journal("mine"), encode(header), None, g1.journal_ttl_ms)
     h = await g1.submit("mine-0a1b2c3d", [1], SAMPLING, "mine", claim=first)
@@ -404,10 +404,10 @@ async def test_requests_leave_an_engine_left_without_an_executor_for_one_that_ha
     assert h.scheduler_id == "s0"
     await dispatch_steps(client, outputs(("resp", 0, [5])))
     await publish(client, engine("s0", executor=""), engine("s1"))  # s0 lost its executor
-    await client._check_routes()
+    await client.watch.check_routes()
     assert h.scheduler_id == "s0", "moved before the engine had a chance to get a new executor"
     client.unbound_since["s0"] -= 2.5  # two TTLs (and a half) without one
-    await client._check_routes()
+    await client.watch.check_routes()
     assert (h.scheduler_id, h.engine_request_id, client.num_migrations) == ("s1", "resp~1", 1)
     [moved] = await sent(client, "s1")
     assert isinstance(moved, GenerateRequest) and moved.output_token_ids == [5]
@@ -417,7 +417,7 @@ async def test_requests_leave_an_engine_left_without_an_executor_for_one_that_ha
     h2 = await alone.submit("solo", [1], SAMPLING, "solo")
     await publish(alone, engine("s0", executor=""))
     alone.unbound_since["s0"] -= 60
-    await alone._check_routes()
+    await alone.watch.check_routes()
     assert h2.scheduler_id == "s0" and alone.num_migrations == 0
 
 
@@ -508,16 +508,16 @@ async def test_a_journal_outlives_a_stream_that_waits_long_for_an_engine() -> No
     header = Outgoing(key, encode(JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1])), None, client.journal_ttl_ms)
     h = await client.submit("resp", [1], SAMPLING, "resp", journal=[header])
     await r.pexpire(key, 500)  # as if its last write were nearly a window ago
-    await client._keep_journals()
+    await client.watch.keep_journals()
     assert 0 < await r.pttl(key) <= 500  # written less than a quarter window ago: left alone
     h.journaled_at -= 2.5  # idle for more than 8 s / 4
-    await client._keep_journals()
+    await client.watch.keep_journals()
     assert await r.pttl(key) > 7_000
     await r.pexpire(key, 500)
-    await client._keep_journals()
+    await client.watch.keep_journals()
     assert await r.pttl(key) <= 500  # just refreshed: not again at every tick
     h.done, h.journaled_at = True, h.journaled_at - 2.5
-    await client._keep_journals()
+    await client.watch.keep_journals()
     assert await r.pttl(key) <= 500
 
 
@@ -618,10 +618,10 @@ async def test_a_redis_restart_seen_by_a_refresh_that_fails_is_synced_by_the_nex
     client.run_id = "the run before the restart"
     client.transport.send_many = refused  # type: ignore[method-assign]
     with pytest.raises(redis.ConnectionError):
-        await client._refresh()  # sees the restart, cannot send the resend requests
+        await client.watch.refresh()  # sees the restart, cannot send the resend requests
     assert client.resync_why == "Redis restarted" and handle.sync_from == -1
     client.transport.send_many = send_many  # type: ignore[method-assign]
-    await client._refresh()  # the same run id now: the restart is not news, but the resend is still owed
+    await client.watch.refresh()  # the same run id now: the restart is not news, but the resend is still owed
     syncs = (await sent(client, "a"))[len(before) :]
     assert [(type(m).__name__, m.request_id) for m in syncs] == [("SyncRequest", handle.engine_request_id)]
     assert client.resync_why is None
@@ -707,7 +707,7 @@ async def test_journal_written_by_one_gateway_is_adopted_by_another() -> None:
     server = fakeredis.FakeServer()
     g1, g2 = make_client("g1", server), make_client("g2", server)
     await publish(g1, engine("s0"))
-    await g2._refresh()
+    await g2.watch.refresh()
     header = JournalHeader("resp", "completion", '{"prompt": "hi"}', "tiny", 7, 10, [1, 2], "hi")
     h1 = await g1.submit("resp", [1, 2], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
     await dispatch_steps(g1, outputs(("resp", 0, [5, 6])))
@@ -738,7 +738,7 @@ async def test_a_stream_resumes_twice_after_its_engine_journaled_it_as_an_orphan
     redis = g1.transport.redis
     await publish(g1, engine("s0"))
     for g in (g2, g3):
-        await g._refresh()
+        await g.watch.refresh()
     router = OutputRouter(NAMES, resume_window_s=30.0, max_message_bytes=1 << 20)
     router.add("resp", "g1", "resp")
     request = Request("resp", [1, 2], SamplingParams(temperature=0, max_tokens=10))

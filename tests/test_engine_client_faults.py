@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from common.protocol import OUTPUTS_MAXLEN, AbortRequests, GenerateRequest, Route, SyncRequest
-from gateway.journal import read_journal
-from gateway.outputs import journal_write
-from gateway.request_handle import EngineEvent
+from gateway.engine.handle import EngineEvent
+from gateway.engine.journal import read_journal
+from gateway.engine.outputs import journal_write
 from tests.test_engine_client import NAMES, SAMPLING, async_test, drain, engine, make_client, outputs, publish, sent
 
 pytestmark = pytest.mark.unit
@@ -94,11 +94,11 @@ async def test_a_move_whose_send_fails_is_made_on_a_later_round() -> None:
     await publish(client, engine("s2"))
     client.submits.send = refused  # type: ignore[method-assign]
     for _ in range(client.migration_limit + 2):  # failed tries are no moves: the limit is not used up
-        await client._check_routes()  # the move fails; the client is not told (it may still work)
+        await client.watch.check_routes()  # the move fails; the client is not told (it may still work)
     assert handle.unrouted_since is not None and not handle.done and not drain(handle)
     del client.submits.send  # Redis is back
     await client.aborts.flush("test")
-    await client._check_routes()
+    await client.watch.check_routes()
     moved = [m for m in await sent(client, "s2") if isinstance(m, GenerateRequest)]
     assert [m.request_id for m in moved] == [f"r1~{client.migration_limit + 3}"]  # a failed try's id is never reused
     assert handle.unrouted_since is None and handle.scheduler_id == "s2"
@@ -122,7 +122,7 @@ async def test_events_whose_journal_write_fails_are_asked_for_again_and_reach_th
     client.transport.send_many = real  # type: ignore[method-assign]
     assert not drain(handle) and handle.next_index == 0  # never seen unjournaled (write-ahead)
     assert [e.token_ids for e in drain(plain)] == [[9]]  # a stream without a journal is not held back
-    await client._resend_owed()  # `_watch`, every half second
+    await client.watch.resend_owed()  # `EngineWatch.run`, every half second
     syncs = [m for m in await sent(client, "s1") if isinstance(m, SyncRequest)]
     assert [(m.request_id, m.from_index) for m in syncs] == [("r1", 0)]
     await client._dispatch([outputs(("r1", 0, [5, 6]))])  # the engine's resend
@@ -141,10 +141,10 @@ async def test_a_resend_that_could_not_be_asked_for_is_asked_later_without_anoth
     await client._dispatch([outputs(("r1", 3, [8], True, "length"))])  # tokens 0-2 were lost, and this is the last
     assert handle.resend_owed and not drain(handle)
     del client.submits.send
-    await client._resend_owed()  # `_watch`, every half second
+    await client.watch.resend_owed()  # `EngineWatch.run`, every half second
     syncs = [m for m in await sent(client, "s1") if isinstance(m, SyncRequest)]
     assert [(m.request_id, m.from_index) for m in syncs] == [("r1", 0)] and not handle.resend_owed
-    await client._resend_owed()
+    await client.watch.resend_owed()
     assert len([m for m in await sent(client, "s1") if isinstance(m, SyncRequest)]) == 1  # once
 
 
@@ -183,16 +183,16 @@ async def test_a_request_whose_journal_write_is_in_flight_is_not_moved_meanwhile
     await client.transport.redis.zrem(NAMES.engines, "s1")
     await publish(client, engine("s2"))
     handle.journal_writes = 1  # `_dispatch` awaits its write: its tokens may yet be taken back
-    await client._check_routes()
+    await client.watch.check_routes()
     assert handle.scheduler_id == "s1" and handle.unrouted_since is None
     handle.journal_writes = 0
-    await client._check_routes()
+    await client.watch.check_routes()
     assert handle.scheduler_id == "s2"
 
 
 def test_a_long_resend_read_at_once_becomes_events_of_a_journal_entrys_size() -> None:
-    from gateway.outputs import MAX_EVENT_TOKENS, route_outputs
-    from gateway.request_handle import RequestHandle
+    from gateway.engine.handle import RequestHandle
+    from gateway.engine.outputs import MAX_EVENT_TOKENS, route_outputs
 
     handle = RequestHandle("r1", [1], {}, "cmpl-1", engine_request_id="r1")
     piece = MAX_EVENT_TOKENS // 2 + 1  # tokens a resend row

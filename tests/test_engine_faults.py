@@ -130,7 +130,7 @@ def engine(tiny_model: Any, tmp_path: Path, request: pytest.FixtureRequest) -> I
 
 
 def test_failing_request_fails_alone(engine: Engine, tiny_model: Any) -> None:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     prompts = {"a": [5, 6, 7], "poison": [8, 9], "b": [10, 11, 12, 13], "c": [14]}
     for request_id, prompt in prompts.items():
@@ -202,7 +202,7 @@ def test_an_abort_from_before_a_resume_is_ignored(engine: Engine, resumer: str) 
     """The client hung up on gateway 'gw' and resumed at once, on 'gw2' or on 'gw' itself: the
     scheduler reads gw's abort and the resumer's sync together; the stream goes on, to the resumer,
     to its end. (On 'gw' itself the abort cannot be told from a later one by its gateway: that it
-    came before the sync is what makes it stale; the gateway sees to that order, `gateway.aborts`.)"""
+    came before the sync is what makes it stale; the gateway sees to that order, `gateway.engine.aborts`.)"""
     sampling = {**GREEDY, "max_tokens": 300}
     request = GenerateRequest("s", "gw", "0", engine.incarnation, [5, 6, 7], [], sampling, 0.0, "resp")
     engine.r.set(engine.names.heartbeat("gateway", "gw2"), "1", px=120_000)
@@ -265,7 +265,7 @@ def test_redis_refusing_writes_for_a_while_loses_nothing(engine: Engine, tiny_mo
     """Out of memory for 1.5 s mid-stream (maxmemory reached; a read-only replica or a failing disk
     are refused alike): the executor and the scheduler wait it out, the stream finishes whole.
     Before, the executor exited and the scheduler failed every request as an engine bug."""
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     sampling = {**GREEDY, "max_tokens": 160}
     engine.submit("a", [5, 6, 7], sampling)

@@ -1,5 +1,5 @@
 """`EventStreamResponse`: one write per item of the stream, and the item that ends with ``[DONE]``
-ends the body in the same write; `stream_events`: the events of a piece are one item, the last
+ends the body in the same write; `stream_choices` of one choice: the events of a piece are one item, the last
 piece's go with ``[DONE]``, and a resumed stream skips what its client has. (The events themselves,
 through the real stack: test_services.py, test_api_parallel.py.)"""
 
@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from gateway.generation import Piece
-from gateway.json_input import ApiError
-from gateway.openai_schema import parse_completion
-from gateway.responses import EventStreamResponse, ResponseFormatter, done_event, sse, stream_events
+from gateway.http.errors import ApiError
+from gateway.openai.schema import parse_completion
+from gateway.output.generation import Piece
+from gateway.output.responses import EventStreamResponse, ResponseFormatter, done_event, sse
+from gateway.output.streaming import ChoiceCursor, stream_choices
 
 pytestmark = pytest.mark.unit
 
@@ -91,7 +92,8 @@ def items(gen: Pieces, skip_through: int = 0, **body: Any) -> list[str]:
     fmt = ResponseFormatter(spec, "cmpl-1", "m", Tokens(), 1, None, 0, [5])
 
     async def run() -> list[str]:
-        return [item async for item in stream_events(gen, fmt, skip_through)]  # type: ignore[arg-type]
+        seen = ChoiceCursor.parse(str(skip_through), 1)
+        return [item async for item in stream_choices([gen], [fmt], fmt, 1, seen)]  # type: ignore[list-item]
 
     return asyncio.run(run())
 

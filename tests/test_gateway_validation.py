@@ -21,9 +21,9 @@ from starlette.testclient import TestClient
 
 from common.protocol import AbortRequests, EngineStatus, GenerateRequest, Names, StepOutputs, decode, encode
 from common.sampling_params import sampling_from_dict
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.openai_schema import parse_chat
+from gateway.http.config import GatewayConfig
+from gateway.http.routes import create_app
+from gateway.openai.schema import parse_chat
 from infra.stack import find_redis
 
 pytestmark = pytest.mark.stack

@@ -26,9 +26,9 @@ import redis
 
 from common.protocol import Names
 from common.sampling_params import SamplingParams
-from gateway.chat_messages import MAX_CONTENT_PARTS, MAX_MESSAGES
-from gateway.json_input import MAX_JSON_DEPTH
-from gateway.openai_schema import MAX_STOP_STRING_CHARS
+from gateway.openai.chat_messages import MAX_CONTENT_PARTS, MAX_MESSAGES
+from gateway.openai.json_input import MAX_JSON_DEPTH
+from gateway.openai.schema import MAX_STOP_STRING_CHARS
 from infra.launcher import free_port, stop_all, wait_healthy
 from infra.stack import REPO, find_redis
 from tests.test_gateway_validation import MAX_MODEL_LEN, VOCAB_SIZE, register_engine
@@ -339,8 +339,8 @@ def test_unexpected_exception_is_a_json_500_on_the_same_connection(tiny_model: A
     """An exception no handler expects: a JSON 500 without its text, and the connection stays."""
     import uvicorn
 
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
+    from gateway.http.config import GatewayConfig
+    from gateway.http.routes import create_app
 
     url, redis_proc = find_redis(tmp_path)
     names = Names(f"test-hard500-{uuid.uuid4().hex[:10]}")

@@ -13,9 +13,10 @@ import pytest
 
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
-from gateway.json_input import MAX_JSON_DEPTH, ApiError, parse_json
-from gateway.openai_schema import parse_chat, parse_completion
-from gateway.tokenization import (
+from gateway.http.errors import ApiError
+from gateway.openai.json_input import MAX_JSON_DEPTH, parse_json
+from gateway.openai.schema import parse_chat, parse_completion
+from gateway.openai.tokenization import (
     _CHUNK,
     COUNT_WINDOW_CHARS,
     INLINE_INPUT_BYTES,

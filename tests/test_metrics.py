@@ -1,4 +1,4 @@
-"""Prometheus metrics at ``GET /metrics`` (`gateway.metrics`).
+"""Prometheus metrics at ``GET /metrics`` (`gateway.http.metrics`).
 
 Unit tests: the registry is per app, `RequestMetrics` counts what it is fed, and the scheduler's
 queue time reaches the gateway once per request. Then a real stack (two engines, two gateways,
@@ -23,11 +23,11 @@ from prometheus_client.samples import Sample
 
 from common.protocol import EngineStatus, Names, StepOutputs, decode, encode
 from common.sampling_params import SamplingParams
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics, build_1_2_5_buckets
-from gateway.request_handle import EngineEvent
-from gateway.router import EngineClient
+from gateway.engine.client import EngineClient
+from gateway.engine.handle import EngineEvent
+from gateway.http.config import GatewayConfig
+from gateway.http.metrics import GatewayMetrics, build_1_2_5_buckets
+from gateway.http.routes import create_app
 from infra.stack import Stack
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request, StepOutput

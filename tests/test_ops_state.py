@@ -119,7 +119,7 @@ def _requests(vocab: int, seed: int) -> tuple[list[list[int]], list[SamplingPara
 
 
 def _engine(model_dir):
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     # A small step budget: chunked prefills mixed with decodes, over a few dozen steps.
     return LLM(

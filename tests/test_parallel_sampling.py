@@ -11,7 +11,7 @@ import torch
 from common import SamplingParams
 from common.parallel_sampling import child_params, cumulative_logprob, select_best
 from common.sampling_params import INT64_MAX, INT64_MIN
-from scheduler import LLM
+from gateway.llm import LLM
 
 pytestmark = pytest.mark.model
 

@@ -483,7 +483,7 @@ def test_scheduler_flag_from_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 # -- the real model ----------------------------------------------------------------------------------
 @pytest.mark.model
 def test_offline_greedy_outputs_identical_with_and_without(tiny_model) -> None:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     model_dir = tiny_model("llama")
     kw = {"dtype": "float32", "block_size": 16, "max_num_batched_tokens": 64, "max_num_seqs": 8}

@@ -166,7 +166,7 @@ def test_fcfs_refuses_a_priority() -> None:
 def test_the_offline_engine_runs_prompts_by_priority(tiny_model) -> None:
     """``LLM(scheduling_policy="priority").generate(prompts, params, priority=[...])``: one sequence
     at a time, prompts start in priority order; outputs come back in prompt order, unchanged."""
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     options = dict(dtype="float32", max_num_seqs=1, num_threads=1)
     llm = LLM(tiny_model(), scheduling_policy="priority", **options)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""Reasoning parsers (`gateway.reasoning_parsers`) and a chat choice's output through them and the
-tool-call parsers (`gateway.chat_output`): the split of a whole output, and that a stream in any
+"""Reasoning parsers (`gateway.output.reasoning_parsers`) and a chat choice's output through them and the
+tool-call parsers (`gateway.output.chat_output`): the split of a whole output, and that a stream in any
 pieces joins to it."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from common.protocol import JournalHeader, decode, encode
-from gateway.chat_output import ChatOutput
-from gateway.config import GatewayConfig
-from gateway.generation import Piece
-from gateway.journal import journal_body, journaled_spec
-from gateway.openai_schema import ChatParsers, parse_chat
-from gateway.reasoning_parsers import REASONING_PARSERS, ReasoningStream, prompt_phase
-from gateway.responses import ResponseFormatter
-from gateway.server import build_parser
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.engine.journal import journal_body, journaled_spec
+from gateway.http.config import GatewayConfig
+from gateway.http.server import build_parser
+from gateway.openai.schema import ChatParsers, parse_chat
+from gateway.output.chat_output import ChatOutput
+from gateway.output.generation import Piece
+from gateway.output.reasoning_parsers import REASONING_PARSERS, ReasoningStream, prompt_phase
+from gateway.output.responses import ResponseFormatter
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 pytestmark = pytest.mark.unit
 
@@ -122,7 +122,7 @@ def test_the_formatter_splits_chat_only_and_not_under_a_grammar() -> None:
     parsers = ChatParsers(reasoning="deepseek_r1")
     spec = parse_chat({"messages": MESSAGES, "stream": True}, parsers)
     fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
-    chunks = [c for p in (Piece("Hmm</th"), Piece("ink>4", finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    chunks = [c for p in (Piece("Hmm</th"), Piece("ink>4", finish_reason="stop")) for c in fmt.stream_piece(p)]
     assert [c["choices"][0]["delta"] for c in chunks] == [{"reasoning": "Hmm", "reasoning_content": "Hmm"}, {"content": "4"}]
     # A grammar binds the output from its first token: there is no thinking to take out.
     constrained = parse_chat({"messages": MESSAGES, "response_format": {"type": "json_object"}}, parsers)
@@ -148,8 +148,8 @@ def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> Non
     is a clear error, not a 500."""
     from types import SimpleNamespace
 
-    from gateway.chat_messages import TemplateOptions, chat_text
-    from gateway.json_input import ApiError
+    from gateway.http.errors import ApiError
+    from gateway.openai.chat_messages import TemplateOptions, chat_text
 
     def render(
         messages: Any, tools: Any = None, tokenize: bool = False, add_generation_prompt: bool = True, **kwargs: Any
@@ -169,8 +169,8 @@ def test_template_variables_cannot_take_the_renderers_names_or_crash_it() -> Non
 
 
 def test_big_template_variables_or_messages_count_as_a_large_input() -> None:
-    from gateway.json_input import LARGE_INPUT_BYTES, json_size
-    from gateway.openai_schema import parse_tokenize
+    from gateway.openai.json_input import LARGE_INPUT_BYTES, json_size
+    from gateway.openai.schema import parse_tokenize
 
     big = {"messages": MESSAGES, "chat_template_kwargs": {"docs": ["x" * 1000] * 100}}
     assert parse_chat(big).input_size() > LARGE_INPUT_BYTES and parse_tokenize(big).input_size() > LARGE_INPUT_BYTES

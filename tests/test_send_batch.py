@@ -10,7 +10,7 @@ import redis
 
 from common.protocol import ENTRY_FIELD, Names, decode
 from common.transport import Outgoing, Transport
-from gateway.send_batch import MAX_BATCH_BYTES, SendBatch
+from gateway.engine.send_batch import MAX_BATCH_BYTES, SendBatch
 from tests.test_engine_client import SAMPLING, async_test, engine, make_client, publish, sent
 
 pytestmark = pytest.mark.unit
@@ -123,5 +123,5 @@ async def test_a_resend_request_that_fails_is_asked_again_at_the_next_gap() -> N
 
     client.transport.send_many = refused  # type: ignore[method-assign]
     with pytest.raises(redis.ConnectionError):
-        await client._sync_all("test")
+        await client.watch.sync_all("test")
     assert [h.sync_from for h in handles] == [-1, -1, -1]  # none counts as asked

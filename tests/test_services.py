@@ -47,7 +47,7 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Any:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     return LLM(str(tiny_model()), num_blocks=NUM_BLOCKS)
 
@@ -142,7 +142,7 @@ def test_more_steps_in_flight_services_match_step_at_a_time_offline(tiny_model: 
 
 
 def _match_step_at_a_time(url: str, tiny_model: Any) -> None:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     prompts = [[5 + i, 17, 3 * i + 1, 40] * (1 + i % 3) for i in range(12)]
     params = [SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i, max_tokens=6 + i % 5, ignore_eos=True) for i in range(12)]

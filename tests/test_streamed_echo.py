@@ -1,5 +1,5 @@
 """The streamed echo chunk's prompt logprobs, unit by unit: when `ResponseFormatter` sends the echo,
-and how `gateway.fanout` hands child 0's prompt logprobs to a sibling whose pieces came first.
+and how `gateway.http.completions` hands child 0's prompt logprobs to a sibling whose pieces came first.
 (Through the real stack: tests/test_api_parallel.py.)"""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from gateway.choice_stream import SharedPromptLogprobs
-from gateway.generation import Piece
-from gateway.openai_schema import parse_completion
-from gateway.responses import ResponseFormatter
+from gateway.openai.schema import parse_completion
+from gateway.output.generation import Piece
+from gateway.output.responses import ResponseFormatter
+from gateway.output.streaming import SharedPromptLogprobs
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +39,7 @@ def test_echo_waits_for_the_first_piece_and_carries_the_prompt_logprobs() -> Non
     fmt = formatter(logprobs=1)
     assert fmt.spec.sampling.prompt_logprobs == 1  # asked of the engine, streamed or not
     assert fmt.stream_start() == []
-    echo, first = fmt.stream_piece(piece(8, PROMPT_LPS), 1)
+    echo, first = fmt.stream_piece(piece(8, PROMPT_LPS))
     assert echo["choices"][0]["text"] == "<5><6><7>"
     assert echo["choices"][0]["logprobs"] == {
         "tokens": ["<5>", "<6>", "<7>"],
@@ -54,7 +54,7 @@ def test_echo_waits_for_the_first_piece_and_carries_the_prompt_logprobs() -> Non
         "top_logprobs": [{"<8>": -1.0}],
         "text_offset": [9],
     }
-    assert [c["choices"][0]["text"] for c in fmt.stream_piece(piece(9), 2)] == ["<9>"]
+    assert [c["choices"][0]["text"] for c in fmt.stream_piece(piece(9))] == ["<9>"]
 
 
 def test_echo_without_logprobs_is_sent_at_once() -> None:
@@ -62,7 +62,7 @@ def test_echo_without_logprobs_is_sent_at_once() -> None:
     assert fmt.spec.sampling.prompt_logprobs is None
     [echo] = fmt.stream_start()
     assert echo["choices"][0] == {"index": 0, "text": "<5><6><7>", "logprobs": None, "finish_reason": None, "stop_reason": None}
-    assert [c["choices"][0]["text"] for c in fmt.stream_piece(piece(8), 1)] == ["<8>"]
+    assert [c["choices"][0]["text"] for c in fmt.stream_piece(piece(8))] == ["<8>"]
 
 
 def test_a_sibling_ahead_of_child_0_waits_for_its_prompt_logprobs() -> None:
@@ -73,7 +73,7 @@ def test_a_sibling_ahead_of_child_0_waits_for_its_prompt_logprobs() -> None:
     released = shared.ready(0, piece(8, PROMPT_LPS))
     assert [(i, p.token_ids) for i, p in released] == [(0, [8]), (1, [8]), (1, [9])]
     assert released[1][1].prompt_logprobs == PROMPT_LPS and released[2][1].prompt_logprobs is None
-    chunks = [c for i, p in released for c in formatters[i].stream_piece(p, 1)]
+    chunks = [c for i, p in released for c in formatters[i].stream_piece(p)]
     echoes = [c["choices"][0] for c in chunks if c["choices"][0]["text"] == "<5><6><7>"]
     assert [e["index"] for e in echoes] == [0, 1]
     assert echoes[0]["logprobs"] == echoes[1]["logprobs"] and echoes[0]["logprobs"]["token_logprobs"] == [None, -0.5, -0.25]

@@ -34,7 +34,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Any:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     return LLM(str(tiny_model()), num_blocks=256)
 
@@ -216,7 +216,7 @@ def test_grammar_that_slips_through_ends_only_its_request(llm: Any, monkeypatch:
 def test_preempted_requests_keep_their_grammar(tiny_model: Any) -> None:
     """Requests preempted (KV freed, recomputed) mid-output resume their grammar where they were:
     every output still validates."""
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     small = LLM(str(tiny_model()), num_blocks=10, block_size=16, max_model_len=128)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs=S(json=SCHEMA)) for i in range(8)]
@@ -231,7 +231,7 @@ DEEP_GRAMMARS = """
 import json, sys
 from common.sampling_params import SamplingParams
 from common.structured_outputs import StructuredOutputsParams
-from scheduler import LLM
+from gateway.llm import LLM
 
 lark = "start: r0\\n" + "".join(f'r{i}: "[" r{i + 1} "]"\\n' for i in range(3000)) + 'r3000: "x"\\n'  # 60 KB
 defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(1100)}

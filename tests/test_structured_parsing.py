@@ -1,5 +1,5 @@
-"""The gateway's structured-output fields (`gateway.structured`) and tool-call responses
-(`gateway.tool_calls`), without an engine: what each body becomes, and the 400s (grammars are
+"""The gateway's structured-output fields (`gateway.openai.structured`) and tool-call responses
+(`gateway.output.tool_calls`), without an engine: what each body becomes, and the 400s (grammars are
 checked against the tiny checkpoint's vocabulary, as a gateway checks them against its model's)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from common.structured_outputs import grammar_tokenizer
-from gateway.chat_messages import TemplateOptions
-from gateway.json_input import ApiError
-from gateway.openai_schema import parse_chat, parse_completion
-from gateway.structured import check_grammar
-from gateway.tool_calls import tool_calls
+from gateway.http.errors import ApiError
+from gateway.openai.chat_messages import TemplateOptions
+from gateway.openai.schema import parse_chat, parse_completion
+from gateway.openai.structured import check_grammar
+from gateway.output.tool_calls import tool_calls
 
 pytestmark = pytest.mark.model
 
@@ -145,19 +145,19 @@ def test_a_failure_while_streaming_ends_the_stream_with_an_error_event_and_done(
     """Not a cut connection, which clients read as a network fault and retry."""
     import asyncio
 
-    from gateway.responses import stream_events
+    from gateway.output.streaming import stream_choices
 
     async def pieces() -> Any:
         yield SimpleNamespace(finish_reason=None)
 
-    def broken(piece: Any, num_tokens: int) -> list[dict[str, Any]]:
+    def broken(piece: Any) -> list[dict[str, Any]]:
         raise RuntimeError("a formatting bug")
 
     gen = SimpleNamespace(pieces=pieces, num_completion_tokens=1)
     fmt = SimpleNamespace(stream_start=lambda: [{"id": "x"}], stream_piece=broken, request_id="cmpl-x")
 
     async def read() -> list[str]:
-        return [event async for event in stream_events(gen, fmt, 0)]  # type: ignore[arg-type]
+        return [event async for event in stream_choices([gen], [fmt], fmt, 1)]  # type: ignore[list-item, arg-type]
 
     events = "".join(asyncio.run(read()))
     assert '"type":"server_error"' in events.replace(" ", "") and events.endswith("data: [DONE]\n\n")
@@ -166,7 +166,7 @@ def test_a_failure_while_streaming_ends_the_stream_with_an_error_event_and_done(
 def test_tool_use_round_trips_through_the_messages() -> None:
     """The assistant's calls and the tools' answers reach the chat template (vLLM's shapes), and
     ``parallel_tool_calls: false`` allows one call."""
-    from gateway.openai_schema import parse_tokenize
+    from gateway.openai.schema import parse_tokenize
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1}'}}
     messages = [
@@ -218,7 +218,7 @@ def test_a_falsy_second_constraint_and_a_bad_second_max_tokens_are_400() -> None
 
 def test_a_template_that_cannot_render_a_message_is_a_400() -> None:
     """A template that concatenates a call's arguments as a string (as some do) meets an object."""
-    from gateway.chat_messages import chat_text
+    from gateway.openai.chat_messages import chat_text
 
     tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda *a, **k: "x" + {"a": 1})  # type: ignore[operator]
     with pytest.raises(ApiError, match="chat template rejected"):

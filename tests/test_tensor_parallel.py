@@ -17,7 +17,7 @@ from executor.loader import load_weights
 from executor.model_config import load_config
 from executor.parallel import CMD_PING, ShardLayout, TensorParallel
 from executor.shard_loader import load_shard
-from scheduler import LLM
+from gateway.llm import LLM
 from tests.test_engine import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model

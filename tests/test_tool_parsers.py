@@ -1,4 +1,4 @@
-"""Tool-call parsers for ``tool_choice: "auto"`` (`gateway.tool_parsers`): what they find in free-form
+"""Tool-call parsers for ``tool_choice: "auto"`` (`gateway.output.tool_parsers`): what they find in free-form
 text, that a stream fed in any pieces agrees with the whole response, and the settings around them."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 
 from common.protocol import JournalHeader, decode, encode
-from gateway.config import GatewayConfig
-from gateway.generation import Piece
-from gateway.journal import journal_body, journaled_spec
-from gateway.json_input import ApiError
-from gateway.openai_schema import ChatParsers, parse_chat
-from gateway.responses import ResponseFormatter
-from gateway.server import build_parser, main
-from gateway.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
+from gateway.engine.journal import journal_body, journaled_spec
+from gateway.http.config import GatewayConfig
+from gateway.http.errors import ApiError
+from gateway.http.server import build_parser, main
+from gateway.openai.schema import ChatParsers, parse_chat
+from gateway.output.generation import Piece
+from gateway.output.responses import ResponseFormatter
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
 
 pytestmark = pytest.mark.unit
 
@@ -135,7 +135,7 @@ def test_auto_answers_tool_calls_streamed_or_not() -> None:
     assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a":1,"b":"é"}'}]
     assert calls[0]["id"].startswith("chatcmpl-tool-")
     fmt = _formatter(True)
-    chunks = [c for p in pieces for c in fmt.stream_piece(p, 9)]
+    chunks = [c for p in pieces for c in fmt.stream_piece(p)]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"content": "Adding. "} and len(chunks) == 2  # the call's text is held back
     assert deltas[-1] == {"tool_calls": [{"index": 0, **calls[0]}]} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -145,12 +145,12 @@ def test_auto_answers_tool_calls_streamed_or_not() -> None:
     assert len(_formatter(False).choice(two)["message"]["tool_calls"]) == 2
     single = _formatter(False, parallel_tool_calls=False)
     assert [c["function"]["name"] for c in single.choice(two)["message"]["tool_calls"]] == ["add"]
-    streamed_one = _formatter(True, parallel_tool_calls=False).stream_piece(two[0], 9)
+    streamed_one = _formatter(True, parallel_tool_calls=False).stream_piece(two[0])
     assert [c["function"]["name"] for c in streamed_one[-1]["choices"][0]["delta"]["tool_calls"]] == ["add"]
     cut = [Piece("Adding. "), Piece(ONE[:30], finish_reason="length")]
     assert _formatter(False).choice(cut)["message"] == {"role": "assistant", "content": "Adding. " + ONE[:30]}
     fmt = _formatter(True)
-    streamed = [c["choices"][0] for p in cut for c in fmt.stream_piece(p, 9)]
+    streamed = [c["choices"][0] for p in cut for c in fmt.stream_piece(p)]
     assert "".join(c["delta"].get("content", "") for c in streamed) == "Adding. " + ONE[:30]
     assert streamed[-1]["finish_reason"] == "length"
 
@@ -162,8 +162,8 @@ def test_auto_needs_a_parser_which_reads_the_output_of_any_constraint() -> None:
     spec = parse_chat(BODY, HERMES_ONLY)
     assert spec.structured is not None and spec.structured.tool_call is not None
     assert (spec.structured.tool_call.kind, spec.structured.tool_call.parser) == ("parsed", "hermes")
-    assert spec.sampling.structured_outputs is None and not spec.skip_special_tokens  # (tags may be special tokens)
-    assert parse_chat({**BODY, "tool_choice": "none"}, HERMES_ONLY).skip_special_tokens  # no tools read: as asked
+    assert spec.sampling.structured_outputs is None and not spec.sampling.skip_special_tokens  # (tags may be special tokens)
+    assert parse_chat({**BODY, "tool_choice": "none"}, HERMES_ONLY).sampling.skip_special_tokens  # no tools read: as asked
     regex = parse_chat({**BODY, "structured_outputs": {"regex": "<tool_call>.*"}}, HERMES_ONLY)
     assert regex.sampling.structured_outputs is not None and regex.structured.tool_call.kind == "parsed"  # type: ignore[union-attr]
     required = parse_chat({**BODY, "tool_choice": "required"}, HERMES_ONLY)
@@ -219,7 +219,7 @@ def test_mistral_reads_both_of_its_formats_and_gives_nine_character_ids() -> Non
     assert split_calls(MISTRAL, new, False)[1] is None  # no end tag: cut by the length limit, maybe incomplete
     spec = parse_chat({**BODY, "stream": True}, ChatParsers("mistral"))
     fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
-    chunks = [c for p in (Piece("[TOOL_"), Piece("CALLS]add[ARGS]{}", finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    chunks = [c for p in (Piece("[TOOL_"), Piece("CALLS]add[ARGS]{}", finish_reason="stop")) for c in fmt.stream_piece(p)]
     (call,) = chunks[-1]["choices"][0]["delta"]["tool_calls"]
     assert len(call["id"]) == 9 and call["id"].isalnum() and call["function"] == {"name": "add", "arguments": "{}"}
     whole = ResponseFormatter(parse_chat(BODY, ChatParsers("mistral")), "chatcmpl-1", "m", None, 3, None)
@@ -291,7 +291,7 @@ def test_qwen3_coder_reads_xml_calls_typed_by_the_tools_schemas() -> None:
     spec = parse_chat({**BODY, "tools": tools, "stream": True}, ChatParsers("qwen3_coder"))
     fmt = ResponseFormatter(spec, "chatcmpl-1", "m", None, 3, None)
     call = "<tool_call>\n<function=edit>\n<parameter=line>\n7\n</parameter>\n</function>\n</tool_call>"
-    chunks = [c for p in (Piece(call[:20]), Piece(call[20:], finish_reason="stop")) for c in fmt.stream_piece(p, 2)]
+    chunks = [c for p in (Piece(call[:20]), Piece(call[20:], finish_reason="stop")) for c in fmt.stream_piece(p)]
     assert chunks[-1]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "edit", "arguments": '{"line":7}'}
 
 

@@ -63,7 +63,7 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def expected(tiny_model: Any) -> str:
-    from scheduler import LLM
+    from gateway.llm import LLM
 
     llm = LLM(str(tiny_model()), num_blocks=NUM_BLOCKS, num_threads=1)
     return llm.generate(["def f("], SamplingParams(temperature=0.0, max_tokens=40))[0].text

@@ -1,8 +1,10 @@
-"""Responses with several choices: ``n`` > 1, ``best_of``, or a list of prompts (completions).
+"""The one request path of ``/v1/completions`` and ``/v1/chat/completions``: prompts in, one or
+several choices out, whole or streamed, and ``GET /v1/streams/{id}``, which resumes a stream.
 
-Each choice is a request of its own in the engine (`Generation`), so every one is tracked,
+Every choice is a request of its own in the engine (`Generation`), so every one is tracked,
 migrated and aborted by the `EngineClient` like any request (vLLM fans out the same way:
-`common.parallel_sampling`). The children of one prompt share a ``group_id`` and go to the engine
+`common.parallel_sampling`); a response of one choice is the case k = 1, with the engine request
+id of the response itself. The children of one prompt share a ``group_id`` and go to the engine
 the first one went to, where the scheduler makes them share the prompt's KV blocks. Choice
 indices follow vLLM: prompt ``i``, sample ``j`` -> ``i * n + j``; with ``best_of`` the ``n``
 children with the highest cumulative logprob are returned (best first). ``usage`` counts every
@@ -12,9 +14,9 @@ prompt once and every generated token, the discarded candidates' too (as OpenAI 
 Streaming interleaves the choices' chunks as their tokens arrive, each with its ``index`` and
 each ending with its ``finish_reason``; a final usage chunk covers them all. With ``echo`` and
 logprobs, each choice's echo chunk carries its prompt's logprobs, which child 0 computed
-(`gateway.choice_stream.SharedPromptLogprobs`). Such a stream is journaled (all its choices in
-one journal: `gateway.journal`) and ``GET /v1/streams/{id}`` resumes it (`resume_choices`) with
-event ids that count each choice's events (`gateway.choice_stream`).
+(`gateway.output.streaming.SharedPromptLogprobs`). A stream is journaled (all its choices
+in one journal: `gateway.engine.journal`) and ``GET /v1/streams/{id}`` resumes it (`resume`)
+with event ids that count each choice's events (`gateway.output.streaming.ChoiceCursor`).
 """
 
 from __future__ import annotations
@@ -30,23 +32,24 @@ from typing import Any
 from fastapi import Request
 
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, ranks_by_logprob, select_best
-from common.protocol import EngineStatus, JournalHeader, Route, encode
+from common.protocol import EngineStatus, JournalHeader, encode
 from common.sampling_params import sampling_to_dict, wire_size
 from common.transport import Outgoing
-from gateway.choice_stream import ChoiceCursor, stream_choices
-from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import Journal, journal_body, journaled_spec, stream_not_found
-from gateway.json_input import ApiError
-from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import ChatParsers, GenerationSpec
-from gateway.responses import ResponseFormatter, stream_events
-from gateway.router import EngineClient, RequestIdInUse
-from gateway.tokenization import InputWorkers, echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
+from gateway.engine.client import EngineClient, RequestIdInUse
+from gateway.engine.journal import Journal, journal_body, journaled_spec, stream_not_found
+from gateway.http.errors import ApiError
+from gateway.http.metrics import GatewayMetrics
+from gateway.openai.input_workers import InputWorkers
+from gateway.openai.schema import ChatParsers, GenerationSpec
+from gateway.openai.tokenization import echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
+from gateway.output.generation import Generation, Piece, RequestLog, SequenceRequest
+from gateway.output.responses import ResponseFormatter
+from gateway.output.streaming import ChoiceCursor, stream_choices
 
 
 @dataclass(slots=True)
-class FanoutContext:
-    """What serving a multi-choice request needs from the app."""
+class ServeContext:
+    """What serving a completion request needs from the app."""
 
     client: EngineClient
     tokenizer: Any
@@ -65,12 +68,7 @@ class _Prompt:
     echo: str | None
 
 
-def needs_fanout(spec: GenerationSpec) -> bool:
-    """More than one choice, or children ranked by ``best_of``."""
-    return spec.prompts is not None or num_children(spec.sampling) > 1
-
-
-async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prompt], list[int]]:
+async def _prompts(ctx: ServeContext, spec: GenerationSpec) -> tuple[list[_Prompt], list[int]]:
     """Each prompt's token ids and echo text, and its ``max_tokens`` (400s as for one prompt)."""
     items: list[Any] = spec.prompts if spec.prompts is not None else [None]
     out: list[_Prompt] = []
@@ -93,8 +91,8 @@ async def _prompts(ctx: FanoutContext, spec: GenerationSpec) -> tuple[list[_Prom
 MAX_FANOUT_SAMPLING_BYTES = 4 << 20
 
 
-async def serve_choices(
-    ctx: FanoutContext,
+async def serve(
+    ctx: ServeContext,
     request: Request,
     spec: GenerationSpec,
     ids: tuple[str, str, bool],
@@ -106,18 +104,19 @@ async def serve_choices(
     response_id, engine_id, client_chose = ids
     prompts, budgets = await _prompts(ctx, spec)
     k = num_children(spec.sampling)
-    if len(ctx.client.requests) + k * len(prompts) > ctx.max_inflight:
+    sequences = k * len(prompts)
+    if len(ctx.client.requests) + sequences > ctx.max_inflight:
         raise ApiError(
             429,
-            f"too many requests in flight ({ctx.max_inflight}; this one needs {k * len(prompts)}); retry shortly",
+            f"too many requests in flight ({ctx.max_inflight}; this one needs {sequences}); retry shortly",
             "rate_limit_error",
             code="too_many_requests",
         )
-    size = wire_size(spec.sampling) * k * len(prompts)
-    if size > MAX_FANOUT_SAMPLING_BYTES:
+    # (one sequence carries its parameters once, as any request: the limit is on their copies)
+    if sequences > 1 and (size := wire_size(spec.sampling) * sequences) > MAX_FANOUT_SAMPLING_BYTES:
         raise ApiError(
             400,
-            f"this request's {k * len(prompts)} sequences would carry {size} bytes of sampling parameters "
+            f"this request's {sequences} sequences would carry {size} bytes of sampling parameters "
             f"(allowed_token_ids, bad_words, a grammar...), over {MAX_FANOUT_SAMPLING_BYTES}: send fewer prompts, "
             "a smaller n or best_of, or shorter lists",
             param="n",
@@ -134,19 +133,18 @@ async def serve_choices(
             raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
         gens.append(
             [
-                Generation(
-                    ctx.client,
-                    ctx.tokenizer,
-                    f"{engine_id}-{i}-{j}",
-                    prompt.ids,
-                    child_params(sampling, j),
-                    spec.stop,
-                    spec.include_stop_str_in_output,
-                    spec.skip_special_tokens,
-                    ctx.metrics.request(ctx.model, len(prompt.ids), arrival),
-                    RequestLog(response_id, ctx.model, spec.kind, spec.stream, arrival),
-                    spec.priority,
-                    spec.cache_salt,
+                _generation(
+                    ctx,
+                    spec,
+                    SequenceRequest(
+                        engine_id if sequences == 1 else f"{engine_id}-{i}-{j}",
+                        prompt.ids,
+                        child_params(sampling, j),
+                        spec.priority,
+                        spec.cache_salt,
+                    ),
+                    response_id,
+                    arrival,
                 )
                 for j in range(k)
             ]
@@ -183,7 +181,7 @@ async def serve_choices(
 
 
 def _journal_headers(
-    ctx: FanoutContext,
+    ctx: ServeContext,
     spec: GenerationSpec,
     body: dict[str, Any],
     response_id: str,
@@ -192,7 +190,7 @@ def _journal_headers(
     budgets: list[int],
     gens: list[list[Generation]],
 ) -> list[Outgoing]:
-    """A stream's journal headers, one per prompt naming its choices (`gateway.journal`)."""
+    """A stream's journal headers, one per prompt naming its choices (`gateway.engine.journal`)."""
     return [
         Outgoing(
             ctx.client.names.journal(response_id),
@@ -219,17 +217,22 @@ def _journal_headers(
     ]
 
 
+def _generation(
+    ctx: ServeContext, spec: GenerationSpec, request: SequenceRequest, response_id: str, arrival: float | None = None
+) -> Generation:
+    """The `Generation` of one sequence of a response (``arrival``: when this gateway got the
+    request; None for a stream resumed here, whose times began on another gateway)."""
+    metrics = ctx.metrics.request(ctx.model, len(request.prompt_token_ids), arrival)
+    log = RequestLog(response_id, ctx.model, spec.kind, spec.stream, arrival)
+    return Generation(ctx.client, ctx.tokenizer, request, metrics, log)
+
+
 def _formatter(
-    spec: GenerationSpec, response_id: str, ctx: FanoutContext, prompt: _Prompt, index: int, created: int
+    spec: GenerationSpec, response_id: str, ctx: ServeContext, prompt: _Prompt, index: int, created: int
 ) -> ResponseFormatter:
     fmt = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, len(prompt.ids), prompt.echo, index, prompt.ids)
     fmt.created = created
-    fmt.final_usage = False  # one usage chunk for all choices, at the end
     return fmt
-
-
-def _tokens_and_logprobs(pieces: list[Piece]) -> tuple[list[int], list[dict[int, float] | None]]:
-    return [t for p in pieces for t in p.token_ids], [e for p in pieces for e in p.logprobs]
 
 
 def _with_prompt_logprobs(pieces: list[Piece], first_child: list[Piece]) -> list[Piece]:
@@ -306,45 +309,10 @@ async def _collect(request: Request, gens: list[Generation]) -> list[list[Piece]
     return pieces
 
 
-async def resume_choice(
-    ctx: FanoutContext, response_id: str, header: JournalHeader, route: Route, journal: Journal, last_event_id: str
-) -> AsyncIterator[str]:
-    """Resume a stream of one choice from its ``journal`` (`gateway.journal.read_journal`): the
-    request is adopted, and the events up to ``Last-Event-ID`` (a number) are not sent again."""
-    if not (last_event_id.isascii() and last_event_id.isdigit()) or len(last_event_id) > 9:
-        raise ApiError(400, f"Last-Event-ID must be an event number, got {last_event_id[:20]!r}", param="Last-Event-ID")
-    spec = journaled_spec(header)
-    spec.sampling.max_tokens = header.max_tokens
-    await resolve_bad_words(ctx.workers, ctx.tokenizer, ctx.lock, spec)
-    ids = header.prompt_token_ids
-    try:
-        handle = await ctx.client.adopt(
-            response_id, ids, sampling_to_dict(spec.sampling), route, journal.outputs, spec.priority, spec.cache_salt
-        )
-    except RequestIdInUse as exc:
-        raise ApiError(409, str(exc), code="stream_in_use") from None
-    gen = Generation(
-        ctx.client,
-        ctx.tokenizer,
-        handle.request_id,
-        ids,
-        spec.sampling,
-        spec.stop,
-        spec.include_stop_str_in_output,
-        spec.skip_special_tokens,
-        ctx.metrics.request(header.served_model, len(ids), None),
-        RequestLog(response_id, header.served_model, header.kind, True, None),
-    )
-    gen.handle = handle
-    fmt = ResponseFormatter(spec, response_id, header.served_model, ctx.tokenizer, len(ids), header.echo_text, 0, ids)
-    fmt.created = header.created
-    return stream_events(gen, fmt, int(last_event_id))
-
-
-async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal, last_event_id: str) -> AsyncIterator[str]:
-    """Resume a multi-choice stream from its ``journal`` (`gateway.journal.read_journal`): every
-    choice is adopted as a stream of one choice is, and the events the client has
-    (``Last-Event-ID``, `ChoiceCursor`) are skipped."""
+async def resume(ctx: ServeContext, response_id: str, journal: Journal, last_event_id: str) -> AsyncIterator[str]:
+    """Resume a stream from its ``journal`` (`gateway.engine.journal.read_journal`): every choice's
+    request is adopted (`EngineClient.adopt`: its journaled outputs first, then live), and the
+    events the client has (``Last-Event-ID``, `ChoiceCursor`) are skipped."""
     ids = [rid for header in journal.headers for rid in header.choice_ids]
     if not ids or any(rid not in journal.routes for rid in ids):
         raise stream_not_found(response_id)
@@ -372,17 +340,8 @@ async def resume_choices(ctx: FanoutContext, response_id: str, journal: Journal,
                     spec.priority,
                     spec.cache_salt,
                 )
-                gen = Generation(
-                    ctx.client,
-                    ctx.tokenizer,
-                    handle.request_id,
-                    prompt.ids,
-                    child,
-                    spec.stop,
-                    spec.include_stop_str_in_output,
-                    spec.skip_special_tokens,
-                    ctx.metrics.request(ctx.model, len(prompt.ids), None),
-                    RequestLog(response_id, ctx.model, spec.kind, True, None),
+                gen = _generation(
+                    ctx, spec, SequenceRequest(handle.request_id, prompt.ids, child, spec.priority, spec.cache_salt), response_id
                 )
                 gen.handle = handle
                 gens.append(gen)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.stop import tag_prefix
+from gateway.output.stop import tag_prefix
 
 # One call: the function's name and its arguments as a JSON string.
 Call = tuple[str, str]

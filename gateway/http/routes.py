@@ -5,15 +5,16 @@ response on any gateway.
 Request ids: a completion's response id is the client's ``X-Request-Id`` when it sends one (else
 ``cmpl-<hex>`` / ``chatcmpl-<hex>``), and every completion response (errors included, once the
 id is known) carries it back in an ``X-Request-Id`` header. What makes ids that clients chose
-safe to share is in `gateway.router`: the engine id gets a random suffix, and a stream's id must
-be free (no journal under it), else 409.
+safe to share is in `gateway.engine.client`: the engine id gets a random suffix, and a stream's
+id must be free (no journal under it), else 409.
 
-Resumable streams: every SSE event carries an ``id:`` (1, 2, ...). A streaming response is
-journaled in Redis (``journal:<response id>``: a `JournalHeader`, the `Route` of each attempt,
-then every engine output, written before the client sees what it produces), so the events are a
-pure function of the journal. Another gateway replays it, skips what the client has
-(``Last-Event-ID``), adopts the request in its engine (`SyncRequest`) and continues live. A
-response with several choices shares one journal among them (`gateway.journal`, `gateway.fanout`).
+Completions, of one choice or several, whole or streamed, take one path
+(`gateway.http.completions`). Resumable streams: every SSE event carries an ``id:``
+(`gateway.output.streaming.ChoiceCursor`). A streaming response is journaled in Redis
+(``journal:<response id>``: one `JournalHeader` per prompt, the `Route` of each attempt of each
+choice, then every engine output, written before the client sees what it produces), so the
+events are a pure function of the journal. Another gateway replays it, skips what the client has
+(``Last-Event-ID``), adopts the requests in their engines (`SyncRequest`) and continues live.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.generation_config import apply_sampling_defaults
-from common.protocol import EngineStatus, JournalHeader, Names, encode
+from common.protocol import EngineStatus, Names
 from common.redis_errors import REDIS_FAILURES
-from common.transport import Outgoing
-from gateway.config import GatewayConfig
-from gateway.fanout import FanoutContext, needs_fanout, resume_choice, resume_choices, serve_choices
-from gateway.generation import Generation, Piece, RequestLog
-from gateway.journal import journal_body, read_journal, stream_not_found
-from gateway.json_input import LARGE_INPUT_BYTES, ApiError
-from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from gateway.openai_schema import (
+from gateway.engine.client import EngineClient
+from gateway.engine.journal import read_journal, stream_not_found
+from gateway.http.completions import ServeContext, resume, serve
+from gateway.http.config import GatewayConfig
+from gateway.http.errors import ApiError
+from gateway.http.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from gateway.http.request_ids import header_request_id, request_id_of
+from gateway.openai.input_workers import InputWorkers
+from gateway.openai.json_input import LARGE_INPUT_BYTES, read_json
+from gateway.openai.schema import (
     BYTES_PER_TOKEN_ID,
     GenerationSpec,
     parse_chat,
@@ -51,20 +54,13 @@ from gateway.openai_schema import (
     parse_detokenize,
     parse_tokenize,
 )
-from gateway.request_ids import header_request_id, request_id_of
-from gateway.responses import EventStreamResponse, ResponseFormatter, stream_events
-from gateway.router import EngineClient
-from gateway.tokenization import (
-    InputWorkers,
+from gateway.openai.tokenization import (
     Tokenizers,
     detokenize,
-    echo_text,
-    prepare_prompt,
-    read_json,
     tokenize_only,
-    tokenizes_inline,
 )
-from gateway.vllm_fields import check_priority
+from gateway.openai.vllm_fields import check_priority
+from gateway.output.responses import EventStreamResponse
 
 logger = logging.getLogger("conveyor.gateway")
 SHUTDOWN_TIMEOUT_S = 5.0  # the most the lifespan's clean-up may take (aborts, key deletes, close)
@@ -123,7 +119,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else {}
         response_id = getattr(request.state, "response_id", None)
-        if response_id is not None:  # set once a completion request's id is known (`serve`)
+        if response_id is not None:  # set once a completion request's id is known (`response_ids`)
             headers["X-Request-Id"] = response_id
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
@@ -234,7 +230,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        """Prometheus metrics of the whole deployment (`gateway.metrics`); no API key, as /health."""
+        """Prometheus metrics of the whole deployment (`gateway.http.metrics`); no API key, as /health."""
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     version_body = {"version": package_version()}  # read once: each read parses the package metadata (0.5 ms)
@@ -249,7 +245,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
         client_id = request_id_of(request, header_id, body)  # (first: a 400 below echoes it too)
-        return await serve(request, parse_completion(body), body, client_id)
+        return await complete(request, parse_completion(body), body, client_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -257,7 +253,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         header_id = header_request_id(request)
         body = await read_json(request, config.max_body_bytes, workers)
         client_id = request_id_of(request, header_id, body)
-        return await serve(request, parse_chat(body, config.chat_parsers), body, client_id)
+        return await complete(request, parse_chat(body, config.chat_parsers), body, client_id)
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request) -> Response:
@@ -282,79 +278,23 @@ def create_app(config: GatewayConfig) -> FastAPI:
         text = await workers.run(BYTES_PER_TOKEN_ID * len(tokens) > LARGE_INPUT_BYTES, detokenize, tokenizer, tokens, info)
         return JSONResponse({"prompt": text})
 
-    async def serve(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
+    def context(info: EngineStatus, tokenizer: Any, model: str) -> ServeContext:
+        limit, parsers = config.max_inflight, config.chat_parsers
+        return ServeContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, model, limit, parsers)
+
+    async def complete(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
         arrival = time.monotonic()
         info = ready_info()
         name = check_model(spec.model, info)
         check_priority(spec.priority, client.engines.values())
         tokenizer = await tokenizers.get(info)
         apply_sampling_defaults(spec.sampling, body, tokenizers.sampling_defaults)
-        if needs_fanout(spec):
-            response_id, engine_id = response_ids(request, spec, client_id)
-            limit, parsers = config.max_inflight, config.chat_parsers
-            ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, name, limit, parsers)
-            out = await serve_choices(ctx, request, spec, (response_id, engine_id, client_id is not None), body, arrival)
-            return (
-                JSONResponse(out, headers={"X-Request-Id": response_id})
-                if isinstance(out, dict)
-                else event_stream(out, response_id)
-            )
-        prompt_ids, prompt_text, max_tokens = await prepare_prompt(
-            workers, tokenizer, tokenizers.call_lock, spec, info, tokenizes_inline(spec, tokenizer)
-        )
-        n_prompt = len(prompt_ids)
-        spec.sampling.max_tokens = max_tokens
-        try:
-            spec.sampling.validate(info.vocab_size)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
-        if len(client.requests) >= config.max_inflight:
-            raise ApiError(
-                429,
-                f"too many requests in flight ({config.max_inflight}); retry shortly",
-                "rate_limit_error",
-                code="too_many_requests",
-            )
         response_id, engine_id = response_ids(request, spec, client_id)
-        gen = Generation(
-            client,
-            tokenizer,
-            engine_id,
-            prompt_ids,
-            spec.sampling,
-            spec.stop,
-            spec.include_stop_str_in_output,
-            spec.skip_special_tokens,
-            metrics.request(name, n_prompt, arrival),
-            RequestLog(response_id, name, spec.kind, spec.stream, arrival),
-            spec.priority,
-            spec.cache_salt,
-        )
-        echo = echo_text(spec, prompt_text, prompt_ids, tokenizer)
-        fmt = ResponseFormatter(spec, response_id, name, tokenizer, n_prompt, echo, 0, prompt_ids)
-        if not spec.stream:
-            await gen.start()
-            return JSONResponse(await collect(request, gen, fmt), headers={"X-Request-Id": response_id})
-        parsers = config.chat_parsers
-        header = JournalHeader(
-            response_id,
-            spec.kind,
-            journal_body(body, spec.kind),
-            name,
-            fmt.created,
-            max_tokens,
-            prompt_ids,
-            echo,
-            tool_parser=parsers.tools or "",
-            reasoning_parser=parsers.reasoning or "",
-            reasoning_phase=spec.reasoning_phase,
-        )
-        first = Outgoing(client.names.journal(response_id), encode(header), None, client.journal_ttl_ms)
-        if client_id is None:  # a fresh id: the journal goes out with the request, in one round trip
-            await gen.start(response_id, [first])
-        else:  # a client's id may be taken: the journal is claimed first
-            await gen.start(response_id, claim=first)
-        return event_stream(stream_events(gen, fmt, 0), response_id)
+        ids = (response_id, engine_id, client_id is not None)
+        out = await serve(context(info, tokenizer, name), request, spec, ids, body, arrival)
+        if isinstance(out, dict):
+            return JSONResponse(out, headers={"X-Request-Id": response_id})
+        return event_stream(out, response_id)
 
     def response_ids(request: Request, spec: GenerationSpec, client_id: str | None) -> tuple[str, str]:
         """The response id and the engine id (vLLM's rule: a client's id gets a random suffix)."""
@@ -370,17 +310,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         check_key(request)
         last = request.headers.get("last-event-id", "").strip() or "0"  # empty: nothing yet, as for n > 1
         journal = await read_journal(client, response_id)
-        header, route = journal.single()
-        if header is None or route is None:
+        if not journal.headers:
             raise stream_not_found(response_id)
         # The journal holds what was streamed: a stream that ended resumes without a live engine
         # (one that did not waits for an engine, as any request whose engine is gone).
         info = client.model_info or ready_info()
         tokenizer = await tokenizers.get(info)
-        ctx = FanoutContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, header.served_model, 0)
-        if header.choice_ids:  # several choices, one journal (`gateway.fanout`)
-            return event_stream(await resume_choices(ctx, response_id, journal, last), response_id)
-        return event_stream(await resume_choice(ctx, response_id, header, route, journal, last), response_id)
+        ctx = context(info, tokenizer, journal.headers[0].served_model)
+        return event_stream(await resume(ctx, response_id, journal, last), response_id)
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> EventStreamResponse:
         # The id in a header too: a client whose gateway dies before the first event can still resume.
@@ -389,29 +326,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": response_id},
         )
-
-    async def collect(request: Request, gen: Generation, fmt: ResponseFormatter) -> dict[str, Any]:
-        pieces: list[Piece] = []
-
-        async def run() -> None:
-            async for piece in gen.pieces():
-                pieces.append(piece)
-
-        task = asyncio.create_task(run())
-        try:
-            # A non-streaming client that hangs up must abort its request too.
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    raise ApiError(499, "client disconnected")
-            task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-        return fmt.full_response(pieces, gen.num_completion_tokens)
 
     return app
 

@@ -1,12 +1,14 @@
-"""The SSE events of a streamed response with several choices, and their resumable event ids.
+"""The SSE events of a streamed response, of one choice or several, and their resumable ids.
 
 The choices' chunks are interleaved as their tokens arrive, an order a resumed stream cannot
 reproduce (it replays each choice's journaled outputs, then continues live). So the id of each
-event says how many events of *every* choice the client has: ``c0.5-c1.3`` (choice 0: 5 events,
-choice 1: 3); the closing event (the usage chunk, or an error) adds ``-end``, ``[DONE]`` adds
-``-done``. A client sends the last id back verbatim (``Last-Event-ID``, as any EventSource
-does), and the resumed stream skips, per choice, the events it has: every choice's events are
-a pure function of its journaled outputs, so none is lost or sent twice, whatever the interleaving.
+event says what the client has of *every* choice: ``c0.5-c1.3`` (choice 0: 5 events, choice 1:
+3); the closing event (the usage chunk, or an error) adds ``-end``, ``[DONE]`` adds ``-done``. A
+stream of one choice writes the same count alone, its closing events counted in it: ``1``,
+``2``, ... (`ChoiceCursor.event_id`). A client sends the last id back verbatim
+(``Last-Event-ID``, as any EventSource does), and the resumed stream skips, per choice, the
+events it has: every choice's events are a pure function of its journaled outputs, so none is
+lost or sent twice, whatever the interleaving.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
-from gateway.generation import Generation, Piece
-from gateway.json_input import ApiError
-from gateway.responses import ResponseFormatter, done_event, sse
+from gateway.http.errors import ApiError
+from gateway.output.generation import Generation, Piece
+from gateway.output.responses import ResponseFormatter, done_event, sse
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -28,19 +31,31 @@ MAX_COUNT_DIGITS = 9
 
 @dataclass(slots=True)
 class ChoiceCursor:
-    """What a client has of a multi-choice stream: events per choice, and whether the closing one."""
+    """What a client has of a stream: events per choice, and whether the closing one."""
 
     counts: list[int]
     closed: bool = False
 
     def event_id(self, tail: str = "") -> str:
+        """The id of an event after which the client has this: ``tail`` "end" for the closing
+        event, "done" for ``[DONE]``. One choice: the number of events, closing ones included."""
+        if len(self.counts) == 1:
+            return str(self.counts[0] + (tail == "end" or (tail == "done" and self.closed)) + (tail == "done"))
         return "-".join([*(f"c{i}.{n}" for i, n in enumerate(self.counts)), *([tail] if tail else [])])
+
+    def has_closing(self, counts: list[int]) -> bool:
+        """Whether the client has the closing event of a stream whose choices had ``counts`` events."""
+        return self.counts[0] > counts[0] if len(self.counts) == 1 else self.closed
 
     @classmethod
     def parse(cls, last_event_id: str, num_choices: int) -> ChoiceCursor:
         """``Last-Event-ID`` of a stream of ``num_choices`` choices ("" or "0": nothing yet); 400 if not one."""
         if last_event_id in ("", "0"):
             return cls([0] * num_choices)
+        if num_choices == 1:
+            if not (last_event_id.isascii() and last_event_id.isdigit()) or len(last_event_id) > MAX_COUNT_DIGITS:
+                raise ApiError(400, f"Last-Event-ID must be an event number, got {last_event_id[:20]!r}", param="Last-Event-ID")
+            return cls([int(last_event_id)])
         parts = last_event_id.split("-")
         closed = parts[-1] in ("end", "done")
         counts = parts[:-1] if closed else parts
@@ -85,6 +100,17 @@ async def stream_choices(
         cursor.counts[i] = counts[i]
         return True
 
+    def position() -> ChoiceCursor:
+        """Where the stream's closing events stand: per choice, the most of what the client had and
+        what was sent; one choice's ids are positions in its one sequence of events."""
+        return cursor if len(counts) > 1 else ChoiceCursor(counts, cursor.closed)
+
+    def closing(body: dict[str, Any]) -> str:
+        """The closing event (sent unless the client has it); ``[DONE]``'s id counts it."""
+        sent = "" if have.has_closing(counts) else sse(body, position().event_id("end"))
+        cursor.closed = True
+        return sent
+
     async def run(i: int) -> None:
         try:
             async for piece in gens[i].pieces():
@@ -94,7 +120,9 @@ async def stream_choices(
             await queue.put((i, exc))
 
     tasks = [asyncio.create_task(run(i)) for i in range(len(gens))]
-    tail = ""  # the closing event leaves with [DONE], in one write (`EventStreamResponse`)
+    # The last events leave with [DONE], in one write (`EventStreamResponse`): the last choice's
+    # last piece, the closing event.
+    tail = ""
     try:
         # The events that are ready together (a piece's chunks) are yielded as one item: one write.
         if start := "".join(
@@ -108,29 +136,33 @@ async def stream_choices(
                 remaining -= 1
                 continue
             if isinstance(item, BaseException):
-                body = item.body() if isinstance(item, ApiError) else ApiError(500, "internal error", "server_error").body()
-                if not have.closed:
-                    tail = sse(body, cursor.event_id("end"))
+                if not isinstance(item, ApiError):
+                    logger.error("streaming %s failed", envelope.request_id, exc_info=item)
+                    item = ApiError(500, "internal error; see the gateway log", "server_error")
+                tail += closing(item.body())
                 break
-            events = [
+            events = "".join(
                 sse(chunk, cursor.event_id())
                 for j, piece in echoes.ready(i, item)
-                for chunk in formatters[j].stream_piece(piece, gens[j].num_completion_tokens)
+                for chunk in formatters[j].stream_piece(piece)
                 if new(j)
-            ]
-            if events:
-                yield "".join(events)
+            )
+            if tail:  # not the last events after all
+                yield tail
+            tail = events if item.finish_reason is not None and remaining == 1 else ""
+            if events and not tail:
+                yield events
         else:
-            if envelope.spec.include_usage and not have.closed:
-                tail = sse(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)), cursor.event_id("end"))
+            if envelope.spec.include_usage:
+                tail += closing(envelope.usage_chunk(sum(g.num_completion_tokens for g in gens)))
     except Exception:  # a bug here: the client gets an error event and [DONE], not a cut connection
         logger.exception("streaming %s failed", envelope.request_id)
-        tail = sse(ApiError(500, "internal error; see the gateway log", "server_error").body(), cursor.event_id("end"))
+        tail += closing(ApiError(500, "internal error; see the gateway log", "server_error").body())
     finally:
         for t in tasks:
             if not t.done():
                 t.cancel()
-    yield tail + done_event(cursor.event_id("done"))
+    yield tail + done_event(position().event_id("done"))
 
 
 class SharedPromptLogprobs:

@@ -1,5 +1,5 @@
 """vLLM's request fields beyond OpenAI's: the ones this server honours, parsed here for
-`gateway.openai_schema`, and the ones it refuses unless neutral (ignored, they would look like
+`gateway.openai.schema`, and the ones it refuses unless neutral (ignored, they would look like
 support). Each parser gives a 400 naming its field.
 """
 
@@ -10,7 +10,8 @@ from typing import Any
 
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
-from gateway.json_input import all_ints, bad, get_field, get_int, preview
+from gateway.http.errors import bad
+from gateway.openai.json_input import all_ints, get_field, get_int, preview
 
 # A cache salt longer than this protects no better (vLLM suggests 43 base64 characters, 256 bits).
 MAX_CACHE_SALT_CHARS = 1024

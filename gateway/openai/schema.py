@@ -1,13 +1,13 @@
-"""OpenAI request parsing and validation (the error format is `gateway.json_input.ApiError`).
+"""OpenAI request parsing and validation (the error format is `gateway.openai.json_input.ApiError`).
 
 Parsing is by hand rather than with pydantic models so every rejection carries OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}`` with a message that names the field
 and what was wrong. Unknown fields are ignored (clients send many); fields whose non-default
 values we cannot honour (``suffix``, ``best_of`` on chat...) are rejected. Structured outputs
-and tools are parsed in `gateway.structured`, vLLM's own fields in `gateway.vllm_fields`.
+and tools are parsed in `gateway.openai.structured`, vLLM's own fields in `gateway.openai.vllm_fields`.
 
 No input gets past here as a 500 or as work that would slow other requests: the body has been
-through `gateway.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
+through `gateway.openai.json_input` (JSON, bounded nesting, valid Unicode; typed getters);
 integers are range-checked (`SamplingParams.validate`); lists are bounded, since parsing runs on
 the event loop, except prompt token ids, which `check_token_ids` checks later in a worker thread.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.sampling_params import INT32_MAX, SamplingParams
-from gateway.chat_messages import TemplateOptions, parse_messages, parse_template_options
-from gateway.json_input import (
+from gateway.http.errors import bad
+from gateway.openai.chat_messages import TemplateOptions, parse_messages, parse_template_options
+from gateway.openai.json_input import (
     all_ints,
-    bad,
     get_bool,
     get_field,
     get_int,
@@ -32,8 +32,8 @@ from gateway.json_input import (
     preview,
     typename,
 )
-from gateway.structured import StructuredRequest, parse_structured, parse_tools
-from gateway.vllm_fields import (
+from gateway.openai.structured import StructuredRequest, parse_structured, parse_tools
+from gateway.openai.vllm_fields import (
     CHAT_TEMPLATE_FIELDS,
     UNSUPPORTED_VLLM_FIELDS,
     parse_allowed_token_ids,
@@ -79,13 +79,10 @@ class GenerationSpec:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # every chunk carries the usage so far, not only the last
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     add_special_tokens: bool = True
     echo: bool = False
     logprobs: int | None = None  # top-N per token; None: no logprobs
-    structured: StructuredRequest | None = None  # structured output / tools (`gateway.structured`)
+    structured: StructuredRequest | None = None  # structured output / tools (`gateway.openai.structured`)
     # vLLM's: keep only the prompt's last this many tokens (-1: the model's context; `keep_tokens`)
     truncate_prompt_tokens: int | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" (a token's text may not be valid UTF-8 alone)
@@ -96,7 +93,7 @@ class GenerationSpec:
     cache_salt: str = ""  # vLLM's: keeps the request's prefix-cache entries apart ("": none)
     return_token_ids: bool = False  # vLLM's: responses carry the prompt's and the output's token ids
     template: TemplateOptions = field(default_factory=TemplateOptions)  # chat: how its template renders
-    reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.reasoning_parsers`)
+    reasoning_parser: str | None = None  # chat: splits the reasoning off the content (`gateway.output.reasoning_parsers`)
     include_reasoning: bool = True  # vLLM's: false drops the reasoning from the response
     reasoning_phase: str = ""  # where the rendered prompt leaves the output (`reasoning_parsers.prompt_phase`)
 
@@ -185,6 +182,9 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     except ValueError as exc:
         message = str(exc)
         raise bad(message, message.split(" ", 1)[0]) from None
+    sampling.stop = list(stop)  # (checked above, with the gateway's limits)
+    sampling.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output", False)
+    sampling.skip_special_tokens = get_bool(body, "skip_special_tokens", True)
     return GenerationSpec(
         kind=kind,
         model=model,
@@ -193,9 +193,6 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        stop=list(stop),
-        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         add_special_tokens=_add_special_tokens(body, kind == "chat"),
         logprobs=logprobs,
         structured=StructuredRequest(structured_param) if structured_param else None,
@@ -312,7 +309,7 @@ def parse_chat(body: Any, parsers: ChatParsers = ChatParsers()) -> GenerationSpe
     spec.template = parse_template_options(body, spec.messages)
     spec.structured = parse_tools(body, spec.sampling, spec.structured.param if spec.structured else None, parsers.tools)
     if spec.structured is not None and spec.structured.tool_call is not None and spec.structured.tool_call.kind == "parsed":
-        spec.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
+        spec.sampling.skip_special_tokens = False  # a call's tags may be special tokens (vLLM does the same)
     spec.include_reasoning = get_bool(body, "include_reasoning", True)
     if spec.sampling.structured_outputs is None:  # (a grammar binds from the first token: no thinking)
         spec.reasoning_parser = parsers.reasoning

@@ -51,19 +51,19 @@ from common.protocol import (
 from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS
 from common.transport import Outgoing, Transport
 from common.watchdog import Watchdog
-from gateway.aborts import AbortQueue
-from gateway.engine_choice import AFFINITY_SLACK, choose_engine
-from gateway.engine_watch import EngineWatch
-from gateway.outputs import journal_write, replay, route_outputs, write_ahead
-from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
-from gateway.send_batch import SendBatch
+from gateway.engine.aborts import AbortQueue
+from gateway.engine.handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
+from gateway.engine.outputs import journal_write, replay, route_outputs, write_ahead
+from gateway.engine.routing import AFFINITY_SLACK, choose_engine
+from gateway.engine.send_batch import SendBatch
+from gateway.engine.watch import EngineWatch
 
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
 logger = logging.getLogger("conveyor.gateway")
 
 
-class EngineClient(EngineWatch):
+class EngineClient:
     """One gateway's connection to the engines."""
 
     def __init__(
@@ -107,6 +107,7 @@ class EngineClient(EngineWatch):
         self.outputs_stream = names.outputs(gateway_id)
         self.aborts = AbortQueue(self.transport, gateway_id, self._to_engine)
         self.submits = SendBatch(self.transport, deadline_s=5)
+        self.watch = EngineWatch(self)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,7 +116,7 @@ class EngineClient(EngineWatch):
         `RedisAuthFailed` propagates and the server exits with the message."""
         try:
             await self.transport.ping(deadline_s=2)
-            await self._refresh()  # serve at once when the engines are up
+            await self.watch.refresh()  # serve at once when the engines are up
         except TRANSIENT_ERRORS as exc:
             logger.warning("Redis is not reachable yet (%s); answering 503 until it is", exc)
         # On a thread: a busy event loop (many streams on a loaded CPU) must not let the heartbeat
@@ -133,7 +134,7 @@ class EngineClient(EngineWatch):
             asyncio.create_task(self._tick()),
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self.aborts.run()),
-            asyncio.create_task(self._watch()),
+            asyncio.create_task(self.watch.run()),
         ]
 
     async def stop(self) -> None:
@@ -227,7 +228,7 @@ class EngineClient(EngineWatch):
         return status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
 
     def pick_engine(self, prompt_token_ids: Sequence[int] = (), priority: int = 0) -> EngineStatus | None:
-        """Where a request should run (`gateway.engine_choice.choose_engine`); one with a priority
+        """Where a request should run (`gateway.engine.routing.choose_engine`); one with a priority
         only where the priority scheduling policy takes it (an fcfs engine would refuse it)."""
         engines = list(self.engines.values())
         if priority:
@@ -272,7 +273,7 @@ class EngineClient(EngineWatch):
             await self.submits.send(sends)
         except BaseException:
             # Not sent, or sent and its reply lost: an abort after it (same stream) stops the attempt
-            # if it landed; and a move that failed is still one to make (`_check_routes` retries it),
+            # if it landed; and a move that failed is still one to make (`EngineWatch.check_routes` retries it),
             # not one made (its id stays used: the abort names it).
             self.aborts.add(engine.scheduler_id, handle.engine_request_id)
             handle.unrouted_since, handle.failed_routes = unrouted_since, handle.failed_routes + 1
@@ -282,7 +283,7 @@ class EngineClient(EngineWatch):
             handle.journaled_at = time.monotonic()
         return True
 
-    async def _migrate(self, handle: RequestHandle, why: str) -> None:
+    async def migrate(self, handle: RequestHandle, why: str) -> None:
         """Resubmit ``handle`` elsewhere with the tokens it has (see the module docstring)."""
         if handle.done:
             return
@@ -344,7 +345,7 @@ class EngineClient(EngineWatch):
         dropped = False
         try:
             dropped = await self.aborts.withdraw(route.scheduler_id, route.request_id, deadline_s=5)  # its client hung up here?
-            await self._sync(handle)
+            await self.resend(handle)
         except BaseException:  # not adopted: a retry (here or elsewhere) must find the stream free
             self._forget(handle)
             if dropped:  # and the abort it dropped still holds
@@ -360,7 +361,7 @@ class EngineClient(EngineWatch):
 
     async def _read_outputs(self) -> None:
         cursors: dict[str, bytes | str] = {self.outputs_stream: await self.transport.last_id(self.outputs_stream)}
-        self._outputs_cursors = cursors  # `_watch` trims what was read
+        self._outputs_cursors = cursors  # `EngineWatch.run` trims what was read
         while True:
             try:
                 received = await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,))
@@ -383,23 +384,23 @@ class EngineClient(EngineWatch):
             if not handle.done:
                 logger.warning("request %s: %s; this copy ends", handle.request_id, why)
                 self._deliver(handle, EngineEvent([], [], True, TAKEN_OVER, why))
-        await self._sync_each(routed.syncs)
+        await self.watch.sync_each(routed.syncs)
         for handle in routed.migrate:
-            await self._migrate(handle, "its engine does not hold it")
+            await self.migrate(handle, "its engine does not hold it")
 
     def _deliver(self, handle: RequestHandle, event: EngineEvent) -> None:
         if event.finished:
             handle.done = True
         handle.events.put_nowait(event)
 
-    async def _sync(self, handle: RequestHandle) -> None:
+    async def resend(self, handle: RequestHandle) -> None:
         """Ask the engine to resend from what this gateway has (outputs were lost)."""
         before, handle.sync_from = handle.sync_from, handle.next_index
         msg = SyncRequest(handle.engine_request_id, self.gateway_id, handle.next_index)
         try:
             await self.submits.send([self._to_engine(handle.scheduler_id, msg)])
         except BaseException:
-            # Not asked: the next gap asks again, and `_watch` does if none comes (the lost outputs
+            # Not asked: the next gap asks again, and `EngineWatch.run` does if none comes (the lost outputs
             # may have been the last).
             handle.sync_from, handle.resend_owed = before, True
             raise

@@ -1,11 +1,11 @@
 """What a streaming response's journal holds, for the gateway that resumes it (``journal:<id>``).
 
-A response with one choice: a `JournalHeader`, the `Route` of each attempt, then every output
-(`gateway.router`). A response with several choices (`gateway.fanout`) has one journal for all of
-them: one header per prompt, naming its choices' request ids (``choice_ids``), then every choice's
-routes and outputs, each tagged with its request id. One journal, not one per choice, so that a
-response id is claimed once (a client's ``X-Request-Id`` names at most one stream), its TTL is
-refreshed by whichever choice writes, and a scheduler journals every orphaned choice in it.
+A response (`gateway.http.completions`) has one journal for all its choices: one `JournalHeader`
+per prompt, naming its choices' request ids (``choice_ids``), then every choice's routes (one
+`Route` per attempt) and outputs, each tagged with its request id (`gateway.engine.client`). One
+journal, not one per choice, so that a response id is claimed once (a client's ``X-Request-Id``
+names at most one stream), its TTL is refreshed by whichever choice writes, and a scheduler
+journals every orphaned choice in it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import ENTRY_FIELD, JournalHeader, Route, StepOutputs, decode
-from gateway.json_input import ApiError, preview
-from gateway.openai_schema import ChatParsers, GenerationSpec, parse_chat, parse_completion
-from gateway.request_handle import base_request_id
-from gateway.router import EngineClient
+from gateway.engine.client import EngineClient
+from gateway.engine.handle import base_request_id
+from gateway.http.errors import ApiError
+from gateway.openai.json_input import preview
+from gateway.openai.schema import ChatParsers, GenerationSpec, parse_chat, parse_completion
 
 
 def stream_not_found(response_id: str) -> ApiError:

@@ -10,32 +10,16 @@ import json
 import reprlib
 from typing import Any
 
+from fastapi import Request
+
+from gateway.http.errors import ApiError, bad
+from gateway.openai.input_workers import InputWorkers
+
 # Deeper JSON is never a real request; the limit also keeps the parser far from Python's recursion limit.
 MAX_JSON_DEPTH = 64
 # Bodies and prompts past this size are parsed and tokenized on a small pool of their own: a few
 # huge requests then queue behind each other instead of taking every worker thread from the rest.
 LARGE_INPUT_BYTES = 64 * 1024
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's format."""
-
-    def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
 
 
 # -- the body ----------------------------------------------------------------------------------
@@ -188,3 +172,22 @@ def json_size(value: Any, limit: int = LARGE_INPUT_BYTES) -> int:
         else:
             size += 8
     return size
+
+
+async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:
+    """The body as JSON (a 400 unless `parse_json` accepts it); 413 past ``limit`` bytes (checked
+    while reading). A large body is parsed off the event loop."""
+    declared = request.headers.get("content-length", "")
+    # ASCII digits only ("²".isdigit() is true), and few enough for int() to be cheap and safe.
+    if declared.isascii() and declared.isdigit() and len(declared) <= 18 and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the {limit}-byte limit", code="request_too_large")
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    if len(data) > LARGE_INPUT_BYTES:
+        return await workers.run(True, parse_json, data, True)
+    return parse_json(data)

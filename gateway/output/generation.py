@@ -1,9 +1,10 @@
 """One request's journey through the gateway: submit, then engine events -> text pieces.
 
-`Generation` ties together the engine client, the incremental detokenizer and the stop-string
-matcher; the HTTP layer only formats its `Piece`s as OpenAI JSON or SSE chunks. Whatever ends the
-iteration early (client disconnect, stop string, error) aborts the request in the engine, so its
-KV blocks are freed at the next scheduler step.
+`Generation` ties together the engine client and the request's output processing
+(`gateway.output.processor`: detokenization, stop strings); the HTTP layer only formats its
+`Piece`s as OpenAI JSON or SSE chunks. Whatever ends the iteration early (client disconnect,
+stop string, error) aborts the request in the engine, so its KV blocks are freed at the next
+scheduler step.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from common.protocol import TAKEN_OVER
 from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import SamplingParams, sampling_to_dict
 from common.transport import Outgoing
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.json_input import ApiError
-from gateway.metrics import RequestMetrics
-from gateway.request_handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
-from gateway.router import EngineClient
-from gateway.stop import StopMatcher
+from gateway.engine.client import EngineClient
+from gateway.engine.handle import EngineUnavailable, RequestHandle, RequestIdInUse
+from gateway.http.errors import ApiError
+from gateway.http.metrics import RequestMetrics
+from gateway.output.processor import OutputProcessor
 
 # One line per finished request (`RequestLog`), under a logger of its own: easy to route or mute.
 request_logger = logging.getLogger("conveyor.gateway.requests")
@@ -100,6 +100,19 @@ class RequestLog:
         )
 
 
+@dataclass(slots=True)
+class SequenceRequest:
+    """What one sequence of a response (a choice, or a ``best_of`` candidate) asks of the engine:
+    `GenerateRequest`'s fields that the gateway chooses. ``request_id`` is unique
+    (`RequestHandle.request_id`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    cache_salt: str = ""
+
+
 class Generation:
     """Drives one submitted request and yields `Piece`s until it finishes."""
 
@@ -107,25 +120,15 @@ class Generation:
         self,
         client: EngineClient,
         tokenizer: Any,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        stop: list[str],
-        include_stop: bool,
-        skip_special_tokens: bool,
+        request: SequenceRequest,
         metrics: RequestMetrics | None = None,
         log: RequestLog | None = None,
-        priority: int = 0,
-        cache_salt: str = "",
     ) -> None:
         self.client = client
-        self.priority, self.cache_salt = priority, cache_salt  # (`GenerateRequest`'s)
-        self.request_id = request_id  # unique: `RequestHandle.request_id`
-        self.prompt_token_ids = prompt_token_ids
-        self.sampling = sampling
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stop = StopMatcher(stop, include_stop)
-        self.include_stop = include_stop
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output = OutputProcessor(tokenizer, request.sampling)
         self.num_completion_tokens = 0
         self.handle: RequestHandle | None = None
         self.finished = False
@@ -147,14 +150,14 @@ class Generation:
             self.handle = await self.client.submit(
                 self.request_id,
                 self.prompt_token_ids,
-                sampling_to_dict(self.sampling),
+                sampling_to_dict(self.request.sampling),
                 journal_id,
                 journal,
                 claim,
                 group_id,
                 prefer_engine,
-                self.priority,
-                self.cache_salt,
+                self.request.priority,
+                self.request.cache_salt,
             )
         except RequestIdInUse:
             raise ApiError(
@@ -184,7 +187,8 @@ class Generation:
                     raise ApiError(503, event.error, "server_error", code="engine_error")
                 if self.log is not None and self.log.first_token_at is None and event.token_ids and not event.replayed:
                     self.log.first_token_at = time.monotonic()
-                out, stopped, used = self._text(event)
+                delta = self.output.add(event.token_ids, event.finished, event.finish_reason, event.stop_reason)
+                used = delta.num_tokens
                 if used < len(event.token_ids):  # a stop string ended it: the tokens after are not the client's
                     # (nor the engine steps they came from: one token a step, as the metrics count them)
                     steps = max(1, min(event.num_steps, used))
@@ -195,32 +199,24 @@ class Generation:
                 prompt_lps = None
                 if event.prompt_logprobs is not None and not self.got_prompt_logprobs:  # once: a migrated request resends them
                     prompt_lps, self.got_prompt_logprobs = event.prompt_logprobs, True
-                if stopped:
-                    if not event.finished:
+                if delta.finish_reason is not None:
+                    if delta.cut_short:
                         self.client.abort(self.request_id)  # the engine would go on generating
                     self.finished = True
-                    self._finish("stop")
+                    self._finish(delta.finish_reason)
                     yield Piece(
-                        out, event.token_ids, event.logprobs, "stop", self.stop.matched, prompt_lps, self.num_completion_tokens
-                    )
-                    return
-                if event.finished:
-                    self.finished = True
-                    reason = "length" if event.finish_reason == "length" else "stop"
-                    self._finish(reason)
-                    yield Piece(
-                        out + self.stop.flush(),
+                        delta.text,
                         event.token_ids,
                         event.logprobs,
-                        reason,
-                        event.stop_reason if reason == "stop" else None,
+                        delta.finish_reason,
+                        delta.stop_reason,
                         prompt_lps,
                         self.num_completion_tokens,
                     )
                     return
-                if out or event.token_ids:
+                if delta.text or event.token_ids:
                     yield Piece(
-                        out,
+                        delta.text,
                         event.token_ids,
                         event.logprobs,
                         prompt_logprobs=prompt_lps,
@@ -232,35 +228,6 @@ class Generation:
             else:  # the consumer went away (client disconnect) or something raised
                 self.client.abort(self.request_id)
                 self._finish("abort")
-
-    def _text(self, event: EngineEvent) -> tuple[str, bool, int]:
-        """The text of ``event`` up to a stop string; whether one ended it; how many of its tokens
-        that text used. With stop strings, the tokens of a merged event (several engine steps read
-        together) are checked one by one, so that where the request stops, and its token count,
-        do not depend on how its steps were merged.
-
-        The token that stopped the engine (EOS, or one of ``stop_token_ids``) is no text unless
-        ``include_stop_str_in_output`` (vLLM's rule): with special tokens kept, its ``</s>`` ended
-        the content, and a tool call after which the model stopped."""
-        tokens = event.token_ids
-        if event.finished and event.finish_reason == "stop" and not self.include_stop:
-            tokens = tokens[:-1]  # (still a completion token, and in token_ids and logprobs)
-        if not self.stop.stops or len(tokens) <= 1:
-            text = self.detokenizer.add(tokens)
-            if event.finished:
-                text += self.detokenizer.finish()
-            out, stopped = self.stop.feed(text)
-            return out, stopped, len(tokens) if stopped else len(event.token_ids)
-        out = ""
-        for k, token in enumerate(tokens):
-            text = self.detokenizer.add([token])
-            if event.finished and k == len(tokens) - 1:
-                text += self.detokenizer.finish()
-            piece, stopped = self.stop.feed(text)
-            out += piece
-            if stopped:
-                return out, True, k + 1
-        return out, False, len(event.token_ids)
 
     def _finish(self, reason: str) -> None:
         """The request ended: counted (unless the engine rejected it: it never ran, as in vLLM) and logged."""

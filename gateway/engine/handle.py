@@ -20,7 +20,7 @@ class EngineEvent:
     stop_reason: int | None = None  # on the last: the stop token id that ended it (see `StepOutputs`)
     replayed: bool = False  # from a journal: another gateway delivered these tokens first
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first output, if asked for
-    num_steps: int = 1  # engine steps whose tokens this event carries (see `gateway.outputs`)
+    num_steps: int = 1  # engine steps whose tokens this event carries (see `gateway.engine.outputs`)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.json_input import MAX_JSON_DEPTH, ApiError, bad, get_bool, get_field, parse_json, preview, typename
+from gateway.http.errors import ApiError, bad
+from gateway.openai.json_input import MAX_JSON_DEPTH, get_bool, get_field, parse_json, preview, typename
 
 # Messages, content parts and tool calls are checked one by one on the event loop: their number is bounded.
 MAX_MESSAGES = 4096
@@ -42,7 +43,7 @@ class TemplateOptions:
 def parse_template_options(body: dict[str, Any], messages: list[dict[str, Any]]) -> TemplateOptions:
     """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``; a 400
     for a combination the template cannot render. Names the renderer itself takes (``tokenize``
-    would make it return ids) are checked where it is known (`gateway.tokenization.chat_text`)."""
+    would make it return ids) are checked where it is known (`gateway.openai.tokenization.chat_text`)."""
     generation_prompt = get_bool(body, "add_generation_prompt", True)
     continue_final = get_bool(body, "continue_final_message", False)
     if continue_final and generation_prompt:

@@ -1,8 +1,8 @@
 """A chat choice's free-form output as message fields: reasoning, content and "auto" tool calls.
 
-A reasoning parser (`gateway.reasoning_parsers`) takes the model's thinking out of the text, into
+A reasoning parser (`gateway.output.reasoning_parsers`) takes the model's thinking out of the text, into
 ``reasoning`` (vLLM's current name) and ``reasoning_content`` (vLLM's earlier one, DeepSeek's API's),
-dropped with vLLM's ``include_reasoning: false``; a tool-call parser (`gateway.tool_parsers`) then
+dropped with vLLM's ``include_reasoning: false``; a tool-call parser (`gateway.output.tool_parsers`) then
 finds the calls in what is left, the content. Streamed, both run incrementally and the deltas
 join to the response of the same tokens.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.reasoning_parsers import ReasoningStream, ThinkParser
-from gateway.tool_calls import stream_tool_calls, with_ids
-from gateway.tool_parsers import Call, CallStream, Schemas, ToolCallParser, split_calls
+from gateway.output.reasoning_parsers import ReasoningStream, ThinkParser
+from gateway.output.tool_calls import stream_tool_calls, with_ids
+from gateway.output.tool_parsers import Call, CallStream, Schemas, ToolCallParser, split_calls
 
 
 class ChatOutput:
@@ -35,9 +35,9 @@ class ChatOutput:
         self.include_reasoning = include_reasoning
         self.tools = tools
         self.one_call = one_call  # ``parallel_tool_calls: false``: the first call only (vLLM's rule)
-        self.phase = phase  # where the prompt left the output (`gateway.reasoning_parsers.prompt_phase`)
+        self.phase = phase  # where the prompt left the output (`gateway.output.reasoning_parsers.prompt_phase`)
         self.schemas = schemas  # the tools' parameter schemas (a parser whose values are text types them)
-        self.id_length = id_length  # of call ids (`gateway.tool_calls.with_ids`)
+        self.id_length = id_length  # of call ids (`gateway.output.tool_calls.with_ids`)
         self.reasoning_stream = ReasoningStream(reasoning, phase) if reasoning is not None else None
         self.call_stream = CallStream(tools) if tools is not None else None
 

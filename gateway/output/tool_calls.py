@@ -1,8 +1,8 @@
 """OpenAI ``tool_calls`` from the text a tool-constrained chat request generated (free-form
-output under ``tool_choice`` "auto" goes through `gateway.tool_parsers` instead).
+output under ``tool_choice`` "auto" goes through `gateway.output.tool_parsers` instead).
 
 Under ``tool_choice`` "required" the text is a JSON array ``[{"name", "parameters"}, ...]``, under
-a named function it is that function's arguments (`gateway.structured`). Streaming sends the calls
+a named function it is that function's arguments (`gateway.openai.structured`). Streaming sends the calls
 whole in the final chunk (``delta.tool_calls``, finish reason "tool_calls"): the arguments are only
 known to be complete JSON at the end, and incremental argument deltas would need a JSON parser
 running over every token. Call ids derive from the response id, its creation time and the choice
@@ -17,8 +17,8 @@ import hashlib
 import json
 from typing import Any
 
-from gateway.structured import ToolCallMode
-from gateway.tool_parsers import Call, arguments_json
+from gateway.openai.structured import ToolCallMode
+from gateway.output.tool_parsers import Call, arguments_json
 
 
 def tool_calls(mode: ToolCallMode, text: str, response_id: str, created: int, choice: int) -> list[dict[str, Any]] | None:

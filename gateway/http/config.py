@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
-from gateway.openai_schema import ChatParsers
-from gateway.reasoning_parsers import REASONING_PARSERS
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.openai.schema import ChatParsers
+from gateway.output.reasoning_parsers import REASONING_PARSERS
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class GatewayConfig:
     resume_window_s: float = ServiceDefaults.resume_window_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
     api_key: str | None = field(default=None, repr=False)
-    # vLLM's pair: "auto" tool choice reads the output with this parser (`gateway.tool_parsers`).
+    # vLLM's pair: "auto" tool choice reads the output with this parser (`gateway.output.tool_parsers`).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # vLLM's: a thinking model's reasoning apart from its content

@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import Request
 
-from gateway.json_input import bad, typename
+from gateway.http.errors import bad
+from gateway.openai.json_input import typename
 
 # A client's request id becomes the response id and a prefix of the engine request id: it shows in
 # logs, Redis key names and URLs (``/v1/streams/{id}``), so it is short and visible ASCII only.

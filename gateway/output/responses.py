@@ -1,9 +1,9 @@
 """OpenAI response bodies and SSE chunks for completions and chat completions.
 
-A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.structured`) answers
+A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.openai.structured`) answers
 with ``tool_calls`` and finish reason "tool_calls"; streamed, its text is held back and the calls
-come whole in the final chunk (`gateway.tool_calls`). Free-form output goes through the gateway's
-parsers, of a thinking model's reasoning and of "auto" tool calls (`gateway.chat_output`).
+come whole in the final chunk (`gateway.output.tool_calls`). Free-form output goes through the gateway's
+parsers, of a thinking model's reasoning and of "auto" tool calls (`gateway.output.chat_output`).
 """
 
 from __future__ import annotations
@@ -11,20 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from gateway.chat_output import ChatOutput
-from gateway.generation import Generation, Piece
-from gateway.json_input import ApiError
-from gateway.openai_schema import GenerationSpec
-from gateway.reasoning_parsers import REASONING_PARSERS
-from gateway.structured import ToolCallMode
-from gateway.tool_calls import stream_tool_calls, tool_calls
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.openai.schema import GenerationSpec
+from gateway.openai.structured import ToolCallMode
+from gateway.output.chat_output import ChatOutput
+from gateway.output.generation import Piece
+from gateway.output.reasoning_parsers import REASONING_PARSERS
+from gateway.output.tool_calls import stream_tool_calls, tool_calls
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -49,7 +47,6 @@ class ResponseFormatter:
     ) -> None:
         self.spec = spec
         self.index = index
-        self.final_usage = True  # a streamed choice ends with the usage chunk (if asked for)
         self.prompt_token_ids = prompt_token_ids
         self.request_id = request_id
         self.model = model
@@ -258,7 +255,7 @@ class ResponseFormatter:
         choice = {"index": self.index, "text": self.echo_text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
         return self._chunk(self._with_token_ids(choice, []))
 
-    def stream_piece(self, piece: Piece, completion_tokens: int) -> list[dict[str, Any]]:
+    def stream_piece(self, piece: Piece) -> list[dict[str, Any]]:
         """The chunks of one piece: after the echo chunk, if it waited for this (the first) piece."""
         chunks: list[dict[str, Any]] = []
         if self.echo_pending:  # (before this piece's tokens: the echo's usage counts none of them)
@@ -295,8 +292,6 @@ class ResponseFormatter:
                 }
             if choice:
                 chunks.append(self._chunk(self._with_token_ids(choice, list(piece.token_ids))))
-        if piece.finish_reason is not None and self.spec.include_usage and self.final_usage:
-            chunks.append(self.usage_chunk(completion_tokens))
         return chunks
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
@@ -316,7 +311,7 @@ class ResponseFormatter:
         return {"content": self.tool_text}, piece.finish_reason
 
     def _call_ids(self) -> tuple[str, int, int]:
-        """What this choice's tool call ids derive from (`gateway.tool_calls.with_ids`)."""
+        """What this choice's tool call ids derive from (`gateway.output.tool_calls.with_ids`)."""
         return self.request_id, self.created, self.index
 
     def _constrained_calls(self, text: str) -> list[dict[str, Any]] | None:
@@ -359,38 +354,3 @@ class EventStreamResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": data, "more_body": not ended})
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def stream_events(gen: Generation, fmt: ResponseFormatter, skip_through: int) -> AsyncIterator[str]:
-    """SSE events numbered from 1; those up to ``skip_through`` (the client has them) are not sent."""
-    number = 0
-
-    def events(chunks: list[dict[str, Any]]) -> str:  # one write for the events that are ready together
-        nonlocal number
-        out = []
-        for chunk in chunks:
-            number += 1
-            if number > skip_through:
-                out.append(sse(chunk, number))
-        return "".join(out)
-
-    tail = ""  # the last piece's events: they leave with [DONE]
-    try:
-        if start := events(fmt.stream_start()):
-            yield start
-        async for piece in gen.pieces():
-            if tail:  # not the last piece after all
-                yield tail
-            text = events(fmt.stream_piece(piece, gen.num_completion_tokens))
-            if piece.finish_reason is None:
-                if text:
-                    yield text
-                tail = ""
-            else:
-                tail = text
-    except ApiError as exc:
-        tail += events([exc.body()])
-    except Exception:  # a bug here: the client gets an error event and [DONE], not a cut connection
-        logger.exception("streaming %s failed", fmt.request_id)
-        tail += events([ApiError(500, "internal error; see the gateway log", "server_error").body()])
-    yield tail + done_event(number + 1)

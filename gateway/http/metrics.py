@@ -29,8 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from common.protocol import EngineStatus
-from gateway.request_handle import EngineEvent
-from gateway.router import EngineClient
+from gateway.engine.client import EngineClient
+from gateway.engine.handle import EngineEvent
 
 __all__ = ["CONTENT_TYPE_LATEST", "FINISH_REASONS", "DeploymentCollector", "GatewayMetrics", "RequestMetrics"]
 

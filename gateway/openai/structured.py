@@ -9,10 +9,10 @@ compile is a 400 naming the field it came from.
 Tools: ``tool_choice`` ``"required"`` constrains the output to a JSON array of calls
 ``[{"name": ..., "parameters": {...}}]`` (vLLM's form), one of the tools' names with that tool's
 parameter schema each; a named function constrains it to that tool's parameters (the arguments
-object). The response carries them as OpenAI ``tool_calls`` (`gateway.tool_calls`).
+object). The response carries them as OpenAI ``tool_calls`` (`gateway.output.tool_calls`).
 ``"auto"`` (the default with tools) needs a gateway started with vLLM's ``--enable-auto-tool-choice
 --tool-call-parser NAME``: the output is free-form, and the parser finds the calls in it
-(`gateway.tool_parsers`); without one it is a 400, as from vLLM. ``"none"`` generates plain text.
+(`gateway.output.tool_parsers`); without one it is a 400, as from vLLM. ``"none"`` generates plain text.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 
 from common.sampling_params import SamplingParams
 from common.structured_outputs import StructuredOutputsParams, grammar_tokenizer
-from gateway.json_input import ApiError, bad, preview, typename
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.http.errors import ApiError, bad
+from gateway.openai.json_input import preview, typename
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 MAX_TOOLS = 128
 # OpenAI's rule for function names.

@@ -10,9 +10,9 @@ from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
 from common.redact import redact_url
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
-from gateway.config import GatewayConfig
-from gateway.reasoning_parsers import REASONING_PARSERS
-from gateway.tool_parsers import TOOL_CALL_PARSERS
+from gateway.http.config import GatewayConfig
+from gateway.output.reasoning_parsers import REASONING_PARSERS
+from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.http.routes import create_app
 
     # log_config=None: uvicorn's records go to the root handler too, through its redaction filter.
     uvicorn.run(

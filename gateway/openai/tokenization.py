@@ -1,54 +1,33 @@
 """Prompt tokenization off the event loop, safe for prompts of megabytes.
 
-`Tokenizers` loads the served model's tokenizer once; `InputWorkers` runs parsing and
-tokenization in worker threads; `tokenize` turns a request into prompt token ids, checking the
-vocabulary and the context (`fit_context`) without ever materializing millions of ids;
-`tokenize_only` and `detokenize` answer ``/tokenize`` and ``/detokenize`` the same way;
-`read_json` reads a request body, parsing a large one off the event loop too.
+`Tokenizers` loads the served model's tokenizer once; `tokenize` turns a request into prompt token
+ids, checking the vocabulary and the context (`fit_context`) without ever materializing millions of ids;
+`tokenize_only` and `detokenize` answer ``/tokenize`` and ``/detokenize`` the same way
+(`gateway.openai.input_workers` runs the large ones off the event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-from fastapi import Request
+from typing import Any
 
 from common.generation_config import load_sampling_defaults
 from common.protocol import EngineStatus
 from common.sampling_params import INT32_MAX, SamplingParams
 from common.service_cli import freeze_startup_heap
-from gateway.chat_messages import chat_text
-from gateway.json_input import LARGE_INPUT_BYTES, ApiError, all_ints, bad, parse_json, preview, typename
-from gateway.openai_schema import GenerationSpec, TokenizeSpec
-from gateway.reasoning_parsers import prompt_phase
-from gateway.structured import check_grammar
+from gateway.http.errors import ApiError, bad
+from gateway.openai.chat_messages import chat_text
+from gateway.openai.input_workers import InputWorkers
+from gateway.openai.json_input import LARGE_INPUT_BYTES, all_ints, preview, typename
+from gateway.openai.schema import GenerationSpec, TokenizeSpec
+from gateway.openai.structured import check_grammar
+from gateway.output.reasoning_parsers import prompt_phase
 
-T = TypeVar("T")
 # Prompts up to this size are prepared on the event loop itself (`tokenizes_inline`): a thread hop
 # costs far more than their work. On a busy gateway the hop waited a whole turn of the loop and a
 # GIL hand-over: 25 ms of a 100 ms time to first token, on token-id prompts that need no tokenizer.
 INLINE_INPUT_BYTES = 4 * 1024
-
-
-class InputWorkers:
-    """Runs parsing and tokenization off the event loop, so it keeps answering other requests
-    (and ``/health``) meanwhile; large inputs on a pool of their own."""
-
-    def __init__(self, large_workers: int = 2) -> None:
-        self.large = ThreadPoolExecutor(max_workers=large_workers, thread_name_prefix="conveyor-large-input")
-
-    async def run(self, large: bool, fn: Callable[..., T], *args: Any) -> T:
-        if large:
-            return await asyncio.get_running_loop().run_in_executor(self.large, functools.partial(fn, *args))
-        return await asyncio.to_thread(fn, *args)
-
-    def close(self) -> None:
-        self.large.shutdown(wait=False, cancel_futures=True)
 
 
 def tokenizes_inline(spec: GenerationSpec, tokenizer: Any) -> bool:
@@ -77,25 +56,6 @@ async def prepare_prompt(
     if inline:
         return tokenize(tokenizer, lock, spec, info)
     return await workers.run(spec.input_size() > LARGE_INPUT_BYTES, tokenize, tokenizer, lock, spec, info)
-
-
-async def read_json(request: Request, limit: int, workers: InputWorkers) -> Any:
-    """The body as JSON (a 400 unless `parse_json` accepts it); 413 past ``limit`` bytes (checked
-    while reading). A large body is parsed off the event loop."""
-    declared = request.headers.get("content-length", "")
-    # ASCII digits only ("²".isdigit() is true), and few enough for int() to be cheap and safe.
-    if declared.isascii() and declared.isdigit() and len(declared) <= 18 and int(declared) > limit:
-        raise ApiError(413, f"request body is {declared} bytes, over the {limit}-byte limit", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is over the {limit}-byte limit", code="request_too_large")
-        chunks.append(chunk)
-    data = b"".join(chunks)
-    if len(data) > LARGE_INPUT_BYTES:
-        return await workers.run(True, parse_json, data, True)
-    return parse_json(data)
 
 
 def _load_tokenizer(path: str) -> Any:

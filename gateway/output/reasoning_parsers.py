@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.stop import tag_prefix
+from gateway.output.stop import tag_prefix
 
 START, END = "<think>", "</think>"
 

@@ -1,6 +1,11 @@
 """Offline API: `LLM(model, **options).generate(prompts, sampling_params)`.
 
 Drives the very `Scheduler`, `CacheManager` and `ModelExecutor` the services use, in one process.
+It is a frontend, as vLLM's ``LLM`` is (output processing around an in-process engine core), so
+it lives with the gateway's frontend code: its text comes from the gateway's own output processor
+(`gateway.output.processor`: detokenization, stop strings, the stop-token rule), and the same
+tokens give the same text, ``finish_reason`` and ``stop_reason`` offline as served. It is the one
+module of the gateway package that imports the scheduler and the executor (it composes them).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from common.generation_config import GENERATION_CONFIG_MODES, load_sampling_defa
 from common.parallel_sampling import child_params, cumulative_logprob, num_children, select_best
 from common.sampling_params import SamplingParams
 from common.structured_outputs import grammar_tokenizer
+from gateway.output.processor import OutputDelta, OutputProcessor
 from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
@@ -36,7 +42,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -53,7 +59,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     logprobs: list[dict[int, float]] | None
-    stop_reason: int | None = None  # the stop token id (of ``stop_token_ids``) that ended it; EOS, length: None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it; EOS, length: None
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
@@ -74,6 +80,24 @@ def split_engine_options(options: dict[str, Any]) -> tuple[ModelConfig, CacheCon
             raise TypeError(f"unknown engine option {key!r}")
     model = model_kw.pop("model")
     return ModelConfig(model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw), ParallelConfig(**par_kw)
+
+
+@dataclass(slots=True)
+class _Text:
+    """One sequence's output so far, from its `OutputProcessor`."""
+
+    processor: OutputProcessor
+    parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cut_short: bool = False  # a stop string ended it before the engine did (which was told to stop)
+
+    def add(self, delta: OutputDelta) -> None:
+        self.parts.append(delta.text)
+        self.num_tokens += delta.num_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.cut_short = delta.finish_reason, delta.stop_reason, delta.cut_short
 
 
 class LLM:
@@ -195,6 +219,7 @@ class LLM:
             ]
             groups.append((params, children))
         requests = [r for _, children in groups for r in children]
+        texts = {r.request_id: _Text(OutputProcessor(self.tokenizer, r.sampling_params)) for r in requests}
         pending: set[str] = set()
         try:
             for request in requests:  # one refused: those added before it are aborted (finally)
@@ -202,7 +227,14 @@ class LLM:
                 pending.add(request.request_id)
             while pending:
                 for out in self.engine_core.step():
-                    if out.finished:
+                    if out.request_id not in pending:
+                        continue  # (a step scheduled before a stop string ended its request)
+                    seq = texts[out.request_id]
+                    if seq.processor.stop.stops:  # read as they come, so that a stop string stops the engine
+                        seq.add(seq.processor.add(out.new_token_ids, out.finished, out.finish_reason, out.stop_reason))
+                        if seq.cut_short:
+                            self.scheduler.abort(out.request_id)
+                    if out.finished or seq.finish_reason is not None:
                         pending.discard(out.request_id)
             while self.engine_core.in_flight:  # steps scheduled one ahead for requests now finished
                 self.engine_core.step()
@@ -215,25 +247,30 @@ class LLM:
         finally:
             for request_id in pending:  # only after an error: leave no half-run request behind
                 self.scheduler.abort(request_id)
-        return [self._output(params, children) for params, children in groups]
+        return [self._output(params, children, texts) for params, children in groups]
 
-    def _output(self, params: SamplingParams, children: list[Request]) -> RequestOutput:
+    def _output(self, params: SamplingParams, children: list[Request], texts: dict[str, _Text]) -> RequestOutput:
         """One prompt's result: its children as `CompletionOutput`s (the best ``n`` with ``best_of``)."""
         samples = []
         for i, request in enumerate(children):
+            seq = texts[request.request_id]
+            if seq.finish_reason is None:  # without stop strings: all its tokens at once (the same text)
+                seq.add(seq.processor.add(request.output_token_ids, True, request.finish_reason, request.stop_reason))
+            if request.finish_reason in ("abort", "error") and not seq.cut_short:
+                seq.finish_reason = request.finish_reason  # the engine's own end, not the API's stop or length
+            token_ids = request.output_token_ids[: seq.num_tokens]  # (a stop string's: up to it)
             computed = request.sampling_params.logprobs is not None  # asked, or added to rank by
-            total = cumulative_logprob(request.output_token_ids, request.output_logprobs) if computed else None
-            # The token that stopped it (EOS, one of stop_token_ids) is no text (vLLM's rule, the gateway's).
-            text_ids = request.output_token_ids[:-1] if request.finish_reason == "stop" else request.output_token_ids
+            logprobs = request.output_logprobs[: seq.num_tokens]
+            total = cumulative_logprob(token_ids, logprobs) if computed else None
             samples.append(
                 CompletionOutput(
                     index=i,
-                    text=cast(str, self.tokenizer.decode(text_ids, skip_special_tokens=True)),
-                    token_ids=request.output_token_ids,
+                    text="".join(seq.parts),
+                    token_ids=token_ids,
                     cumulative_logprob=total,
-                    logprobs=list(request.output_logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]
-                    finish_reason=request.finish_reason or "stop",
-                    stop_reason=request.stop_reason,
+                    logprobs=list(logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]
+                    finish_reason=seq.finish_reason or "stop",
+                    stop_reason=seq.stop_reason,
                 )
             )
         outputs = [samples[i] for i in select_best([s.cumulative_logprob for s in samples], params.n)]

@@ -21,7 +21,7 @@ from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, e
 from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import SamplingParams
 from common.transport import Outgoing, Transport
-from gateway.request_handle import EngineEvent, RequestHandle, attempt_of, base_request_id
+from gateway.engine.handle import EngineEvent, RequestHandle, attempt_of, base_request_id
 
 logger = logging.getLogger("conveyor.gateway")
 # A journal write that cannot land in this long gives its events back (`write_ahead`): the reader
@@ -138,12 +138,12 @@ async def write_ahead(
     """Journal the events of resumable streams before their clients see any (no client sees an
     event another gateway could not replay); the events to deliver. When the write fails, the read
     that brought them has moved on: the journaled ones are taken back and owed a resend (the
-    watcher asks, `EngineClient._resend_owed`), as outputs lost on the way are; the rest go on."""
+    watcher asks, `EngineWatch.resend_owed`), as outputs lost on the way are; the rest go on."""
     journal = [journal_write(names, h, event, start, ttl_ms) for h, event, start in events if h.journal_id]
     if not journal:
         return events
     writing = [h for h, _, _ in events if h.journal_id]
-    for handle in writing:  # not moved meanwhile (`EngineClient._check_routes`): its tokens may be taken back
+    for handle in writing:  # not moved meanwhile (`EngineWatch.check_routes`): its tokens may be taken back
         handle.journal_writes += 1
     try:
         await transport.send_many(journal, deadline_s=JOURNAL_WRITE_DEADLINE_S)

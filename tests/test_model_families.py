@@ -98,6 +98,19 @@ def test_the_features_matter(tiny_model, arch: str, window: int | None, override
     assert (a - b).abs().max() > 0.05
 
 
+def test_gemma_runs_in_bfloat16(tiny_model) -> None:
+    """Gemma's norms scale by (1 + w) in fp32 before the cast (`executor.layers.norm.RMSNorm`):
+    in bf16 the first token's logprobs stay close to transformers' fp32 ones."""
+    path = tiny_model("gemma3")
+    llm = LLM(path, **dict(ENGINE, dtype="bfloat16"))
+    prompt = prompts(1000, seed=4)[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+    _, ref = hf_greedy(hf_model(path), prompt, 1)
+    assert out.logprobs is not None
+    for t, lp in out.logprobs[0].items():
+        assert abs(lp - float(ref[0, t])) < 0.3
+
+
 def test_make_model_writes_what_transformers_builds(tiny_model) -> None:
     """The new families' checkpoints are real transformers ones: loaded with no key missing or
     unexpected, and parsed by the engine into the per-layer windows and rotary they declare."""

@@ -46,6 +46,9 @@ class ShardLayout:
     inter: tuple[int, int]  # [start, end) of the MLP intermediate columns
     vocab: tuple[int, int]  # [start, end) of the vocabulary rows (the last rank's may be short)
     vocab_per_rank: int  # ceil(V / world): every rank's logit block is padded to this
+    q_size: int  # the whole model's query rows (heads x head_dim)
+    kv_size: int  # the whole model's rows of K (and of V)
+    inter_size: int  # the whole model's MLP intermediate size
 
     @staticmethod
     def build(cfg: HFModelConfig, rank: int, world: int) -> ShardLayout:
@@ -67,6 +70,9 @@ class ShardLayout:
             (rank * per_i, (rank + 1) * per_i),
             (v0, min(v0 + per_v, cfg.vocab_size)),
             per_v,
+            cfg.q_size,
+            cfg.kv_size,
+            cfg.intermediate_size,
         )
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.model import Linear
+from executor.layers.linear import Linear
 
 pytestmark = pytest.mark.model
 

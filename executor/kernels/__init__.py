@@ -23,6 +23,7 @@ from executor.kernels.paged_attention import paged_attention_2d  # noqa: E402
 from executor.kernels.rms_norm import rms_norm  # noqa: E402
 from executor.kernels.rotary import rotary  # noqa: E402
 from executor.ops import Ops  # noqa: E402
+from executor.ops_torch import gelu_tanh_and_mul  # noqa: E402
 
 DEFAULT_NUM_SMS = 132  # H100/H200; only used when no CUDA device can be asked
 
@@ -56,6 +57,7 @@ OPS = Ops(
     rms_norm=rms_norm,
     rotary=rotary,
     silu_and_mul=silu_and_mul,
+    gelu_tanh_and_mul=gelu_tanh_and_mul,
 )
 
 __all__ = ["OPS", "dispatch_attention"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from common import SamplingParams
-from scheduler import LLM
+from gateway.llm import LLM
 from tests.test_engine import hf_greedy
 
 pytestmark = pytest.mark.model

@@ -27,7 +27,9 @@ from typing import cast
 import torch
 from safetensors.torch import save_file
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+from executor.make_moe_model import MOE_ARCHS, MOE_GEOMETRY, write_moe_checkpoint
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", *MOE_ARCHS)
 SIZES: tuple[str, ...] = ("tiny", "tiny-mqa", "small", "1b")
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
@@ -302,17 +304,24 @@ def make_model(
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    moe = arch in MOE_ARCHS
+    sizes = tuple(MOE_GEOMETRY) if moe else SIZES
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r} for {arch}; expected one of {sizes}")
+    if moe and (shards > 1 or mlp_bias or attention_bias):
+        raise ValueError(f"{arch} checkpoints are written by transformers as configured: no shards/bias options")
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"conveyor-{arch}-{size}-"))
     out.mkdir(parents=True, exist_ok=True)
-    g = GEOMETRY[size]
+    g = MOE_GEOMETRY[size] if moe else GEOMETRY[size]
     ids = write_tokenizer(out, g["vocab"], g["max_pos"])
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_str(train_tokenizer_json(g["vocab"])).get_vocab_size()
-    cfg = build_config(arch, size, vocab_size, ids, mlp_bias=mlp_bias, attention_bias=attention_bias)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if moe:
+        write_moe_checkpoint(arch, size, seed, out, ids, vocab_size)
+    else:
+        cfg = build_config(arch, size, vocab_size, ids, mlp_bias=mlp_bias, attention_bias=attention_bias)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
     gen_cfg = {
         "bos_token_id": ids[BOS],
         # A list, as in Llama 3 / Qwen checkpoints: end-of-text and end-of-turn both stop.
@@ -321,7 +330,8 @@ def make_model(
         "do_sample": False,
     }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
-    save_weights(init_weights(cfg, seed, list(ids.values())), out, shards)
+    if not moe:
+        save_weights(init_weights(cfg, seed, list(ids.values())), out, shards)
     return out
 
 
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conveyor make-model``."""
     ap = argparse.ArgumentParser(prog="conveyor make-model", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=ARCHS, default="llama")
-    ap.add_argument("--size", choices=SIZES, default="tiny")
+    ap.add_argument("--size", choices=SIZES, default="tiny", help=f"{', '.join(MOE_ARCHS)}: tiny or small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     ap.add_argument("--out", required=True, help="output directory")

@@ -11,8 +11,8 @@ Routing follows each family as transformers computes it (`Router`):
 
 Tensor parallel is per-expert: every rank holds every expert, with ``1/world`` of each expert's
 intermediate dim (gate/up rows, down columns), the router replicated. A rank's output is then a
-partial sum, and the caller all-reduces it exactly as it does the dense MLP's (one all-reduce a
-layer); the down-projection biases are held by rank 0 only. Why not expert parallel:
+partial sum, all-reduced once (routed and shared experts together), exactly as the dense MLP's;
+the down-projection biases are held by rank 0 only. Why not expert parallel:
 docs/parallelism.md.
 """
 
@@ -20,12 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from executor.moe_torch import ACTIVATIONS
 from executor.ops import Ops
+
+if TYPE_CHECKING:
+    from executor.parallel import TensorParallel
 
 SCORINGS = ("softmax", "topk_softmax")
 
@@ -74,11 +78,11 @@ class MoE:
     ``w13`` ``[E, 2I, H]`` (gate rows, then up rows), ``w2`` ``[E, H, I]``, biases ``b13``
     ``[E, 2I]`` / ``b2`` ``[E, H]`` or None: the layout `Ops.fused_moe` takes (under tensor
     parallel, this rank's slice of ``I``). ``router_weight`` ``[E, H]`` (and ``router_bias``
-    ``[E]``) are whole on every rank. Under tensor parallel the result is this rank's partial
-    sum: the caller all-reduces it (see the module docstring).
+    ``[E]``) are whole on every rank. With ``tp`` the partial sums of the ranks are all-reduced
+    here (the shared expert's ``mlp`` must not reduce its own).
     """
 
-    __slots__ = ("ops", "router", "router_weight", "router_bias", "w13", "w2", "b13", "b2", "activation", "shared")
+    __slots__ = ("ops", "router", "router_weight", "router_bias", "w13", "w2", "b13", "b2", "activation", "shared", "tp")
 
     def __init__(
         self,
@@ -93,6 +97,7 @@ class MoE:
         b2: torch.Tensor | None = None,
         activation: str = "silu",
         shared: SharedExpert | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
@@ -112,18 +117,21 @@ class MoE:
         self.w13, self.w2, self.b13, self.b2 = w13, w2, b13, b2
         self.activation = activation
         self.shared = shared
+        self.tp = tp
 
     @property
     def num_experts(self) -> int:
         return int(self.w13.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` -> ``[T, H]`` (a partial sum under tensor parallel)."""
+        """``[T, H]`` -> ``[T, H]``."""
         logits = F.linear(x, self.router_weight, self.router_bias)
         weights, ids = self.router.route(logits)
         out = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, activation=self.activation)
         if self.shared is not None:
             out = out + self.shared(x)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return out
 
 

@@ -103,10 +103,9 @@ def moe_config(arch: str, size: str, vocab_size: int, ids: dict[str, int]) -> di
     return kw
 
 
-def _redraw(model: torch.nn.Module, seed: int, head_gain: float, out_gain: float, special_ids: list[int]) -> None:
+def _redraw(model: torch.nn.Module, hidden: int, seed: int, head_gain: float, out_gain: float, special_ids: list[int]) -> None:
     """Re-draw every parameter (see the module docstring) by its transformers name."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
 
     def normal(shape: torch.Size, std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * std
@@ -133,7 +132,7 @@ def _redraw(model: torch.nn.Module, seed: int, head_gain: float, out_gain: float
             elif name.endswith("experts.gate_up_proj") and p.dim() == 3 and p.shape[1] == hidden:  # gpt-oss [E, H, 2I]
                 p.copy_(normal(p.shape, 1.0 / math.sqrt(hidden)))
             elif name.endswith("experts.down_proj") and p.dim() == 3 and p.shape[2] == hidden:  # gpt-oss [E, I, H]
-                p.copy_(normal(p.shape, out_gain / math.sqrt(p.shape[1])))
+                p.copy_(normal(p.shape, out_gain / math.sqrt(int(p.shape[1]))))
             else:  # [out, in] or stacked [E, out, in]: std gain / sqrt(fan_in)
                 out_proj = any(s in name for s in ("o_proj", "down_proj", ".w2"))
                 p.copy_(normal(p.shape, (out_gain if out_proj else 1.0) / math.sqrt(p.shape[-1])))
@@ -149,7 +148,7 @@ def write_moe_checkpoint(arch: str, size: str, seed: int, out: Path, ids: dict[s
     config = getattr(transformers, cfg_name)(**moe_config(arch, size, vocab_size, ids))
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
-    _redraw(model, seed, HEAD_GAIN, OUT_GAIN, list(ids.values()))
+    _redraw(model, config.hidden_size, seed, HEAD_GAIN, OUT_GAIN, list(ids.values()))
     model.save_pretrained(str(out))
     for path in out.glob("*.safetensors"):  # readable by a service running as another user
         path.chmod(0o644)

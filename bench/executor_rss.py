@@ -6,7 +6,7 @@
 Drives the offline `LLM` (the very scheduler and `ModelExecutor` the services use) with waves of
 1-100 requests of 1-300 prompt tokens and 1-64 output tokens, greedy and sampled, some with
 logprobs, so steps mix prefill chunks and decodes of ever-different sizes. ``--exact-rows`` turns
-off the row bucketing of packed CPU linears (`executor.model.row_bucket`): every new token count
+off the row bucketing of packed CPU linears (`executor.layers.linear.row_bucket`): every new token count
 then builds and caches another oneDNN primitive (~0.55 MB each).
 """
 
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.exact_rows:
-        import executor.model
+        import executor.layers.linear
 
-        executor.model.row_bucket = lambda rows: rows
+        executor.layers.linear.row_bucket = lambda rows: rows
     from scheduler import LLM
 
     model = args.model or str(cached_model("llama", args.size))

@@ -25,8 +25,8 @@ set_openmp_env_defaults()  # the engine's thread default: before torch loads Ope
 import torch  # noqa: E402
 
 from executor.backends import get_ops  # noqa: E402
+from executor.layers.linear import Linear  # noqa: E402
 from executor.layers.moe import MoE, Router  # noqa: E402
-from executor.model import Linear  # noqa: E402
 
 
 def _timed(fn, x: torch.Tensor, device: str) -> float:

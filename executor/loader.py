@@ -1,4 +1,4 @@
-"""Read a Hugging Face safetensors checkpoint (one file or sharded) into fused engine weights."""
+"""Read a Hugging Face safetensors checkpoint (one file or sharded) into a family's fused engine weights."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from executor.model_config import HFModelConfig
+from executor.models.registry import family_of
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -39,49 +40,8 @@ def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 # Tensors a Hugging Face checkpoint may carry that the model deliberately does not read: older
 # transformers saved each layer's rotary ``inv_freq`` buffer, which the engine recomputes from
-# the config (`executor.model.rope_inv_freq`), as transformers itself does on load.
+# the config (`executor.layers.rotary`), as transformers itself does on load.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-def expected_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the model reads, by Hugging Face name, with its shape.
-
-    Biases appear exactly when the config asks for them (see `HFModelConfig`); ``lm_head.weight``
-    only when the embeddings are not tied.
-    """
-    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.q_size, cfg.kv_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        shapes.update(
-            {
-                a + "q_proj.weight": (q, h),
-                a + "k_proj.weight": (kv, h),
-                a + "v_proj.weight": (kv, h),
-                a + "o_proj.weight": (h, q),
-                m + "gate_proj.weight": (inter, h),
-                m + "up_proj.weight": (inter, h),
-                m + "down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-        if cfg.attention_bias:
-            shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
-        if cfg.o_bias:
-            shapes[a + "o_proj.bias"] = (h,)
-        if cfg.qk_norm:
-            shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
-        if cfg.mlp_bias:
-            shapes.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (h,)})
-    return shapes
 
 
 def _names(names: list[str], limit: int = 12) -> str:
@@ -98,7 +58,7 @@ def check_checkpoint(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> None:
     ``inv_freq`` buffers (`IGNORED_SUFFIXES`), and with tied embeddings an ``lm_head.weight`` that
     is an exact copy of the embedding (a different one contradicts ``tie_word_embeddings``).
     """
-    want = expected_shapes(cfg)
+    want = family_of(cfg).checkpoint_shapes(cfg)
     missing = [n for n in want if n not in sd]
     if missing:
         raise ValueError(f"checkpoint is missing tensor(s) the {cfg.architecture} config needs: {_names(missing)}")
@@ -123,37 +83,14 @@ def check_checkpoint(cfg: HFModelConfig, sd: dict[str, torch.Tensor]) -> None:
 
 
 def fuse_weights(cfg: HFModelConfig, sd: dict[str, torch.Tensor], check: bool = True) -> dict[str, torch.Tensor]:
-    """Rename to engine names and concatenate q/k/v and gate/up so each is one matmul.
+    """``sd`` under engine names, fused by its family (`executor.models.base.ModelFamily.fuse`).
 
     ``sd`` is checked first (`check_checkpoint`) unless ``check`` is False (a tensor-parallel shard,
-    checked whole before it was sliced: `executor.shard_loader`). Result keys: ``embed``, ``norm``, ``lm_head``,
-    and per layer ``layers.{i}.{qkv, qkv_bias?, o, o_bias?, gate_up, gate_up_bias?, down,
-    down_bias?, in_norm, post_norm, q_norm?, k_norm?}``.
+    checked whole before it was sliced: `executor.shard_loader`).
     """
     if check:
         check_checkpoint(cfg, sd)
-    out: dict[str, torch.Tensor] = {"embed": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"]}
-    out["lm_head"] = out["embed"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p, e = f"model.layers.{i}.", f"layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        out[e + "qkv"] = torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"])
-        if cfg.attention_bias:
-            out[e + "qkv_bias"] = torch.cat([sd[a + f"{x}_proj.bias"] for x in "qkv"])
-        out[e + "o"] = sd[a + "o_proj.weight"]
-        if cfg.o_bias:
-            out[e + "o_bias"] = sd[a + "o_proj.bias"]
-        if cfg.qk_norm:
-            out[e + "q_norm"] = sd[a + "q_norm.weight"]
-            out[e + "k_norm"] = sd[a + "k_norm.weight"]
-        out[e + "gate_up"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
-        out[e + "down"] = sd[m + "down_proj.weight"]
-        if cfg.mlp_bias:
-            out[e + "gate_up_bias"] = torch.cat([sd[m + "gate_proj.bias"], sd[m + "up_proj.bias"]])
-            out[e + "down_bias"] = sd[m + "down_proj.bias"]
-        out[e + "in_norm"] = sd[p + "input_layernorm.weight"]
-        out[e + "post_norm"] = sd[p + "post_attention_layernorm.weight"]
-    return out
+    return family_of(cfg).fuse(cfg, sd)
 
 
 def load_weights(model_dir: str | Path, cfg: HFModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,4 +1,9 @@
-"""Parse a Llama-family ``config.json`` into the few numbers the engine's model needs."""
+"""The engine's view of a checkpoint's ``config.json``: one dataclass every model family fills.
+
+Which family reads a config is decided by its ``architectures`` (`executor.models.registry`); the
+family parses what differs (`executor.models.base.ModelFamily.parse`), and the fields every
+decoder shares are read here once.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(slots=True)
+class RopeParams:
+    """Rotary embedding of one layer type: ``theta`` and ``scaling`` (None: plain RoPE; else a
+    dict with ``rope_type`` in default/linear/dynamic/llama3/yarn/longrope and its parameters)."""
+
+    theta: float
+    scaling: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
 class HFModelConfig:
-    """Architecture of one checkpoint (Llama, Mistral, Qwen2 and Qwen3 share one decoder).
+    """Architecture of one checkpoint, as the shared layers (`executor.layers`) need it.
 
-    ``rope_scaling`` is None or a dict with ``rope_type`` (``default`` or ``llama3``) and its
-    parameters. ``qk_norm`` (Qwen3) is a per-head RMSNorm of q and k before RoPE.
+    Biases, as transformers builds each architecture: ``attention_bias`` on q/k/v, ``o_bias`` on
+    o_proj, ``mlp_bias`` on the MLP's projections. ``qk_norm``: a per-head RMSNorm of q and k
+    before RoPE (Qwen3, Gemma 3).
 
-    Biases, as transformers builds each architecture: ``attention_bias`` on q/k/v (Qwen2 always;
-    Llama and Qwen3 when their ``attention_bias`` says so), ``o_bias`` on o_proj (Llama and Qwen3
-    with ``attention_bias``; never Qwen2), ``mlp_bias`` on gate/up/down (Llama's ``mlp_bias``).
-    Mistral has none, whatever its config says.
+    Per layer: ``layer_types[i]`` is ``full_attention`` or ``sliding_attention`` (which then sees
+    the last ``sliding_window`` keys, itself included); ``rope_local`` is the rotary of sliding
+    layers when it differs from the global one (Gemma 3's local base frequency).
+
+    Gemma: ``gemma_norm`` (norms scale by ``1 + w``, in fp32), ``sandwich_norm`` (norms after
+    attention and the MLP too), ``embed_scale`` (embeddings times it), ``attn_scale`` (instead of
+    ``head_dim ** -0.5``), ``attn_softcap``/``final_softcap`` (``c * tanh(x / c)`` of attention
+    scores / output logits). ``attn_sinks``: a per-head sink logit joins each softmax (gpt-oss).
+    Families with more (a mixture of experts) subclass this dataclass.
     """
 
     architecture: str
@@ -42,6 +62,18 @@ class HFModelConfig:
     bos_token_id: int | None = None
     o_bias: bool = False
     mlp_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)  # empty: every layer full attention
+    sliding_window: int | None = None
+    rope_local: RopeParams | None = None
+    partial_rotary_factor: float = 1.0
+    hidden_act: str = "silu"
+    gemma_norm: bool = False
+    sandwich_norm: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_sinks: bool = False
 
     @property
     def q_size(self) -> int:
@@ -50,6 +82,58 @@ class HFModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def rope(self, layer: int) -> RopeParams:
+        """The rotary parameters of ``layer`` (its type's)."""
+        if self.rope_local is not None and self.window(layer) is not None:
+            return self.rope_local
+        return RopeParams(self.rope_theta, self.rope_scaling)
+
+    @property
+    def scale(self) -> float:
+        """The attention softmax scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def rope_params(cfg: dict[str, Any], layer_type: str = FULL, default_theta: float = 10000.0) -> RopeParams:
+    """A layer type's `RopeParams` from the classic keys (``rope_theta``, ``rope_scaling``) or
+    transformers 5's ``rope_parameters`` (theta folded in, possibly keyed by layer type)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get(layer_type) or params.get(FULL) or next(iter(params.values()))
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    else:
+        theta = float(cfg.get("rope_theta", default_theta))
+        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)
+    if rope_type == "default":
+        return RopeParams(theta, None)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    scaling["rope_type"] = rope_type
+    if rope_type in ("yarn", "longrope", "dynamic", "llama3"):
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return RopeParams(theta, scaling)
+
+
+def partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """``partial_rotary_factor`` from the top level or (transformers 5) ``rope_parameters``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    return float(cfg.get("partial_rotary_factor", 1.0))
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -60,49 +144,12 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from either the classic keys or transformers 5's
-    ``rope_parameters`` (which folds theta into the same dict, possibly per layer type)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        # Per-layer-type parameters ({"full_attention": {...}}): these models use one type.
-        params = params.get("full_attention") or next(iter(params.values()))
-    if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
-    scaling["rope_type"] = "llama3"
-    return theta, scaling
-
-
-def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> HFModelConfig:
-    """Build an `HFModelConfig` from parsed ``config.json`` (and ``generation_config.json``)."""
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"unsupported architectures {archs!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+def base_config(arch: str, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> HFModelConfig:
+    """The fields every family reads the same way, from parsed ``config.json`` (and
+    ``generation_config.json``); a family's `parse` adjusts the rest (biases, windows, norms)."""
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    theta, scaling = _rope(cfg)
-    # Sliding windows are not implemented: refuse a checkpoint that would need one.
-    window = cfg.get("sliding_window")
-    if window is not None and (arch in ("MistralForCausalLM", "LlamaForCausalLM") or cfg.get("use_sliding_window")):
-        if int(window) < int(cfg.get("max_position_embeddings", 0)):
-            raise ValueError(f"sliding_window={window} is not supported")
-    # Which projections carry biases follows each transformers model class (see HFModelConfig).
-    attn_bias_flag = bool(cfg.get("attention_bias", False))
-    qkv_bias = arch == "Qwen2ForCausalLM" or (arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attn_bias_flag)
-    o_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attn_bias_flag
-    mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
+    rope = rope_params(cfg)
     gen = generation_config or {}
     eos = _as_id_list(gen.get("eos_token_id")) or _as_id_list(cfg.get("eos_token_id"))
     bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
@@ -116,17 +163,25 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        attention_bias=False,
+        qk_norm=False,
         eos_token_ids=eos,
         bos_token_id=None if bos is None else int(bos),
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
+        partial_rotary_factor=partial_rotary_factor(cfg),
+        hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
     )
+
+
+def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> HFModelConfig:
+    """Build an `HFModelConfig` from parsed ``config.json`` by the family of its architecture."""
+    from executor.models.registry import family_for
+
+    arch, family = family_for(cfg.get("architectures") or [])
+    return family.parse(arch, cfg, generation_config)
 
 
 def load_config(model_dir: str | Path) -> HFModelConfig:

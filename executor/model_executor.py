@@ -22,8 +22,8 @@ from executor.cuda_graphs import CudaGraphRunner
 from executor.grammar import GrammarMask, StructuredDecoding
 from executor.input_batch import Batch, PersistentBatch
 from executor.loader import load_weights
-from executor.model import LlamaModel
 from executor.model_config import HFModelConfig, load_config
+from executor.models.registry import family_of
 from executor.parallel import TensorParallel
 from executor.penalties import BadWords, TokenCountPool, TokenCounts
 from executor.prompt_logprobs import prompt_logits, prompt_logprobs_of
@@ -111,7 +111,7 @@ class ModelExecutor:
             weights = load_weights(model_dir, cfg, self.dtype, self.device)
         else:
             weights = load_shard(model_dir, cfg, tp.layout, self.dtype, self.device)
-        self.model = LlamaModel(local, weights, self.ops, max_pos=cfg.max_position_embeddings, tp=tp)
+        self.model = family_of(cfg).build(local, weights, self.ops, max_pos=cfg.max_position_embeddings, tp=tp)
         del weights
 
         self.block_size = cache_config.block_size

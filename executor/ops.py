@@ -19,15 +19,22 @@ class Ops:
 
     - ``write_kv(key, value, k_cache, v_cache, slot_mapping)``: key/value ``[T, Hkv, D]`` into
       caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping[t]`` (skip slot < 0). In place.
-    - ``paged_attention(q, k_cache, v_cache, meta, scale) -> out``: q ``[T, Hq, D]``, out
-      ``[T, Hq, D]``; causal over each sequence's cached prefix plus its new tokens (GQA:
-      query head h uses KV head ``h // (Hq // Hkv)``). K/V of the new tokens are already written.
+    - ``paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None,
+      softcap=None) -> out``: q ``[T, Hq, D]``, out ``[T, Hq, D]``; causal over each sequence's
+      cached prefix plus its new tokens (GQA: query head h uses KV head ``h // (Hq // Hkv)``).
+      K/V of the new tokens are already written. ``sliding_window`` W: a query at position p
+      sees keys p-W+1 .. p only (W keys, itself included). ``softcap`` c: each score becomes
+      ``c * tanh(score / c)`` after scaling, before masking. ``sinks``: fp32 ``[Hq]`` (this
+      rank's heads), a per-head logit in each softmax's denominator with no value: with m the
+      row max over the scores and the sink, ``out = sum_j exp(s_j - m) v_j / (exp(sink - m) +
+      sum_j exp(s_j - m))``. Callers pass only the ones a layer uses.
     - ``rms_norm(x, weight, eps, residual=None) -> (out, new_residual)``: with a residual,
       ``x = x + residual`` first and that sum is returned as ``new_residual``; without one,
       ``new_residual`` is ``x`` itself.
     - ``rotary(q, k, positions, cos_sin_cache)``: neox-style rotation in place; q ``[T, Hq, D]``,
       k ``[T, Hkv, D]``, ``cos_sin_cache`` ``[max_pos, rot_dim]`` = cat(cos, sin) over rot_dim/2 each.
     - ``silu_and_mul(x) -> out``: x ``[T, 2I]`` -> ``silu(x[:, :I]) * x[:, I:]``.
+    - ``gelu_tanh_and_mul(x) -> out``: x ``[T, 2I]`` -> ``gelu(x[:, :I], approximate="tanh") * x[:, I:]``.
     - ``fused_moe(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, activation="silu") -> out``:
       routed experts. x ``[T, H]``; w13 ``[E, 2I, H]`` (rows: gate I, then up I); w2 ``[E, H, I]``;
       b13 ``[E, 2I]``, b2 ``[E, H]`` or None; topk_weights ``[T, k]`` fp32; topk_ids ``[T, k]``
@@ -44,4 +51,5 @@ class Ops:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    gelu_tanh_and_mul: Callable[..., torch.Tensor]
     fused_moe: Callable[..., torch.Tensor]

@@ -17,7 +17,7 @@ state, so two engines in one process (even on two threads) share nothing. The mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +51,36 @@ class _Group:
     block_index: torch.Tensor  # int64 [num_seqs * blocks_per_seq]
     mask: torch.Tensor | None  # bool [num_seqs, 1, max_q, kv_len]; None = no masking
     causal: bool  # mask-free causal attention (whole prompts, all of one length)
+    q_lens: list[int]
+    s_lens: list[int]
 
 
 @dataclass(slots=True)
 class _Plan:
     groups: list[_Group]
     identity: bool  # a single group whose padded rows are exactly the token rows
+    # Exact masks per sliding window (None: none) for the layers that need one, per group.
+    masks: dict[int | None, list[torch.Tensor]] = field(default_factory=dict)
+
+    def exact_masks(self, window: int | None, device: torch.device) -> list[torch.Tensor]:
+        """Each group's full mask for ``window``, built by the first layer that asks."""
+        if window not in self.masks:
+            self.masks[window] = [_exact_mask(g, window, device) for g in self.groups]
+        return self.masks[window]
+
+
+def _exact_mask(g: _Group, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool ``[num_seqs, 1, max_q, kv_len]``: key l is visible to the query at position p iff
+    l <= p, l < seq_len and (with a window W) l > p - W. Padding queries take their sequence's last
+    position, so no row is empty."""
+    seq_len = torch.tensor(g.s_lens, device=device)
+    q_pos = (seq_len - torch.tensor(g.q_lens, device=device))[:, None] + torch.arange(g.max_q, device=device)[None, :]
+    q_pos = torch.minimum(q_pos, seq_len[:, None] - 1)[:, :, None]
+    key = torch.arange(g.kv_len, device=device)[None, None, :]
+    mask = (key <= q_pos) & (key < seq_len[:, None, None])
+    if window is not None:
+        mask &= key > q_pos - window
+    return mask.unsqueeze(1)
 
 
 def _make_group(seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_size: int, device: torch.device) -> _Group:
@@ -103,7 +127,7 @@ def _make_group(seqs: list[int], meta: AttentionMetadata, qsl: list[int], block_
         # Padding queries sit past the end, so they still see >= 1 key (no NaN rows).
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_len[:, None, None])
         mask = mask.unsqueeze(1)
-    return _Group(num, max_q, kv_len, starts[0], q_index, out_valid, out_rows, block_index, mask, causal)
+    return _Group(num, max_q, kv_len, starts[0], q_index, out_valid, out_rows, block_index, mask, causal, q_lens, s_lens)
 
 
 def _pack(seqs: list[int], meta: AttentionMetadata, row_elements: int) -> list[list[int]]:
@@ -168,6 +192,33 @@ def _gather_into(workspace: dict, cache: torch.Tensor, index: torch.Tensor, whic
     return out
 
 
+def _exact_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    vals: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention with soft-capped scores and/or sink logits (which SDPA has not), in fp32:
+    q ``[n, Hq, Q, D]``, keys/vals ``[n, Hkv, K, D]``, mask ``[n, 1, Q, K]`` -> ``[n, Hq, Q, D]``."""
+    n, hq, mq, _ = q.shape
+    rep = hq // keys.shape[1]
+    if rep > 1:
+        keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink joins the denominator as one more column, dropped after the softmax
+        sink = sinks.float().view(1, hq, 1, 1).expand(n, hq, mq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, vals.float()).to(q.dtype)
+
+
 def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -175,12 +226,20 @@ def _attend(
     plan: _Plan,
     scale: float,
     workspace: dict | None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Run ``plan``'s padded SDPA calls; K/V are gathered into ``workspace`` (fresh when None)."""
+    """Run ``plan``'s padded attention calls; K/V are gathered into ``workspace`` (fresh when None).
+
+    The plain case takes SDPA with the plan's own masks (or none); a window needs the exact mask,
+    and soft-capping or sinks the explicit softmax (`_exact_attention`)."""
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[2]
     out = None if plan.identity else q.new_empty(num_tokens, hq, d)
-    for g in plan.groups:
+    plain = sliding_window is None and sinks is None and softcap is None
+    masks = None if plain else plan.exact_masks(sliding_window, q.device)
+    for gi, g in enumerate(plan.groups):
         # [num_seqs * nblocks, block_size, hkv, d] -> [num_seqs, kv_len, hkv, d] -> heads first.
         if workspace is None:
             k_rows, v_rows = k_cache.index_select(0, g.block_index), v_cache.index_select(0, g.block_index)
@@ -194,15 +253,22 @@ def _attend(
         else:
             qg = q.index_select(0, g.q_index)
         qg = qg.reshape(g.num_seqs, g.max_q, hq, d).transpose(1, 2)
-        og = F.scaled_dot_product_attention(
-            qg,
-            keys.transpose(1, 2),
-            vals.transpose(1, 2),
-            attn_mask=g.mask,
-            is_causal=g.causal,
-            scale=scale,
-            enable_gqa=hq != hkv,
-        )  # [num_seqs, hq, max_q, d]
+        if masks is None:
+            og = F.scaled_dot_product_attention(
+                qg,
+                keys.transpose(1, 2),
+                vals.transpose(1, 2),
+                attn_mask=g.mask,
+                is_causal=g.causal,
+                scale=scale,
+                enable_gqa=hq != hkv,
+            )  # [num_seqs, hq, max_q, d]
+        elif sinks is None and softcap is None:
+            og = F.scaled_dot_product_attention(
+                qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=masks[gi], scale=scale, enable_gqa=hq != hkv
+            )
+        else:
+            og = _exact_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), masks[gi], scale, sinks, softcap)
         og = og.transpose(1, 2).reshape(g.num_seqs * g.max_q, hq, d)
         if plan.identity:
             return og
@@ -265,7 +331,7 @@ class TorchOpsState:
     step at a time, and each executor has its own state.
     """
 
-    __slots__ = ("_plan_key", "_plan", "_workspace", "_slots_key", "_keep", "_rope_key", "_cos", "_sin")
+    __slots__ = ("_plan_key", "_plan", "_workspace", "_slots_key", "_keep", "_rope_key", "_rope")
 
     def __init__(self) -> None:
         self._plan_key: AttentionMetadata | None = None
@@ -273,18 +339,28 @@ class TorchOpsState:
         self._workspace: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
         self._slots_key: torch.Tensor | None = None
         self._keep: torch.Tensor | None = None
-        self._rope_key: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
+        self._rope_key: torch.Tensor | None = None
+        # (table, cos, sin) of each cos/sin table used with the step's positions (layer types
+        # with their own rotary, such as Gemma 3's local and global layers, have one each).
+        self._rope: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """`paged_attention`, with the step's plan built once and gathers into reused buffers."""
+        """`paged_attention`, with the step's plan (and its masks) built once and gathers into
+        reused buffers."""
         if self._plan_key is not meta or self._plan is None:
             self._plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
             self._plan_key = meta
-        return _attend(q, k_cache, v_cache, self._plan, scale, self._workspace)
+        return _attend(q, k_cache, v_cache, self._plan, scale, self._workspace, sliding_window, sinks, softcap)
 
     def write_kv(
         self,
@@ -301,24 +377,34 @@ class TorchOpsState:
         _write_kv(key, value, k_cache, v_cache, slot_mapping, self._keep)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-        """`rotary`, with the step's cos/sin rows gathered once."""
-        key = self._rope_key
-        if key is None or key[0] is not positions or key[1] is not cos_sin_cache:
-            self._cos, self._sin = _cos_sin(positions, cos_sin_cache)
-            self._rope_key = (positions, cos_sin_cache)
-        assert self._cos is not None and self._sin is not None
-        _rotate(q, k, self._cos, self._sin)
+        """`rotary`, with the step's cos/sin rows gathered once per table."""
+        if self._rope_key is not positions:
+            self._rope_key, self._rope = positions, []
+        for table, cos, sin in self._rope:
+            if table is cos_sin_cache:
+                _rotate(q, k, cos, sin)
+                return
+        cos, sin = _cos_sin(positions, cos_sin_cache)
+        self._rope.append((cos_sin_cache, cos, sin))
+        _rotate(q, k, cos, sin)
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached K/V (see `executor.ops`).
 
     Stateless: plans the batch on every call (`TorchOpsState.paged_attention` memoises it).
     """
     plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
-    return _attend(q, k_cache, v_cache, plan, scale, None)
+    return _attend(q, k_cache, v_cache, plan, scale, None, sliding_window, sinks, softcap)
 
 
 def write_kv(
@@ -352,6 +438,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.mul_(x[..., inter:])
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[:, :I], approximate="tanh") * x[:, I:]`` (GeGLU, Gemma)."""
+    inter = x.shape[-1] // 2
+    out = F.gelu(x[..., :inter], approximate="tanh")
+    return out.mul_(x[..., inter:])
+
+
 def make_ops() -> Ops:
     """A new set of torch ops with its own `TorchOpsState` (one per executor)."""
     state = TorchOpsState()
@@ -362,5 +455,6 @@ def make_ops() -> Ops:
         rms_norm=rms_norm,
         rotary=state.rotary,
         silu_and_mul=silu_and_mul,
+        gelu_tanh_and_mul=gelu_tanh_and_mul,
         fused_moe=fused_moe,
     )

@@ -1,7 +1,8 @@
 """Load one tensor-parallel rank's shard of a safetensors checkpoint, reading only its slices.
 
-Each tensor is sliced on load (safetensors' ``get_slice``), so a rank reads and holds ``1/world``
-of the sharded weights. The checkpoint is checked whole first, from its headers (names and full
+Each tensor is sliced on load (safetensors' ``get_slice``, the ranges its family's
+`executor.models.base.ModelFamily.shard_spec` names), so a rank reads and holds ``1/world`` of the
+sharded weights. The checkpoint is checked whole first, from its headers (names and full
 shapes, `executor.loader.check_checkpoint`), then the rank's slices are fused as a single device's
 weights are (`executor.loader.fuse_weights`).
 """
@@ -15,43 +16,28 @@ from safetensors import safe_open
 
 from executor.loader import check_checkpoint, checkpoint_files, fuse_weights, to_device
 from executor.model_config import HFModelConfig
+from executor.models.base import ModelFamily
+from executor.models.registry import family_of
 from executor.parallel import ShardLayout
 
-# Row-parallel biases: added once, after the all-reduce, i.e. by rank 0 only.
-_ROW_PARALLEL_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
 
-
-def shard_slice(name: str, layout: ShardLayout) -> tuple[int, int, int] | None:
-    """``(dim, start, end)`` of tensor ``name`` that ``layout``'s rank holds; None: all of it."""
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return (0, *layout.vocab)
-    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return (0, *layout.q_rows())
-    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
-        return (0, *layout.kv_rows())
-    if name.endswith("self_attn.o_proj.weight"):
-        return (1, *layout.q_rows())
-    if name.endswith(("mlp.gate_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.weight", "mlp.up_proj.bias")):
-        return (0, *layout.inter)
-    if name.endswith("mlp.down_proj.weight"):
-        return (1, *layout.inter)
-    return None  # norms, row-parallel biases: whole
-
-
-def _read_slice(f: object, name: str, layout: ShardLayout) -> torch.Tensor:
-    spec = shard_slice(name, layout)
+def _read_slice(f: object, name: str, layout: ShardLayout, family: ModelFamily) -> torch.Tensor:
+    spec = family.shard_spec(name, layout)
     if spec is None:
         t: torch.Tensor = f.get_tensor(name)  # type: ignore[attr-defined]
-        if name.endswith(_ROW_PARALLEL_BIASES) and layout.rank != 0:
+        if name.endswith(family.row_parallel_biases) and layout.rank != 0:
             t = torch.zeros_like(t)  # the sum over ranks adds the bias exactly once
         return t
-    dim, start, end = spec
     s = f.get_slice(name)  # type: ignore[attr-defined]
-    return s[start:end] if dim == 0 else s[:, start:end]
+    # Any dimension: gpt-oss's stacked experts are cut along their last.
+    lead = (slice(None),) * spec.dim
+    parts = [s[lead + (slice(start, end),)] for start, end in spec.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
 def read_shard(model_dir: str | Path, cfg: HFModelConfig, layout: ShardLayout) -> dict[str, torch.Tensor]:
     """This rank's slices of every checkpoint tensor, after checking the names and full shapes."""
+    family = family_of(cfg)
     full: dict[str, torch.Tensor] = {}
     shards: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
@@ -71,7 +57,7 @@ def read_shard(model_dir: str | Path, cfg: HFModelConfig, layout: ShardLayout) -
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in full and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                    shards[name] = _read_slice(f, name, layout)
+                    shards[name] = _read_slice(f, name, layout, family)
     return shards
 
 

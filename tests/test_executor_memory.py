@@ -2,7 +2,7 @@
 
 oneDNN keeps one JIT-compiled primitive (~0.55 MB) per (weight shape, row count) in its caches, so
 an executor that hands it every token count of continuous batching grows its RSS with each new
-count (see `executor.model.row_bucket`). These tests check the mechanism, not RSS numbers;
+count (see `executor.layers.linear.row_bucket`). These tests check the mechanism, not RSS numbers;
 ``python -m bench.executor_rss`` shows the plateau itself.
 """
 
@@ -14,7 +14,7 @@ import torch
 from common.config import CacheConfig, ModelConfig, ParallelConfig
 from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
-from executor.model import Linear, row_bucket
+from executor.layers.linear import Linear, row_bucket
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 

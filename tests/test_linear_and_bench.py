@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.model import Linear
+from executor.layers.linear import Linear
 
 
 def test_packed_linear_matches_plain_matmul() -> None:

@@ -24,6 +24,7 @@ from executor.kernels.rms_norm import rms_norm  # noqa: E402
 from executor.kernels.rotary import rotary  # noqa: E402
 from executor.moe_torch import fused_moe as torch_fused_moe  # noqa: E402
 from executor.ops import Ops  # noqa: E402
+from executor.ops_torch import gelu_tanh_and_mul  # noqa: E402
 
 DEFAULT_NUM_SMS = 132  # H100/H200; only used when no CUDA device can be asked
 
@@ -57,6 +58,7 @@ OPS = Ops(
     rms_norm=rms_norm,
     rotary=rotary,
     silu_and_mul=silu_and_mul,
+    gelu_tanh_and_mul=gelu_tanh_and_mul,
     # The torch path until the Triton fused-MoE kernel is wired in (the kernels branch).
     fused_moe=torch_fused_moe,
 )

@@ -2,6 +2,7 @@
 
     python -m bench.moe_layer                       # 8 experts, top-2, hidden 512, expert width 512
     python -m bench.moe_layer --experts 64 --top-k 8 --moe-intermediate 128 --tokens 1,32,512
+    OMP_NUM_THREADS=1 python -m bench.moe_layer --clock cpu   # steadier on a shared machine
 
 The MoE layer (`executor.layers.moe.MoE`: router, top-k, `Ops.fused_moe` of the chosen backend)
 runs ``top_k`` experts of width ``moe_intermediate`` per token; the dense MLP (the engine's packed
@@ -29,14 +30,14 @@ from executor.layers.linear import Linear  # noqa: E402
 from executor.layers.moe import MoE, Router  # noqa: E402
 
 
-def _timed(fn, x: torch.Tensor, device: str) -> float:
+def _timed(fn, x: torch.Tensor, device: str, clock) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
-    t = time.perf_counter()
+    t = clock()
     fn(x)
     if device == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t
+    return clock() - t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="cpu: this process's CPU time (steadier on a shared machine; use with OMP_NUM_THREADS=1)",
+    )
     args = ap.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
 
     dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
     h, e, k, i = args.hidden, args.experts, args.top_k, args.moe_intermediate
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"hidden={h} experts={e} top_k={k} moe_intermediate={i} (dense width {k * i}; {active / 1e6:.2f}M active "
         f"params, {3 * h * i * e / 1e6:.2f}M expert params) backend={args.backend} device={args.device} "
-        f"dtype={args.dtype} threads={torch.get_num_threads()}"
+        f"dtype={args.dtype} threads={torch.get_num_threads()} clock={args.clock}"
     )
     print("\n| tokens | MoE ms | dense ms | MoE / dense |")
     print("|---|---|---|---|")
@@ -81,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             moe(x), dense(x)  # warm-up: oneDNN primitives, allocator
             t_moe, t_dense = [], []
             for _ in range(args.reps):
-                t_moe.append(_timed(moe, x, args.device))
-                t_dense.append(_timed(dense, x, args.device))
+                t_moe.append(_timed(moe, x, args.device, clock))
+                t_dense.append(_timed(dense, x, args.device, clock))
             m, d = statistics.median(t_moe) * 1e3, statistics.median(t_dense) * 1e3
             print(f"| {tokens} | {m:.3f} | {d:.3f} | {m / d:.2f}x |", flush=True)
     return 0

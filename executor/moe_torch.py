@@ -1,11 +1,12 @@
 """The torch backend's `Ops.fused_moe`: routed experts batched per expert (the CPU path).
 
 The ``T x k`` (token, choice) assignments are sorted by expert once; each expert that received
-any runs two matmuls over all of its rows at once (gate/up, then down), and the weighted rows are
-summed back into their tokens with one ``index_add_``. The Python loop is over experts that have
-tokens (at most ``E``), never over tokens. The same structure as the Triton kernel
-(`executor/kernels/fused_moe.py`: sort by expert, grouped GEMM, weights applied after the second
-projection), without the block padding a GPU needs.
+any runs two matmuls over all of its rows at once (gate/up, then down). The Python loop is over
+experts that have tokens (at most ``E``), never over tokens. The rows return to (token, choice)
+order by one gather (not a scatter-add, whose colliding rows run serially on CPU) and one batched
+matmul weights and sums each token's k choices. The same structure as the Triton kernel
+(`executor/kernels/fused_moe.py`: sort by expert, grouped GEMM, weighted sum over the choices),
+without the block padding a GPU needs.
 """
 
 from __future__ import annotations
@@ -56,15 +57,13 @@ def fused_moe(
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
-        return out.to(x.dtype)
+        return x.new_zeros(0, hidden)
     flat_ids = topk_ids.reshape(-1)
-    # Stable, so an expert's rows keep token order (deterministic sums, whatever the batch).
+    # Stable, so an expert's rows keep token order (deterministic, whatever the batch).
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per call
-    token_of = order // top_k
-    rows_in = x.index_select(0, token_of)  # [T*k, H], grouped by expert
+    rows_in = x.index_select(0, order // top_k)  # [T*k, H], grouped by expert
     rows_out = torch.empty(rows_in.shape[0], hidden, dtype=torch.float32, device=x.device)
     start = 0
     for expert, n in enumerate(counts):
@@ -75,6 +74,9 @@ def fused_moe(
         y = F.linear(expert_activation(h, activation), w2[expert], None if b2 is None else b2[expert])
         rows_out[rows] = y
         start += n
-    rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1))
-    out.index_add_(0, token_of, rows_out)
+    # Back to (token, choice) order by the inverse permutation, then the weighted sum over the k.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_choice = rows_out.index_select(0, inverse).view(num_tokens, top_k, hidden)
+    out = torch.bmm(topk_weights.float().unsqueeze(1), per_choice).squeeze(1)
     return out.to(x.dtype)

@@ -122,3 +122,16 @@ def test_gpt_oss_refuses_mxfp4_and_other_swiglu_constants(tiny_model) -> None:
         parse_config({**raw, "quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(ValueError, match="swiglu_limit=5.0"):
         parse_config({**raw, "swiglu_limit": 5.0})
+
+
+def test_tensor_parallel_layout_splits_each_expert(tiny_model) -> None:
+    """Per-expert TP: each rank holds its slice of every expert's (and the shared expert's)
+    intermediate dim; a split that does not divide them is refused before any process starts."""
+    from executor.parallel import ShardLayout
+
+    cfg = parse_config(_raw(tiny_model("qwen2_moe")))  # moe_intermediate 32, shared 48
+    assert [ShardLayout.build(cfg, r, 2).expert_inter for r in range(2)] == [(0, 16), (16, 32)]
+    assert [ShardLayout.build(cfg, r, 2).shared_inter for r in range(2)] == [(0, 24), (24, 48)]
+    raw = _raw(tiny_model("qwen2_moe"))
+    with pytest.raises(ValueError, match="moe_intermediate_size=33"):
+        ShardLayout.build(parse_config({**raw, "moe_intermediate_size": 33}), 0, 2)

@@ -1,4 +1,4 @@
-"""`conveyor make-model`: write a small random Llama-family checkpoint in Hugging Face format.
+"""`conveyor make-model`: write a small random checkpoint of a supported family in Hugging Face format.
 
 The checkpoint is real enough for every consumer: transformers loads it with
 ``AutoModelForCausalLM``/``AutoTokenizer``, and the engine loads it with its own loader. The
@@ -8,6 +8,10 @@ output head has a large init std, so the typical top-1/top-2 logit gap (~2) dwar
 rounding error (~1e-5) and two correct implementations agree token for token on all but very
 long runs. ``tiny`` is ~0.2M parameters (fast tests); ``small`` ~80-107M (benchmarks); ``1b`` ~1.0B
 (the GPU check).
+
+The Llama family's tensors are written here directly; the other families (`HF_ARCHS`) are built
+with transformers' own config and model classes and saved with ``save_pretrained``, their
+parameters then overwritten by the same seeded, decisive initialisation (`init_hf_params`).
 """
 
 from __future__ import annotations
@@ -22,14 +26,25 @@ import sysconfig
 import tempfile
 import uuid
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import save_file
 
 from executor.make_moe_model import MOE_ARCHS, MOE_GEOMETRY, write_moe_checkpoint
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", *MOE_ARCHS)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+HF_ARCHS = ("gemma2", "gemma3", "phi3")
+ARCHS = LLAMA_ARCHS + HF_ARCHS + tuple(MOE_ARCHS)
+# Sliding window of the families that have one by default (gemma2/gemma3), per size: short
+# enough at ``tiny`` that the test prompts run past it.
+DEFAULT_WINDOW = {"tiny": 16, "tiny-mqa": 16, "small": 512, "1b": 1024}
+# Gemma 2's soft-caps at the sizes here: low enough that they change the outputs of a random model
+# (the released 50/30 would not bite at these score and logit scales).
+GEMMA2_SOFTCAPS = (2.0, 20.0)
 SIZES: tuple[str, ...] = ("tiny", "tiny-mqa", "small", "1b")
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
@@ -133,13 +148,22 @@ def write_tokenizer(out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
 
 
 def build_config(
-    arch: str, size: str, vocab_size: int, ids: dict[str, int], mlp_bias: bool = False, attention_bias: bool = False
+    arch: str,
+    size: str,
+    vocab_size: int,
+    ids: dict[str, int],
+    mlp_bias: bool = False,
+    attention_bias: bool = False,
+    sliding_window: int | None = None,
 ) -> dict:
-    """The ``config.json`` contents for ``arch``/``size``.
+    """The ``config.json`` contents for ``arch``/``size`` (a Llama-family ``arch``).
 
     ``mlp_bias`` (Llama only) and ``attention_bias`` (Llama and Qwen3: q/k/v/o biases) add the
-    biases transformers builds for those flags; Qwen2 always has q/k/v biases.
+    biases transformers builds for those flags; Qwen2 always has q/k/v biases. ``sliding_window``
+    (Mistral: every layer; Qwen2/Qwen3: every layer but the first, as ``max_window_layers=1``).
     """
+    if sliding_window is not None and arch == "llama":
+        raise ValueError("llama has no sliding window")
     if mlp_bias and arch != "llama":
         raise ValueError(f"mlp_bias is a Llama option; {arch} has no MLP biases")
     if attention_bias and arch not in ("llama", "qwen3"):
@@ -188,13 +212,84 @@ def build_config(
             "original_max_position_embeddings": g["max_pos"] // 8,
         }
         cfg["mlp_bias"] = mlp_bias
-    elif arch == "qwen2":
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=g["layers"])
-    elif arch == "qwen3":
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=g["layers"])
+    elif arch in ("qwen2", "qwen3"):
+        if sliding_window is None:
+            cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=g["layers"])
+        else:
+            cfg.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1)
     elif arch == "mistral":
-        cfg["sliding_window"] = None
+        cfg["sliding_window"] = sliding_window
     return cfg
+
+
+def build_hf_config(
+    arch: str, size: str, vocab_size: int, ids: dict[str, int], sliding_window: int | None = None
+) -> PretrainedConfig:
+    """A transformers config object of a non-Llama ``arch`` (`HF_ARCHS`) at ``size``.
+
+    gemma2: alternating sliding (even) and full layers, soft-capping (`GEMMA2_SOFTCAPS`);
+    gemma3: the same alternation (``sliding_window_pattern`` 2), its own local rotary base and
+    linear scaling on the global layers; phi3: partial rotary (half of each head), LongRoPE, no
+    window unless asked. ``query_pre_attn_scalar`` differs from the head size so the scale matters.
+    """
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config
+
+    g = GEOMETRY[size]
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=g["hidden"],
+        intermediate_size=g["inter"],
+        num_hidden_layers=g["layers"],
+        num_attention_heads=g["heads"],
+        num_key_value_heads=g["kv_heads"],
+        max_position_embeddings=g["max_pos"],
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        dtype="float32",
+    )
+    window = sliding_window if sliding_window is not None else DEFAULT_WINDOW[size]
+    sliding = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(g["layers"])]
+    if arch == "gemma2":
+        attn_cap, final_cap = GEMMA2_SOFTCAPS
+        return Gemma2Config(
+            **common,
+            head_dim=g["head_dim"],
+            query_pre_attn_scalar=g["head_dim"] + 8,
+            sliding_window=window,
+            layer_types=sliding,
+            attn_logit_softcapping=attn_cap,
+            final_logit_softcapping=final_cap,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if arch == "gemma3":
+        return Gemma3TextConfig(
+            **common,
+            head_dim=g["head_dim"],
+            query_pre_attn_scalar=g["head_dim"] + 8,
+            sliding_window=window,
+            layer_types=sliding,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    if arch == "phi3":
+        rot = g["hidden"] // g["heads"] // 2
+        factors = [1.0 + 0.25 * i for i in range(rot // 2)]
+        return Phi3Config(
+            **common,
+            original_max_position_embeddings=g["max_pos"] // 2,
+            sliding_window=sliding_window,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": factors,
+                "long_factor": [2 * f for f in factors],
+            },
+        )
+    raise ValueError(f"unknown arch {arch!r}; expected one of {HF_ARCHS}")
 
 
 def init_weights(cfg: dict, seed: int, special_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -258,6 +353,38 @@ def init_weights(cfg: dict, seed: int, special_ids: list[int]) -> dict[str, torc
     return {k: v.contiguous() for k, v in w.items()}
 
 
+def init_hf_params(model: PreTrainedModel, seed: int, special_ids: list[int], gemma_norm: bool) -> None:
+    """Overwrite a transformers model's parameters with `init_weights`' seeded, decisive scheme:
+    linears ``gain/sqrt(fan_in)`` (residual outputs amplified), norms near one (Gemma's stored as
+    the offset from one), biases and sinks small, a large-std output head with small special-token
+    rows, and random signs on the final norm."""
+    gen = torch.Generator().manual_seed(seed)
+    tied = bool(model.config.tie_word_embeddings)
+    hidden = model.config.hidden_size
+    head_std = HEAD_GAIN / math.sqrt(hidden)
+    params = dict(model.named_parameters(remove_duplicate=True))
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if name.endswith("embed_tokens.weight"):
+                value = torch.randn(p.shape, generator=gen) * (head_std if tied else 1.0)
+            elif name == "lm_head.weight":
+                value = torch.randn(p.shape, generator=gen) * head_std
+            elif "norm" in name:
+                scale = 1.0 + torch.randn(p.shape, generator=gen) * 0.1
+                if name == "model.norm.weight":  # see `init_weights`: the head must not echo the input
+                    scale = scale * (torch.randint(0, 2, p.shape, generator=gen) * 2.0 - 1.0)
+                value = scale - 1.0 if gemma_norm else scale
+            elif name.endswith(".bias") or name.endswith("sinks"):
+                value = torch.randn(p.shape, generator=gen) * 0.1
+            else:
+                gain = OUT_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                value = torch.randn(p.shape, generator=gen) * (gain / math.sqrt(p.shape[-1]))
+            p.copy_(value)
+        head = params["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        head[special_ids] *= 0.1
+
+
 def count_params(weights: dict[str, torch.Tensor]) -> int:
     """Number of parameters in a state dict."""
     return sum(t.numel() for t in weights.values())
@@ -297,10 +424,12 @@ def make_model(
     shards: int = 1,
     mlp_bias: bool = False,
     attention_bias: bool = False,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random ``arch``/``size`` checkpoint into ``out`` (a new temp dir if None).
 
-    ``mlp_bias``/``attention_bias``: see `build_config` (off by default, as in real checkpoints).
+    ``mlp_bias``/``attention_bias``/``sliding_window``: see `build_config` and `build_hf_config`
+    (off by default for the Llama family, as in its real checkpoints).
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -308,8 +437,8 @@ def make_model(
     sizes = tuple(MOE_GEOMETRY) if moe else SIZES
     if size not in sizes:
         raise ValueError(f"unknown size {size!r} for {arch}; expected one of {sizes}")
-    if moe and (shards > 1 or mlp_bias or attention_bias):
-        raise ValueError(f"{arch} checkpoints are written by transformers as configured: no shards/bias options")
+    if moe and (shards > 1 or mlp_bias or attention_bias or sliding_window is not None):
+        raise ValueError(f"{arch} checkpoints are written as `executor.make_moe_model` configures them: no options")
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"conveyor-{arch}-{size}-"))
     out.mkdir(parents=True, exist_ok=True)
     g = MOE_GEOMETRY[size] if moe else GEOMETRY[size]
@@ -319,9 +448,14 @@ def make_model(
     vocab_size = Tokenizer.from_str(train_tokenizer_json(g["vocab"])).get_vocab_size()
     if moe:
         write_moe_checkpoint(arch, size, seed, out, ids, vocab_size)
+    elif arch in HF_ARCHS:
+        if mlp_bias or attention_bias:
+            raise ValueError(f"mlp_bias/attention_bias are Llama-family options, not {arch}'s")
+        _save_hf_model(build_hf_config(arch, size, vocab_size, ids, sliding_window), out, seed, list(ids.values()), shards)
     else:
-        cfg = build_config(arch, size, vocab_size, ids, mlp_bias=mlp_bias, attention_bias=attention_bias)
+        cfg = build_config(arch, size, vocab_size, ids, mlp_bias, attention_bias, sliding_window)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_weights(init_weights(cfg, seed, list(ids.values())), out, shards)
     gen_cfg = {
         "bos_token_id": ids[BOS],
         # A list, as in Llama 3 / Qwen checkpoints: end-of-text and end-of-turn both stop.
@@ -330,9 +464,20 @@ def make_model(
         "do_sample": False,
     }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
-    if not moe:
-        save_weights(init_weights(cfg, seed, list(ids.values())), out, shards)
     return out
+
+
+def _save_hf_model(config: PretrainedConfig, out: Path, seed: int, special_ids: list[int], shards: int) -> None:
+    """Build ``config``'s transformers model, initialise it (`init_hf_params`) and save it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_hf_params(model, seed, special_ids, gemma_norm=config.model_type.startswith("gemma"))
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_shard = f"{max(1, size // max(shards, 1) // 1000 + 1)}KB" if shards > 1 else "50GB"
+    model.save_pretrained(str(out), safe_serialization=True, max_shard_size=max_shard)
+    for path in out.glob("*.safetensors"):
+        path.chmod(0o644)  # see `_save`
 
 
 CACHE_DIR = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor")) / "models"
@@ -359,14 +504,23 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conveyor make-model``."""
     ap = argparse.ArgumentParser(prog="conveyor make-model", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=ARCHS, default="llama")
-    ap.add_argument("--size", choices=SIZES, default="tiny", help=f"{', '.join(MOE_ARCHS)}: tiny or small")
+    ap.add_argument("--size", choices=SIZES, default="tiny", help=f"{', '.join(MOE_ARCHS)}: tiny or small only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--mlp-bias", action="store_true", help="biases on gate/up/down (llama)")
     ap.add_argument("--attention-bias", action="store_true", help="biases on q/k/v/o (llama, qwen3)")
+    ap.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="attention window: mistral (every layer), qwen2/qwen3 (all but the first layer), phi3; "
+        "gemma2/gemma3 alternate window and full layers (default window by size)",
+    )
     args = ap.parse_args(argv)
-    out = make_model(args.arch, args.size, args.seed, args.out, args.shards, args.mlp_bias, args.attention_bias)
+    out = make_model(
+        args.arch, args.size, args.seed, args.out, args.shards, args.mlp_bias, args.attention_bias, args.sliding_window
+    )
     cfg = json.loads((out / "config.json").read_text())
     n = sum(
         math.prod(info["shape"])

@@ -69,10 +69,11 @@ def _yarn(theta: float, dim: int, sc: dict[str, Any], max_pos: int) -> tuple[tor
 def inv_freq_and_factor(rope: RopeParams, rot_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (fp32, ``rot_dim // 2``) and the attention factor of ``rope``.
 
+    ``dynamic`` (NTK) is plain RoPE: transformers rescales only once a sequence outgrows
+    ``max_position_embeddings``, which the engine never serves (``max_model_len`` is capped there).
     ``longrope`` uses its short factors: transformers switches a whole sequence to the long ones
     once it grows past ``original_max_position_embeddings`` (re-rotating nothing already cached),
-    which no per-position table can follow; the engine serves the short range exactly. ``dynamic``
-    is NTK scaling fixed at the model's full length (as vLLM), not grown with each sequence.
+    which no per-position table can follow; the engine is exact up to that length.
     """
     theta, sc = rope.theta, rope.scaling
     if sc is None:
@@ -83,11 +84,7 @@ def inv_freq_and_factor(rope: RopeParams, rot_dim: int, max_pos: int) -> tuple[t
     if kind == "linear":
         return _default(theta, rot_dim) / float(sc["factor"]), 1.0
     if kind == "dynamic":
-        factor = float(sc["factor"])
-        orig = int(sc.get("original_max_position_embeddings") or max_pos)
-        length = orig * factor
-        base = theta * ((factor * length / orig) - (factor - 1)) ** (rot_dim / (rot_dim - 2))
-        return _default(base, rot_dim), 1.0
+        return _default(theta, rot_dim), 1.0
     if kind == "yarn":
         return _yarn(theta, rot_dim, sc, max_pos)
     if kind == "longrope":

@@ -57,6 +57,8 @@ class ModelFamily:
     """A model family (see the module docstring). Stateless: one instance serves every model."""
 
     architectures: ClassVar[tuple[str, ...]] = ()
+    # The checkpoint module of a layer's feed-forward block (Mixtral's is "block_sparse_moe").
+    mlp_module: ClassVar[str] = "mlp"
     # Row-parallel biases (by checkpoint name suffix): added once, after the all-reduce.
     row_parallel_biases: ClassVar[tuple[str, ...]] = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
 
@@ -81,7 +83,7 @@ class ModelFamily:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             shapes.update(self.attention_shapes(cfg, i, p + "self_attn."))
-            shapes.update(self.mlp_shapes(cfg, i, p + "mlp."))
+            shapes.update(self.mlp_shapes(cfg, i, f"{p}{self.mlp_module}."))
             shapes.update({p + name + ".weight": (h,) for name in self.norm_names(cfg).values()})
         return shapes
 
@@ -136,7 +138,7 @@ class ModelFamily:
         for i in range(cfg.num_layers):
             p, e = f"model.layers.{i}.", f"layers.{i}."
             out.update(self.fuse_attention(cfg, i, sd, p + "self_attn.", e))
-            out.update(self.fuse_mlp(cfg, i, sd, p + "mlp.", e))
+            out.update(self.fuse_mlp(cfg, i, sd, f"{p}{self.mlp_module}.", e))
             for engine, name in self.norm_names(cfg).items():
                 out[e + engine] = sd[p + name + ".weight"]
         return out

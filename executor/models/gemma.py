@@ -34,7 +34,8 @@ class GemmaFamily(ModelFamily):
         cfg.gemma_norm = cfg.sandwich_norm = True
         cfg.embed_scale = cfg.hidden_size**0.5
         cfg.attn_scale = float(raw.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
-        cfg.attn_softcap = _float(raw.get("attn_logit_softcapping"))
+        # transformers' Gemma 3 attention never applies attn_logit_softcapping, whatever it says.
+        cfg.attn_softcap = None if gemma3 else _float(raw.get("attn_logit_softcapping"))
         cfg.final_softcap = _float(raw.get("final_logit_softcapping"))
         cfg.tie_word_embeddings = bool(raw.get("tie_word_embeddings", True))
         if gemma3:

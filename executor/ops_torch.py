@@ -59,6 +59,7 @@ class _Group:
 class _Plan:
     groups: list[_Group]
     identity: bool  # a single group whose padded rows are exactly the token rows
+    max_seq_len: int  # a window at least this long hides nothing: the plain path serves it
     # Exact masks per sliding window (None: none) for the layers that need one, per group.
     masks: dict[int | None, list[torch.Tensor]] = field(default_factory=dict)
 
@@ -174,7 +175,7 @@ def _build_plan(meta: AttentionMetadata, block_size: int, row_elements: int, dev
         for members in _pack(part, meta, row_elements)
     ]
     identity = len(groups) == 1 and groups[0].max_q == 1 and groups[0].q_index is None
-    return _Plan(groups, identity)
+    return _Plan(groups, identity, max(meta.seq_lens_list))
 
 
 def _gather_into(workspace: dict, cache: torch.Tensor, index: torch.Tensor, which: str) -> torch.Tensor:
@@ -237,6 +238,8 @@ def _attend(
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[2]
     out = None if plan.identity else q.new_empty(num_tokens, hq, d)
+    if sliding_window is not None and sliding_window >= plan.max_seq_len:
+        sliding_window = None
     plain = sliding_window is None and sinks is None and softcap is None
     masks = None if plain else plan.exact_masks(sliding_window, q.device)
     for gi, g in enumerate(plan.groups):

@@ -142,11 +142,12 @@ def random_batch(seed: int, hq: int = 6, hkv: int = 2, d: int = 8, bs: int = 4):
     [
         dict(sliding_window=5),
         dict(sliding_window=1),
+        dict(sliding_window=20),  # longer than some batches' sequences: the plain path there
         dict(softcap=1.5),
         dict(sinks=True),
         dict(sliding_window=7, softcap=3.0, sinks=True),
     ],
-    ids=["window", "window-1", "softcap", "sinks", "all"],
+    ids=["window", "window-1", "window-20", "softcap", "sinks", "all"],
 )
 def test_paged_attention_variants_match_naive(seed: int, extra: dict) -> None:
     """Mixed batches of decodes, whole prompts and chunks, each variant against the naive loop;

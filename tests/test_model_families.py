@@ -135,6 +135,52 @@ def test_make_model_writes_what_transformers_builds(tiny_model) -> None:
     assert [qwen.window(i) for i in range(2)] == [None, WINDOW]  # max_window_layers=1
 
 
+def test_classic_configs_read_as_transformers_reads_them() -> None:
+    """Configs in the keys released checkpoints use (no ``layer_types``, no ``rope_parameters``):
+    the engine's layer types, windows and rotary bases are transformers' own reading of them."""
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
+    from executor.model_config import SLIDING, parse_config
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    gemma3 = dict(
+        base,
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        head_dim=16,
+        num_hidden_layers=12,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=512,
+        sliding_window_pattern=6,
+        max_position_embeddings=32768,
+    )
+    qwen2 = dict(
+        base,
+        architectures=["Qwen2ForCausalLM"],
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=64,
+        max_window_layers=2,
+        max_position_embeddings=4096,
+    )
+    mistral = dict(
+        base, architectures=["MistralForCausalLM"], num_hidden_layers=3, sliding_window=64, max_position_embeddings=4096
+    )
+    for raw, cls in ((gemma3, Gemma3TextConfig), (qwen2, Qwen2Config), (mistral, MistralConfig)):
+        ours, theirs = parse_config(raw), cls(**raw)
+        n = ours.num_layers
+        sliding = [ours.window(i) is not None for i in range(n)]
+        types = getattr(theirs, "layer_types", None) or [SLIDING] * n  # Mistral: every layer
+        assert sliding == [t == SLIDING for t in types], raw["architectures"]
+        assert {ours.window(i) for i in range(n)} - {None} == {theirs.sliding_window}
+    g3 = parse_config(gemma3)
+    hf3 = Gemma3TextConfig(**gemma3).rope_parameters
+    assert g3.rope(5).theta == hf3["full_attention"]["rope_theta"] and g3.rope(5).scaling["factor"] == 8.0
+    assert g3.rope(0).theta == hf3["sliding_attention"]["rope_theta"] and g3.rope(0).scaling is None
+
+
 def test_unsupported_architecture_lists_the_supported(tmp_path) -> None:
     from executor.model_config import load_config
     from executor.models.registry import SUPPORTED_ARCHITECTURES

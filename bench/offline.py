@@ -3,6 +3,7 @@
     python -m bench.offline --workload all           # or: conveyor bench offline --workload all
     python -m bench.offline --workload shared-prefix # prefix caching on against off
     python -m bench.offline --workload uniform --compare-prefix-caching --skip-hf
+    python -m bench.offline --arch qwen3_moe --workload mixed --limit 40   # a mixture of experts
 
 Prints output tokens/s of each, their ratio, the machine's measured `torch.mm` rate and the
 engine's share of that roofline (2 x non-embedding params FLOPs per processed token).
@@ -29,7 +30,7 @@ set_openmp_env_defaults()
 
 import torch  # noqa: E402
 
-from executor.make_model import cached_model  # noqa: E402
+from executor.make_model import ARCHS, cached_model  # noqa: E402
 
 WORKLOADS = ["uniform", "mixed", "shared-prefix"]
 
@@ -167,18 +168,26 @@ def run_hf(hf, prompts: list[list[int]], outs: list[int], batch_size: int, devic
 
 
 def non_embedding_params(model: str) -> int:
+    """Parameters a token passes through (a mixture of experts: its top-k experts, the shared
+    expert and the router; dense layers of an MoE model are counted as sparse ones)."""
     cfg = json.loads((Path(model) / "config.json").read_text())
     h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     lm_head = h * cfg["vocab_size"]  # computed once per sampled token, but counted per token
-    return layers * (h * (q + 2 * kv) + q * h + 3 * h * i) + lm_head
+    mlp = 3 * h * i
+    if top_k := cfg.get("num_experts_per_tok"):
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        width = cfg.get("moe_intermediate_size") or i
+        mlp = 3 * h * width * top_k + 3 * h * (cfg.get("shared_expert_intermediate_size") or 0) + h * experts
+    return layers * (h * (q + 2 * kv) + q * h + mlp) + lm_head
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print one table row per workload."""
     ap = argparse.ArgumentParser(prog="conveyor bench offline", description=__doc__)
-    ap.add_argument("--model", default=None, help="HF directory (default: the cached `small` llama)")
+    ap.add_argument("--model", default=None, help="HF directory (default: the cached `small` checkpoint of --arch)")
+    ap.add_argument("--arch", default="llama", choices=ARCHS, help="make-model architecture when --model is not given")
     ap.add_argument("--workload", default="all", choices=[*WORKLOADS, "all"], help="all: uniform and mixed against transformers")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N requests")
     ap.add_argument("--device", default="cpu")
@@ -198,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    model = args.model or str(cached_model("llama", "small"))
+    model = args.model or str(cached_model(args.arch, "small"))
     dtype = getattr(torch, args.dtype)
     cfg = json.loads((Path(model) / "config.json").read_text())
     engine_kw = dict(

@@ -31,12 +31,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import save_file
 
+from executor.make_moe_model import MOE_ARCHS, MOE_GEOMETRY, write_moe_checkpoint
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 LLAMA_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 HF_ARCHS = ("gemma2", "gemma3", "phi3")
-ARCHS = LLAMA_ARCHS + HF_ARCHS
+ARCHS = LLAMA_ARCHS + HF_ARCHS + tuple(MOE_ARCHS)
 # Sliding window of the families that have one by default (gemma2/gemma3), per size: short
 # enough at ``tiny`` that the test prompts run past it.
 DEFAULT_WINDOW = {"tiny": 16, "tiny-mqa": 16, "small": 512, "1b": 1024}
@@ -431,16 +433,22 @@ def make_model(
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    moe = arch in MOE_ARCHS
+    sizes = tuple(MOE_GEOMETRY) if moe else SIZES
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r} for {arch}; expected one of {sizes}")
+    if moe and (shards > 1 or mlp_bias or attention_bias or sliding_window is not None):
+        raise ValueError(f"{arch} checkpoints are written as `executor.make_moe_model` configures them: no options")
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix=f"conveyor-{arch}-{size}-"))
     out.mkdir(parents=True, exist_ok=True)
-    g = GEOMETRY[size]
+    g = MOE_GEOMETRY[size] if moe else GEOMETRY[size]
     ids = write_tokenizer(out, g["vocab"], g["max_pos"])
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_str(train_tokenizer_json(g["vocab"])).get_vocab_size()
-    if arch in HF_ARCHS:
+    if moe:
+        write_moe_checkpoint(arch, size, seed, out, ids, vocab_size)
+    elif arch in HF_ARCHS:
         if mlp_bias or attention_bias:
             raise ValueError(f"mlp_bias/attention_bias are Llama-family options, not {arch}'s")
         _save_hf_model(build_hf_config(arch, size, vocab_size, ids, sliding_window), out, seed, list(ids.values()), shards)
@@ -496,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``conveyor make-model``."""
     ap = argparse.ArgumentParser(prog="conveyor make-model", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=ARCHS, default="llama")
-    ap.add_argument("--size", choices=SIZES, default="tiny")
+    ap.add_argument("--size", choices=SIZES, default="tiny", help=f"{', '.join(MOE_ARCHS)}: tiny or small only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     ap.add_argument("--out", required=True, help="output directory")

@@ -35,6 +35,14 @@ class Ops:
       k ``[T, Hkv, D]``, ``cos_sin_cache`` ``[max_pos, rot_dim]`` = cat(cos, sin) over rot_dim/2 each.
     - ``silu_and_mul(x) -> out``: x ``[T, 2I]`` -> ``silu(x[:, :I]) * x[:, I:]``.
     - ``gelu_tanh_and_mul(x) -> out``: x ``[T, 2I]`` -> ``gelu(x[:, :I], approximate="tanh") * x[:, I:]``.
+    - ``fused_moe(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, activation="silu") -> out``:
+      routed experts. x ``[T, H]``; w13 ``[E, 2I, H]`` (rows: gate I, then up I); w2 ``[E, H, I]``;
+      b13 ``[E, 2I]``, b2 ``[E, H]`` or None; topk_weights ``[T, k]`` fp32; topk_ids ``[T, k]``
+      int64. out ``[T, H]`` in x's dtype: ``out[t] = sum_j topk_weights[t, j] * (act(x[t] @
+      w13[e].T + b13[e]) @ w2[e].T + b2[e])`` with ``e = topk_ids[t, j]``. ``activation``:
+      ``"silu"`` = silu(gate) * up; ``"swigluoai"`` (gpt-oss) = gate.clamp(max=7),
+      up.clamp(-7, 7), (up + 1) * gate * sigmoid(1.702 * gate). Routing (softmax, top-k,
+      renormalisation) is the caller's (`executor.layers.moe`), never done here.
     """
 
     name: str
@@ -44,3 +52,4 @@ class Ops:
     rotary: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
     gelu_tanh_and_mul: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.attention_metadata import AttentionMetadata
+from executor.moe_torch import fused_moe
 from executor.ops import Ops
 
 # Sequences share one padded SDPA call while its padding costs less than either share of the
@@ -458,4 +459,5 @@ def make_ops() -> Ops:
         rotary=state.rotary,
         silu_and_mul=silu_and_mul,
         gelu_tanh_and_mul=gelu_tanh_and_mul,
+        fused_moe=fused_moe,
     )

@@ -49,6 +49,10 @@ class ShardLayout:
     q_size: int  # the whole model's query rows (heads x head_dim)
     kv_size: int  # the whole model's rows of K (and of V)
     inter_size: int  # the whole model's MLP intermediate size
+    # [start, end) of each routed expert's / the shared expert's intermediate dim (mixtures of
+    # experts: `executor.layers.moe`, per-expert tensor parallel); (0, 0) without experts.
+    expert_inter: tuple[int, int] = (0, 0)
+    shared_inter: tuple[int, int] = (0, 0)
 
     @staticmethod
     def build(cfg: HFModelConfig, rank: int, world: int) -> ShardLayout:
@@ -73,6 +77,8 @@ class ShardLayout:
             cfg.q_size,
             cfg.kv_size,
             cfg.intermediate_size,
+            _rank_range(_expert_width(cfg), rank, world),
+            _rank_range(_shared_width(cfg), rank, world),
         )
 
     @property
@@ -98,6 +104,19 @@ class ShardLayout:
         )
 
 
+def _expert_width(cfg: HFModelConfig) -> int:
+    return int(getattr(cfg, "moe_intermediate_size", 0))  # a mixture of experts' MoEConfig
+
+
+def _shared_width(cfg: HFModelConfig) -> int:
+    return int(getattr(cfg, "shared_expert_intermediate_size", 0))
+
+
+def _rank_range(size: int, rank: int, world: int) -> tuple[int, int]:
+    per = size // world
+    return rank * per, (rank + 1) * per
+
+
 def check_divisible(cfg: HFModelConfig, world: int) -> None:
     """``ValueError`` unless heads, KV heads and the MLP split evenly over ``world`` ranks."""
     hq, hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -110,6 +129,9 @@ def check_divisible(cfg: HFModelConfig, world: int) -> None:
         )
     if inter % world:
         raise ValueError(f"tensor_parallel_size={world} must divide the model's intermediate_size={inter}")
+    for name, size in (("moe_intermediate_size", _expert_width(cfg)), ("shared_expert_intermediate_size", _shared_width(cfg))):
+        if size % world:
+            raise ValueError(f"tensor_parallel_size={world} must divide the model's {name}={size}")
 
 
 class StepPhase(IntEnum):

@@ -29,7 +29,9 @@ def _read_slice(f: object, name: str, layout: ShardLayout, family: ModelFamily) 
             t = torch.zeros_like(t)  # the sum over ranks adds the bias exactly once
         return t
     s = f.get_slice(name)  # type: ignore[attr-defined]
-    parts = [s[start:end] if spec.dim == 0 else s[:, start:end] for start, end in spec.ranges]
+    # Any dimension: gpt-oss's stacked experts are cut along their last.
+    lead = (slice(None),) * spec.dim
+    parts = [s[lead + (slice(start, end),)] for start, end in spec.ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 

@@ -22,6 +22,7 @@ from executor.kernels.kv_write import write_kv  # noqa: E402
 from executor.kernels.paged_attention import paged_attention_2d  # noqa: E402
 from executor.kernels.rms_norm import rms_norm  # noqa: E402
 from executor.kernels.rotary import rotary  # noqa: E402
+from executor.moe_torch import fused_moe as torch_fused_moe  # noqa: E402
 from executor.ops import Ops  # noqa: E402
 from executor.ops_torch import gelu_tanh_and_mul  # noqa: E402
 
@@ -58,6 +59,8 @@ OPS = Ops(
     rotary=rotary,
     silu_and_mul=silu_and_mul,
     gelu_tanh_and_mul=gelu_tanh_and_mul,
+    # The torch path until the Triton fused-MoE kernel is wired in (the kernels branch).
+    fused_moe=torch_fused_moe,
 )
 
 __all__ = ["OPS", "dispatch_attention"]

@@ -12,10 +12,13 @@ from types import MappingProxyType
 from executor.model_config import HFModelConfig
 from executor.models.base import ModelFamily
 from executor.models.gemma import GemmaFamily
+from executor.models.gpt_oss import GptOssFamily
 from executor.models.llama import LlamaFamily
+from executor.models.mixtral import MixtralFamily
 from executor.models.phi3 import Phi3Family
+from executor.models.qwen_moe import QwenMoEFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (LlamaFamily(), GemmaFamily(), Phi3Family())
+FAMILIES: tuple[ModelFamily, ...] = (LlamaFamily(), GemmaFamily(), Phi3Family(), QwenMoEFamily(), MixtralFamily(), GptOssFamily())
 
 _BY_ARCH = MappingProxyType({arch: family for family in FAMILIES for arch in family.architectures})
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_ARCH)

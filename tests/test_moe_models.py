@@ -19,7 +19,7 @@ import torch
 from common import SamplingParams
 from executor.model_config import parse_config
 from executor.models.moe_family import MoEConfig
-from scheduler import LLM
+from gateway.llm import LLM
 from tests.test_engine import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.model

@@ -28,6 +28,12 @@ class Ops:
     - ``rotary(q, k, positions, cos_sin_cache)``: neox-style rotation in place; q ``[T, Hq, D]``,
       k ``[T, Hkv, D]``, ``cos_sin_cache`` ``[max_pos, rot_dim]`` = cat(cos, sin) over rot_dim/2 each.
     - ``silu_and_mul(x) -> out``: x ``[T, 2I]`` -> ``silu(x[:, :I]) * x[:, I:]``.
+    - ``fused_moe(x, w13, w2, topk_weights, topk_ids, b13=None, b2=None, activation="silu") -> out``:
+      x ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up), w2 ``[E, H, I]``, b13 ``[E, 2I]``,
+      b2 ``[E, H]``, topk_weights fp32 / topk_ids int64 ``[T, k]``; out ``[T, H]`` in x's dtype:
+      ``sum_j topk_weights[t, j] * (act(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])`` with
+      ``e = topk_ids[t, j]``; ``act`` is ``"silu"`` (silu(gate) * up) or ``"swigluoai"``
+      (gate.clamp(max=7), up.clamp(-7, 7), (up + 1) * gate * sigmoid(1.702 * gate)).
     """
 
     name: str
@@ -36,3 +42,4 @@ class Ops:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]

@@ -351,6 +351,43 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.mul_(x[..., inter:])
 
 
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`executor.ops.Ops.fused_moe`, one batched pass per expert that has tokens."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start : start + count]
+        start += count
+        tokens = rows // topk_ids.shape[1]
+        h = F.linear(x.index_select(0, tokens), w13[e], None if b13 is None else b13[e])
+        gate, up = h[:, :inter], h[:, inter:]
+        if activation == "silu":
+            a = F.silu(gate) * up
+        elif activation == "swigluoai":
+            gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+            a = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+        else:
+            raise ValueError(f"unknown activation {activation!r}")
+        y = F.linear(a, w2[e], None if b2 is None else b2[e])
+        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[rows, None].float())
+    return out.to(x.dtype)
+
+
 def make_ops() -> Ops:
     """A new set of torch ops with its own `TorchOpsState` (one per executor)."""
     state = TorchOpsState()
@@ -361,4 +398,5 @@ def make_ops() -> Ops:
         rms_norm=rms_norm,
         rotary=state.rotary,
         silu_and_mul=silu_and_mul,
+        fused_moe=fused_moe,
     )

@@ -26,7 +26,7 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int = 300) -> None:
+def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int = 300, module: str = "tests.kernel_cases") -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if _on_gpu():
@@ -35,7 +35,7 @@ def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int =
         env["TRITON_INTERPRET"] = "1"
     env.update(extra_env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernel_cases", case],
+        [sys.executable, "-m", module, case],
         cwd=ROOT,
         env=env,
         capture_output=True,

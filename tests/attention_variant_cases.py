@@ -125,9 +125,23 @@ def run_variant(
     check(f"dispatch {name}", got, want, dtype)
 
 
+def check_arguments() -> None:
+    """Arguments outside their definitions are refused, not run."""
+    q = torch.zeros((2, 8, 64), device=DEVICE)
+    for window, sinks, softcap in ((0, None, None), (None, torch.zeros(7), None), (None, None, 0.0)):
+        try:
+            Variant.of(q, window, sinks, softcap)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted window={window} sinks={sinks} softcap={softcap}")
+    assert Variant.of(q, 4096, None, None).visible_keys(10_000) == 4096  # split-KV sizes by the window
+    assert Variant.of(q, None, None, None).visible_keys(10_000) == 10_000
+
+
 def case_window_mixed() -> None:
     """Windows of 1 key, one crossing block boundaries (40 over blocks of 16), one exactly a block,
     and one past every context, over mixed prefill/decode batches with GQA 8/2 and 4/4."""
+    check_arguments()
     for dtype in dtypes(torch.float32):
         for window in (1, 16, 40, 5000):
             batch = windowed_batch(MIXED, 8, 2, 64, dtype, window, seed=window)

@@ -18,7 +18,12 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from executor.attention_metadata import AttentionMetadata  # noqa: E402
-from executor.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from executor.kernels.activation import (  # noqa: E402
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from executor.kernels.decode_split import decode_split  # noqa: E402
 from executor.kernels.kv_write import write_kv, write_kv_ref  # noqa: E402
 from executor.kernels.paged_attention import paged_attention_2d, paged_attention_ref  # noqa: E402
@@ -239,6 +244,8 @@ def case_norm_act() -> None:
         for rows, inter in ((4, 80), (2, 1500)):
             x = torch.randn((rows, 2 * inter), generator=gen).to(dtype).to(DEVICE)
             check("silu_and_mul", silu_and_mul(x), silu_and_mul_ref(x), dtype)
+            x = x * 3  # gelu's tails, where its tanh saturates
+            check("gelu_tanh_and_mul", gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref(x), dtype)
 
 
 def case_rotary() -> None:
@@ -403,6 +410,8 @@ def case_compile_sm90() -> None:
     print(f"rotary: {usage}")
     usage = _compile_sm90(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
     print(f"silu_and_mul: {usage}")
+    usage = _compile_sm90(activation._gelu_tanh_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
+    print(f"gelu_tanh_and_mul: {usage}")
 
 
 CASES = {

@@ -59,7 +59,8 @@ def test_kernel_matches_reference(case: str) -> None:
     decode_split: split-KV decode with 1, 3 and 16 splits (empty splits included).
     engine_shapes: the GPU check's heads (32/8 of 64 mixed; 32/8 of 128 decode, split-KV too).
     huge_pool: block ids past 2^31 elements (int64 offsets) in the write and the attention.
-    norm_act / rotary: RMSNorm with and without residual, SiLU-and-mul, neox rotary in place.
+    norm_act / rotary: RMSNorm with and without residual, SiLU- and GELU(tanh)-and-mul, neox
+    rotary in place.
     """
     _run_case(case)
 

@@ -20,26 +20,18 @@ import triton
 import triton.language as tl
 
 from executor.attention_metadata import AttentionMetadata
+from executor.kernels.activation import tanh
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from one exp2 of a non-positive argument: no overflow for any x."""
-    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0.0, -t, t)
-
-
-@triton.jit
 def init_softmax(sinks_ptr, q_head, row_valid, USE_SINKS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Running max and sum of an online softmax before any key: -inf and 0, or, with sinks, the
-    sink logit (base 2) and 1, so exp(sink) joins the denominator with no value (vLLM's unified
-    attention)."""
+    sink logit (base 2, as the caller passes it) and 1, so exp(sink) joins the denominator with no
+    value (vLLM's unified attention)."""
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + q_head, mask=row_valid, other=float("-inf")).to(tl.float32)
-        m_i = sink * 1.4426950408889634
+        m_i = tl.load(sinks_ptr + q_head, mask=row_valid, other=float("-inf"))
         l_i = tl.where(row_valid, 1.0, 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -94,7 +86,7 @@ def attend_tiles(
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+            s = softcap * tanh(s / softcap)
         visible = (offs_n[None, :] <= q_abs[:, None]) & n_valid[None, :] & row_valid[:, None]
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_abs[:, None] - window)
@@ -138,7 +130,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
-    sinks_ptr,  # fp32 [Hq]; read only with USE_SINKS
+    sinks_ptr,  # fp32 [Hq], base 2; read only with USE_SINKS
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     softcap,  # soft-cap * log2(e); read only with USE_SOFTCAP
     window,  # sliding window in keys; read only with USE_WINDOW
@@ -276,7 +268,7 @@ def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int) -
 class Variant:
     """The optional terms of `executor.ops.Ops.paged_attention`, as the kernels take them."""
 
-    sinks: torch.Tensor | None  # fp32 [Hq], contiguous
+    sinks: torch.Tensor | None  # fp32 [Hq] times log2(e) (base 2, as the kernels' scores), contiguous
     softcap: float  # c * log2(e) (the kernels' scores are base 2); 0.0 = off
     window: int  # keys a query sees, itself included; 0 = no window
 
@@ -290,7 +282,7 @@ class Variant:
         if sinks is not None:
             if sinks.shape != (q.shape[1],):
                 raise ValueError(f"sinks must have shape [{q.shape[1]}] (one per query head), got {list(sinks.shape)}")
-            sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+            sinks = sinks.to(device=q.device, dtype=torch.float32) * LOG2E
         return Variant(sinks, softcap * LOG2E if softcap else 0.0, sliding_window or 0)
 
     def kernel_args(self, q: torch.Tensor) -> tuple[torch.Tensor, float, int, dict[str, bool]]:

@@ -38,7 +38,8 @@ def fused_moe_ref(
     activation: str,
 ) -> torch.Tensor:
     """Token by token, expert by expert, in fp64:
-    ``out[t] = sum_j w[t, j] * (act(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])``."""
+    ``out[t] = sum_j w[t, j] * (act(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e])``, the activation
+    rounded to x's dtype (the model dtype holds the intermediate, as in transformers)."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
@@ -47,7 +48,7 @@ def fused_moe_ref(
             h = w13[e].double() @ x[t].double()
             if b13 is not None:
                 h = h + b13[e].double()
-            a = act_ref(h[:inter], h[inter:], activation)
+            a = act_ref(h[:inter], h[inter:], activation).to(x.dtype).double()
             y = w2[e].double() @ a
             if b2 is not None:
                 y = y + b2[e].double()
@@ -131,7 +132,8 @@ def case_fused_moe_wide() -> None:
     blocks empty), and more tokens than experts (the larger tiles); gpt-oss-like clamps hit."""
     configs = [(3, 16, 4, 64, 80, "silu", False), (70, 8, 2, 96, 64, "swigluoai", True)]
     if ON_GPU:
-        configs += [(1, 128, 8, 2048, 768, "silu", False), (512, 32, 4, 2880, 2880, "swigluoai", True)]
+        # Qwen3-30B-A3B's decode; gpt-oss's widths over fewer experts (weights made on the host).
+        configs += [(1, 128, 8, 2048, 768, "silu", False), (512, 8, 4, 2880, 2880, "swigluoai", True)]
     for dtype in dtypes(torch.float16):
         for seed, (tokens, experts, top_k, hidden, inter, activation, bias) in enumerate(configs):
             inp = make_inputs(tokens, experts, top_k, hidden, inter, bias, dtype, 100 + seed)
@@ -164,7 +166,7 @@ def _per_expert_ref(
         h = x[tok].float() @ w13[e].float().T
         if b13 is not None:
             h = h + b13[e].float()
-        y = act_ref(h[:, :inter], h[:, inter:], activation) @ w2[e].float().T
+        y = act_ref(h[:, :inter], h[:, inter:], activation).to(x.dtype).float() @ w2[e].float().T
         if b2 is not None:
             y = y + b2[e].float()
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())

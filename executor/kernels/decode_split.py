@@ -15,7 +15,6 @@ import triton.language as tl
 from executor.attention_metadata import AttentionMetadata
 from executor.kernels.paged_attention import (
     LOG2E,
-    NO_VARIANT,
     Variant,
     attend_tiles,
     dot_precision,
@@ -195,7 +194,7 @@ def decode_split(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
-    variant: Variant = NO_VARIANT,
+    variant: Variant | None = None,
 ) -> torch.Tensor:
     """Split-KV attention for a decode-only batch (every query_len == 1); with a window, the
     splits cut the window's keys only."""
@@ -213,7 +212,7 @@ def decode_split(
     # Partials padded to HEAD_PAD so the lse index is the partial's row offset / HEAD_PAD.
     part_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    sinks, softcap, window, flags = variant.kernel_args(q)
+    sinks, softcap, window, flags = (variant or Variant.of(q, None, None, None)).kernel_args(q)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,

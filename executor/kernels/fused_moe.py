@@ -19,8 +19,8 @@ import triton.language as tl
 
 from executor.kernels.paged_attention import dot_precision
 
-# `Ops.fused_moe`'s activations, as the kernel's ACTIVATION switch.
-ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+# `Ops.fused_moe`'s activations; the index is the kernel's ACTIVATION switch.
+ACTIVATIONS = ("silu", "swigluoai")
 SWIGLUOAI_ALPHA = 1.702
 SWIGLUOAI_LIMIT = 7.0
 
@@ -35,7 +35,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     ``num_blocks`` is an upper bound from the shapes (no device sync): at most ``T * k`` blocks
     hold a row, and the padding adds at most one block per expert.
     """
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).long()
     n = flat.numel()
     device = flat.device
     num_blocks = min(n, triton.cdiv(n + num_experts * (block_m - 1), block_m))
@@ -156,6 +156,8 @@ def _launch(
     activation: int,
     cfg: dict[str, int],
 ) -> None:
+    """One grouped GEMM over every block of ``sorted_ids``: ``c[id] = epilogue(a[id // a_row_div]
+    @ b[expert].T)`` with ``c``'s width as N."""
     n_out = c.shape[1]
     grid = (expert_ids.numel(), triton.cdiv(n_out, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
@@ -199,7 +201,7 @@ def fused_moe(
     """`executor.ops.Ops.fused_moe`: x ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up), w2
     ``[E, H, I]``, biases ``[E, 2I]``/``[E, H]``, topk ``[T, k]`` -> ``[T, H]`` in x's dtype."""
     if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -217,7 +219,7 @@ def fused_moe(
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts)
     # Row t * k + j of both buffers is token t's j-th expert.
     hidden_act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    _launch(x, w13, b13, hidden_act, None, sorted_ids, expert_ids, top_k, True, ACTIVATIONS[activation], cfg)
+    _launch(x, w13, b13, hidden_act, None, sorted_ids, expert_ids, top_k, True, ACTIVATIONS.index(activation), cfg)
     # fp32 rows, so the k-sum rounds once, to x's dtype.
     weighted = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()

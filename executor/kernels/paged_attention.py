@@ -295,9 +295,6 @@ class Variant:
         return min(max_seq_len, self.window) if self.window else max_seq_len
 
 
-NO_VARIANT = Variant(None, 0.0, 0)
-
-
 def paged_attention_2d(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -305,9 +302,10 @@ def paged_attention_2d(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
-    variant: Variant = NO_VARIANT,
+    variant: Variant | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention for a mixed prefill/decode batch; q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+    """Causal paged attention for a mixed prefill/decode batch; q ``[T, Hq, D]`` -> ``[T, Hq, D]``;
+    ``variant``: window, sinks, soft-cap (None: none of them)."""
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0
@@ -320,7 +318,7 @@ def paged_attention_2d(
     cfg = launch_config(meta.max_query_len, qpk, head_size)
     num_seqs = meta.num_seqs
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
-    sinks, softcap, window, flags = variant.kernel_args(q)
+    sinks, softcap, window, flags = (variant or Variant.of(q, None, None, None)).kernel_args(q)
     _paged_attention_kernel[grid](
         q,
         k_cache,

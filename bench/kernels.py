@@ -6,6 +6,12 @@
   16); achieved GB/s of K/V bytes read, against a device-to-device copy's GB/s (read + write).
 - prefill: causal attention over whole prompts on the same heads, TFLOP/s against
   ``torch.nn.functional.scaled_dot_product_attention`` on the same shapes.
+- window decode: the decode batch with a sliding window and attention sinks (dispatch), against a
+  torch path (gather the window's K/V, softmax with the sink column); max abs diff and times, and
+  its time as a share of the full-context decode's (skipped tiles show as a small share).
+- fused MoE: the Triton kernel against the torch backend's ``fused_moe`` on a Qwen3-30B-A3B
+  layer (128 experts, top-8, hidden 2048, intermediate 768) for several token counts; max abs
+  diff, times, and the kernel's GB/s of the expert weights it touches.
 
 Timing: CUDA events around ten calls back to back (launch latency hidden, as in a forward pass),
 warm-up first, median of the repeats.
@@ -43,15 +49,18 @@ class Shapes:
     heads: int
     kv_heads: int
     head_size: int
+    window: int
+    moe: tuple[int, int, int, int]  # experts, top-k, hidden, intermediate
+    moe_tokens: tuple[int, ...]
     block_size: int = 16
     warmup: int = 5
     iters: int = 10
     calls: int = 10  # back to back within one timing, so launch latency overlaps the kernels as in a forward
 
 
-GPU = Shapes("cuda", torch.bfloat16, 2 << 30, 64, 4096, 4, 4096, 32, 8, 128)
+GPU = Shapes("cuda", torch.bfloat16, 2 << 30, 64, 4096, 4, 4096, 32, 8, 128, 1024, (128, 8, 2048, 768), (1, 16, 256, 2048))
 # Head size 16 and contexts of a few blocks: tl.dot's smallest tile, and seconds under the interpreter.
-SMOKE = Shapes("cpu", torch.float32, 1 << 20, 3, 80, 1, 40, 4, 2, 16, warmup=1, iters=2, calls=1)
+SMOKE = Shapes("cpu", torch.float32, 1 << 20, 3, 80, 1, 40, 4, 2, 16, 24, (4, 2, 32, 48), (1, 5), warmup=1, iters=2, calls=1)
 
 
 def time_ms(fn: Callable[[], object], shapes: Shapes) -> float:
@@ -177,6 +186,91 @@ def bench_prefill(s: Shapes) -> dict[str, float]:
     }
 
 
+def window_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention of sequences of one length over their last ``window`` keys, with sinks,
+    in plain torch: gather the window's K/V, scores in fp32, a sink column, softmax, drop it."""
+    seqs, heads, head_size = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    seq_len = meta.seq_lens_list[0]
+    pos = torch.arange(max(seq_len - window, 0), seq_len, device=q.device)
+    slots = meta.block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, W]
+    k = k_cache.view(-1, kv_heads, head_size)[slots].float().repeat_interleave(heads // kv_heads, dim=2)
+    v = v_cache.view(-1, kv_heads, head_size)[slots].float().repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bhd,bwhd->bhw", q.float(), k) * scale
+    scores = torch.cat([scores, sinks.float()[None, :, None].expand(seqs, heads, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :-1]
+    return torch.einsum("bhw,bwhd->bhd", probs, v).to(q.dtype)
+
+
+def bench_window_decode(s: Shapes) -> dict[str, float]:
+    """Sliding-window decode with sinks: the dispatcher against the torch path, and against the
+    same batch's full-context decode (the tiles before the window are skipped, not masked)."""
+    from executor.kernels import dispatch_attention
+
+    seqs, ctx = s.decode_seqs, s.decode_ctx
+    q, kc, vc, meta = paged_batch([ctx] * seqs, [1] * seqs, s.heads, s.kv_heads, s.head_size, s.block_size, s.dtype, s.device)
+    scale = s.head_size**-0.5
+    sinks = torch.randn(s.heads, device=s.device)
+
+    def ours() -> torch.Tensor:
+        return dispatch_attention(q, kc, vc, meta, scale, sliding_window=s.window, sinks=sinks)
+
+    def reference() -> torch.Tensor:
+        return window_attention_torch(q, kc, vc, meta, scale, s.window, sinks)
+
+    got, want = ours(), reference()
+    torch.testing.assert_close(got, want, atol=1.5e-2, rtol=1e-2)
+    diff = (got.float() - want.float()).abs().max().item()
+    triton_ms, torch_ms = time_ms(ours, s), time_ms(reference, s)
+    full_ms = time_ms(lambda: dispatch_attention(q, kc, vc, meta, scale), s)
+    return {"max_abs_diff": diff, "triton_ms": triton_ms, "torch_ms": torch_ms, "full_context_ms": full_ms}
+
+
+def bench_fused_moe(s: Shapes) -> dict[str, dict[str, float]]:
+    """Per token count: the fused-MoE kernel and the torch backend's fused_moe on the same layer."""
+    from executor import ops_torch
+    from executor.kernels.fused_moe import fused_moe
+
+    experts, top_k, hidden, inter = s.moe
+    gen = torch.Generator(device=s.device).manual_seed(0)
+    w13 = torch.randn((experts, 2 * inter, hidden), generator=gen, device=s.device).mul_(hidden**-0.5).to(s.dtype)
+    w2 = torch.randn((experts, hidden, inter), generator=gen, device=s.device).mul_(inter**-0.5).to(s.dtype)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    result: dict[str, dict[str, float]] = {}
+    for tokens in s.moe_tokens:
+        x = torch.randn((tokens, hidden), generator=gen, device=s.device).to(s.dtype)
+        logits = torch.randn((tokens, experts), generator=gen, device=s.device)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+
+        def ours(x: torch.Tensor = x, weights: torch.Tensor = weights, ids: torch.Tensor = ids) -> torch.Tensor:
+            return fused_moe(x, w13, w2, weights, ids)
+
+        def reference(x: torch.Tensor = x, weights: torch.Tensor = weights, ids: torch.Tensor = ids) -> torch.Tensor:
+            return ops_torch.fused_moe(x, w13, w2, weights, ids)
+
+        got, want = ours(), reference()
+        # Both round the intermediate to the model dtype, at different points: bf16's tolerance, twice.
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+        diff = (got.float() - want.float()).abs().max().item()
+        triton_ms, torch_ms = time_ms(ours, s), time_ms(reference, s)
+        touched = int(torch.unique(ids).numel())
+        result[str(tokens)] = {
+            "max_abs_diff": diff,
+            "triton_ms": triton_ms,
+            "torch_ms": torch_ms,
+            "weight_gbps": touched * expert_bytes / triton_ms / 1e6,
+        }
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -189,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_gbps(shapes)
     decode = bench_decode(shapes)
     prefill = bench_prefill(shapes)
+    window = bench_window_decode(shapes)
+    moe = bench_fused_moe(shapes)
     best_decode = max(decode.values())
     name = torch.cuda.get_device_name() if shapes.device == "cuda" else "cpu (smoke: the numbers mean nothing)"
     print(f"device {name}  copy {copy:.0f} GB/s (read+write)")
@@ -202,6 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{prefill['sdpa']:.0f} TFLOP/s (SDPA) | {prefill['triton'] / prefill['sdpa']:.0%} | "
         f">= 50% |"
     )
+    print(
+        f"| window decode {decode_shape} w={shapes.window}+sinks | dispatch | {window['triton_ms']:.3f} ms | "
+        f"torch {window['torch_ms']:.3f} ms; full context {window['full_context_ms']:.3f} ms | "
+        f"{window['triton_ms'] / window['full_context_ms']:.0%} of full | max abs diff {window['max_abs_diff']:.2e} |"
+    )
+    moe_shape = "E{}k{} {}x{}".format(*shapes.moe)
+    for tokens, r in moe.items():
+        print(
+            f"| fused_moe {moe_shape} T={tokens} | triton | {r['triton_ms']:.3f} ms ({r['weight_gbps']:.0f} GB/s of weights) | "
+            f"torch {r['torch_ms']:.3f} ms | {r['torch_ms'] / r['triton_ms']:.1f}x | max abs diff {r['max_abs_diff']:.2e} |"
+        )
     summary = {
         "device": name,
         "decode_shape": decode_shape,
@@ -212,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         "decode_dispatch_share_of_copy": decode["dispatch"] / copy,
         "prefill_tflops": prefill,
         "prefill_share_of_sdpa": prefill["triton"] / prefill["sdpa"],
+        "window_decode": dict(window, window=shapes.window),
+        "moe_shape": moe_shape,
+        "fused_moe": moe,
     }
     if args.json:
         with open(args.json, "w") as f:

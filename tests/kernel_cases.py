@@ -18,7 +18,12 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from executor.attention_metadata import AttentionMetadata  # noqa: E402
-from executor.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from executor.kernels.activation import (  # noqa: E402
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from executor.kernels.decode_split import decode_split  # noqa: E402
 from executor.kernels.kv_write import write_kv, write_kv_ref  # noqa: E402
 from executor.kernels.paged_attention import paged_attention_2d, paged_attention_ref  # noqa: E402
@@ -239,6 +244,8 @@ def case_norm_act() -> None:
         for rows, inter in ((4, 80), (2, 1500)):
             x = torch.randn((rows, 2 * inter), generator=gen).to(dtype).to(DEVICE)
             check("silu_and_mul", silu_and_mul(x), silu_and_mul_ref(x), dtype)
+            x = x * 3  # gelu's tails, where its tanh saturates
+            check("gelu_tanh_and_mul", gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref(x), dtype)
 
 
 def case_rotary() -> None:
@@ -339,9 +346,9 @@ def case_compile_sm90() -> None:
     import importlib
 
     # import_module: the package re-exports functions under some of its modules' names.
-    pa, ds, kv_write, rn, ro, activation = (
+    pa, ds, kv_write, rn, ro, activation, fm = (
         importlib.import_module(f"executor.kernels.{m}")
-        for m in ("paged_attention", "decode_split", "kv_write", "rms_norm", "rotary", "activation")
+        for m in ("paged_attention", "decode_split", "kv_write", "rms_norm", "rotary", "activation", "fused_moe")
     )
 
     bf = "bf16"
@@ -354,17 +361,32 @@ def case_compile_sm90() -> None:
         seq_lens_ptr="i32",
         query_start_loc_ptr="i32",
     )
-    for max_q, qpk, head in ((512, 4, 128), (1, 4, 128), (512, 5, 80), (512, 2, 256), (1, 2, 256)):
+    attn_ptrs["sinks_ptr"] = "fp32"
+    plain = dict(USE_WINDOW=False, USE_SINKS=False, USE_SOFTCAP=False)
+    every = dict(USE_WINDOW=True, USE_SINKS=True, USE_SOFTCAP=True)
+    floats = ("qk_scale", "softcap")
+    shapes = ((512, 4, 128, plain), (1, 4, 128, plain), (512, 5, 80, plain), (512, 2, 256, plain), (1, 2, 256, plain))
+    # gpt-oss (64 query / 8 KV heads of 64: window, sinks) and Gemma 2 (head 256: window, softcap).
+    shapes += ((512, 8, 64, every), (1, 8, 64, every), (512, 2, 256, every))
+    for max_q, qpk, head, flags in shapes:
         cfg = pa.launch_config(max_q, qpk, head)
         usage = _compile_sm90(
-            pa._paged_attention_kernel, attn_ptrs, dict(cfg, BLOCK_SIZE=16, DOT_PRECISION="tf32"), ("qk_scale",)
+            pa._paged_attention_kernel, attn_ptrs, dict(cfg, BLOCK_SIZE=16, DOT_PRECISION="tf32", **flags), floats
         )
-        print(f"paged_attention max_q={max_q} qpk={qpk} head={head}: {usage}")
+        print(f"paged_attention max_q={max_q} qpk={qpk} head={head} variants={flags == every}: {usage}")
     split_ptrs = dict(attn_ptrs, part_out_ptr="fp32", part_lse_ptr="fp32")
-    usage = _compile_sm90(
-        ds._decode_split_kernel, split_ptrs, dict(ds.split_config(4, 128), BLOCK_SIZE=16, DOT_PRECISION="tf32"), ("qk_scale",)
+    for flags in (plain, every):
+        consts = dict(ds.split_config(4, 128), BLOCK_SIZE=16, DOT_PRECISION="tf32", **flags)
+        usage = _compile_sm90(ds._decode_split_kernel, split_ptrs, consts, floats)
+        print(f"decode_split variants={flags == every}: {usage}")
+    moe_ptrs = dict(
+        a_ptr=bf, b_ptr=bf, bias_ptr=bf, c_ptr=bf, topk_weights_ptr="fp32", sorted_ids_ptr="i32", expert_ids_ptr="i32"
     )
-    print(f"decode_split: {usage}")
+    for assignments, gated, act in ((8, True, 0), (4096, True, 1), (4096, False, 0)):
+        cfg = fm.moe_config(assignments, 128)
+        consts = dict(cfg, GATED=gated, ACTIVATION=act, HAS_BIAS=act == 1, MUL_WEIGHT=not gated, DOT_PRECISION="tf32")
+        usage = _compile_sm90(fm._moe_gemm_kernel, dict(moe_ptrs, c_ptr="fp32" if not gated else bf), consts, ("alpha", "limit"))
+        print(f"fused_moe gemm assignments={assignments} gated={gated} activation={act}: {usage}")
     usage = _compile_sm90(ds._merge_splits_kernel, split_ptrs, dict(SPLITS_PAD=8, HEAD_PAD=128, num_warps=4))
     print(f"merge_splits: {usage}")
     usage = _compile_sm90(
@@ -388,6 +410,8 @@ def case_compile_sm90() -> None:
     print(f"rotary: {usage}")
     usage = _compile_sm90(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
     print(f"silu_and_mul: {usage}")
+    usage = _compile_sm90(activation._gelu_tanh_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
+    print(f"gelu_tanh_and_mul: {usage}")
 
 
 CASES = {

@@ -28,7 +28,7 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int = 300) -> None:
+def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int = 300, module: str = "tests.kernel_cases") -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if _on_gpu():
@@ -37,7 +37,7 @@ def _run_case(case: str, extra_env: dict[str, str] | None = None, timeout: int =
         env["TRITON_INTERPRET"] = "1"
     env.update(extra_env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernel_cases", case],
+        [sys.executable, "-m", module, case],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -61,7 +61,8 @@ def test_kernel_matches_reference(case: str) -> None:
     decode_split: split-KV decode with 1, 3 and 16 splits (empty splits included).
     engine_shapes: the GPU check's heads (32/8 of 64 mixed; 32/8 of 128 decode, split-KV too).
     huge_pool: block ids past 2^31 elements (int64 offsets) in the write and the attention.
-    norm_act / rotary: RMSNorm with and without residual, SiLU-and-mul, neox rotary in place.
+    norm_act / rotary: RMSNorm with and without residual, SiLU- and GELU(tanh)-and-mul, neox
+    rotary in place.
     """
     _run_case(case)
 

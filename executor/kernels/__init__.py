@@ -16,15 +16,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from executor.attention_metadata import AttentionMetadata  # noqa: E402
-from executor.kernels.activation import silu_and_mul  # noqa: E402
+from executor.kernels.activation import gelu_tanh_and_mul, silu_and_mul  # noqa: E402
 from executor.kernels.decode_split import choose_num_splits, decode_split  # noqa: E402
+from executor.kernels.fused_moe import fused_moe  # noqa: E402
 from executor.kernels.kv_write import write_kv  # noqa: E402
-from executor.kernels.paged_attention import paged_attention_2d  # noqa: E402
+from executor.kernels.paged_attention import Variant, paged_attention_2d  # noqa: E402
 from executor.kernels.rms_norm import rms_norm  # noqa: E402
 from executor.kernels.rotary import rotary  # noqa: E402
-from executor.moe_torch import fused_moe as torch_fused_moe  # noqa: E402
 from executor.ops import Ops  # noqa: E402
-from executor.ops_torch import gelu_tanh_and_mul  # noqa: E402
 
 DEFAULT_NUM_SMS = 132  # H100/H200; only used when no CUDA device can be asked
 
@@ -42,13 +41,19 @@ def dispatch_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Dispatch: split-KV decode when few sequences decode over long contexts, else 2D."""
+    """`executor.ops.Ops.paged_attention`: split-KV decode when few sequences decode over many
+    visible keys (a window bounds them), else 2D."""
+    variant = Variant.of(q, sliding_window, sinks, softcap)
     if meta.max_query_len == 1:
-        splits = choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len, _num_sms(q.device))
+        keys = variant.visible_keys(meta.max_seq_len)
+        splits = choose_num_splits(meta.num_seqs, k_cache.shape[2], keys, _num_sms(q.device))
         if splits > 1:
-            return decode_split(q, k_cache, v_cache, meta, scale, splits)
-    return paged_attention_2d(q, k_cache, v_cache, meta, scale)
+            return decode_split(q, k_cache, v_cache, meta, scale, splits, variant=variant)
+    return paged_attention_2d(q, k_cache, v_cache, meta, scale, variant=variant)
 
 
 OPS = Ops(
@@ -59,8 +64,7 @@ OPS = Ops(
     rotary=rotary,
     silu_and_mul=silu_and_mul,
     gelu_tanh_and_mul=gelu_tanh_and_mul,
-    # The torch path until the Triton fused-MoE kernel is wired in (the kernels branch).
-    fused_moe=torch_fused_moe,
+    fused_moe=fused_moe,
 )
 
 __all__ = ["OPS", "dispatch_attention"]

@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from executor.attention_metadata import AttentionMetadata
-from executor.kernels.paged_attention import LOG2E, attend_tiles, dot_precision, launch_config
+from executor.kernels.paged_attention import (
+    LOG2E,
+    Variant,
+    attend_tiles,
+    dot_precision,
+    init_softmax,
+    launch_config,
+)
 
 
 @triton.jit
@@ -26,7 +33,10 @@ def _decode_split_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     qk_scale,
+    softcap,
+    window,
     num_splits,
     num_queries_per_kv,
     head_size,
@@ -46,6 +56,9 @@ def _decode_split_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
@@ -54,11 +67,16 @@ def _decode_split_kernel(
     token = tl.load(query_start_loc_ptr + seq_idx).to(tl.int64)  # one query token per sequence
     seq_len = tl.load(seq_lens_ptr + seq_idx)
 
-    # Split on whole tiles so every program but the last walks full tiles.
-    num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    kv_lo = split * tiles_per_split * TILE_N
-    kv_hi = tl.minimum(kv_lo + tiles_per_split * TILE_N, seq_len)
+    # The keys the query sees: all, or its window. They are split on whole tiles so every
+    # program but the first and last walks full tiles.
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    first_tile = first // TILE_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N) - first_tile, num_splits)
+    tile_lo = (first_tile + split * tiles_per_split) * TILE_N
+    kv_lo = tl.maximum(tile_lo, first)
+    kv_hi = tl.minimum(tile_lo + tiles_per_split * TILE_N, seq_len)
 
     offs_m = tl.arange(0, BLOCK_M)  # rows = the query heads of this KV head (padded)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -71,8 +89,9 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # The sink joins the softmax once: in the first split's partial (its lse carries it).
+    first_split = (offs_m * 0 + split) == 0  # a block, not a scalar: the interpreter masks with blocks only
+    m_i, l_i = init_softmax(sinks_ptr, q_head, row_valid & first_split, USE_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
@@ -91,6 +110,8 @@ def _decode_split_kernel(
         kv_lo,
         kv_hi,
         qk_scale,
+        softcap,
+        window,
         table,
         k_base,
         v_base,
@@ -100,6 +121,8 @@ def _decode_split_kernel(
         stride_vs,
         BLOCK_SIZE,
         TILE_N,
+        USE_WINDOW,
+        USE_SOFTCAP,
         DOT_PRECISION,
     )
 
@@ -171,8 +194,10 @@ def decode_split(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    variant: Variant | None = None,
 ) -> torch.Tensor:
-    """Split-KV attention for a decode-only batch (every query_len == 1)."""
+    """Split-KV attention for a decode-only batch (every query_len == 1); with a window, the
+    splits cut the window's keys only."""
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = k_cache.shape[2]
     assert meta.max_query_len <= 1, "split-KV decode handles one query token per sequence"
@@ -187,6 +212,7 @@ def decode_split(
     # Partials padded to HEAD_PAD so the lse index is the partial's row offset / HEAD_PAD.
     part_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    sinks, softcap, window, flags = (variant or Variant.of(q, None, None, None)).kernel_args(q)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -196,7 +222,10 @@ def decode_split(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
+        sinks,
         scale * LOG2E,
+        softcap,
+        window,
         num_splits,
         qpk,
         head_size,
@@ -214,6 +243,7 @@ def decode_split(
         part_out.stride(2),
         BLOCK_SIZE=k_cache.shape[1],
         DOT_PRECISION=dot_precision(q.dtype),
+        **flags,
         **split_config(qpk, head_size),
     )
     _merge_splits_kernel[(num_seqs, num_heads)](

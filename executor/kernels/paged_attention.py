@@ -4,17 +4,39 @@ Grid ``(num_q_blocks, num_kv_heads)``: each program takes ``BLOCK_Q`` query toke
 sequence times the query heads that share one KV head, packed into ``BLOCK_M`` rows so the KV tile
 is loaded once for the whole GQA group. KV is walked in ``TILE_N`` tiles that are independent of the
 cache block size (each key looks up its own block id), with an online softmax in fp32.
+
+The variants of `executor.ops.Ops.paged_attention` are compile-time switches: a sliding window
+(tiles wholly before the earliest row's window are never walked, so blocks a window-aware KV
+manager freed are never read), attention sinks (the online softmax starts from the sink logit,
+vLLM's unified attention) and logit soft-capping (after scaling, before masking).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from executor.attention_metadata import AttentionMetadata
+from executor.kernels.activation import tanh
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def init_softmax(sinks_ptr, q_head, row_valid, USE_SINKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Running max and sum of an online softmax before any key: -inf and 0, or, with sinks, the
+    sink logit (base 2, as the caller passes it) and 1, so exp(sink) joins the denominator with no
+    value (vLLM's unified attention)."""
+    if USE_SINKS:
+        m_i = tl.load(sinks_ptr + q_head, mask=row_valid, other=float("-inf"))
+        l_i = tl.where(row_valid, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
 
 
 @triton.jit
@@ -30,6 +52,8 @@ def attend_tiles(
     kv_lo,
     kv_hi,
     qk_scale,
+    softcap,
+    window,
     table,
     k_base,
     v_base,
@@ -39,15 +63,21 @@ def attend_tiles(
     stride_vs,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax attention of the rows of ``q`` over keys ``[kv_lo, kv_hi)`` of one sequence.
 
-    Row r sees key n iff ``n <= q_abs[r]`` (causal). Shared by the 2D kernel and split-KV decode.
+    Row r sees key n iff ``n <= q_abs[r]`` (causal) and, with ``USE_WINDOW``,
+    ``n > q_abs[r] - window``. Keys outside ``[kv_lo, kv_hi)`` are never loaded: with a window the
+    caller passes the earliest row's window start as ``kv_lo``. ``softcap`` is the cap in base-2
+    units (c * log2(e)), as the scores here are. Shared by the 2D kernel and split-KV decode.
     """
-    for start in range(kv_lo, kv_hi, TILE_N):
+    # Tiles start on a TILE_N boundary (aligned loads); the keys before kv_lo stay masked.
+    for start in range(kv_lo - kv_lo % TILE_N, kv_hi, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)
-        n_valid = offs_n < kv_hi
+        n_valid = (offs_n >= kv_lo) & (offs_n < kv_hi)
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         k_off = block * stride_kb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_ks
         v_off = block * stride_vb + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_vs
@@ -55,7 +85,11 @@ def attend_tiles(
         # Masked loads: stale slots past seq_len may hold anything, NaN included.
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:
+            s = softcap * tanh(s / softcap)
         visible = (offs_n[None, :] <= q_abs[:, None]) & n_valid[None, :] & row_valid[:, None]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_abs[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 there, not -inf (NaN).
@@ -96,7 +130,10 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    sinks_ptr,  # fp32 [Hq], base 2; read only with USE_SINKS
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    softcap,  # soft-cap * log2(e); read only with USE_SOFTCAP
+    window,  # sliding window in keys; read only with USE_WINDOW
     num_seqs,
     num_queries_per_kv,
     head_size,
@@ -117,6 +154,9 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -147,12 +187,15 @@ def _paged_attention_kernel(
     )
     q_abs = ctx_len + q_pos  # absolute position of each row's token (causal limit)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = init_softmax(sinks_ptr, q_head, row_valid, USE_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
-    # Keys this tile can see: the cached prefix plus new tokens up to its last row.
+    # Keys this tile can see: the cached prefix plus new tokens up to its last row; with a
+    # window, none before its first row's window.
     kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
     table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
@@ -165,9 +208,11 @@ def _paged_attention_kernel(
         row_valid,
         offs_d,
         d_mask,
-        0,
+        kv_start,
         kv_end,
         qk_scale,
+        softcap,
+        window,
         table,
         k_base,
         v_base,
@@ -177,6 +222,8 @@ def _paged_attention_kernel(
         stride_vs,
         BLOCK_SIZE,
         TILE_N,
+        USE_WINDOW,
+        USE_SOFTCAP,
         DOT_PRECISION,
     )
 
@@ -217,6 +264,37 @@ def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int) -
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """The optional terms of `executor.ops.Ops.paged_attention`, as the kernels take them."""
+
+    sinks: torch.Tensor | None  # fp32 [Hq] times log2(e) (base 2, as the kernels' scores), contiguous
+    softcap: float  # c * log2(e) (the kernels' scores are base 2); 0.0 = off
+    window: int  # keys a query sees, itself included; 0 = no window
+
+    @staticmethod
+    def of(q: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> Variant:
+        """Check the arguments against q ``[T, Hq, D]`` and convert them."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"softcap must be > 0, got {softcap}")
+        if sinks is not None:
+            if sinks.shape != (q.shape[1],):
+                raise ValueError(f"sinks must have shape [{q.shape[1]}] (one per query head), got {list(sinks.shape)}")
+            sinks = sinks.to(device=q.device, dtype=torch.float32) * LOG2E
+        return Variant(sinks, softcap * LOG2E if softcap else 0.0, sliding_window or 0)
+
+    def kernel_args(self, q: torch.Tensor) -> tuple[torch.Tensor, float, int, dict[str, bool]]:
+        """(sinks pointer, softcap, window, switches): an unused pointer is q, never read."""
+        flags = dict(USE_WINDOW=self.window > 0, USE_SINKS=self.sinks is not None, USE_SOFTCAP=self.softcap > 0)
+        return (self.sinks if self.sinks is not None else q), self.softcap, self.window, flags
+
+    def visible_keys(self, max_seq_len: int) -> int:
+        """The most keys one query attends to: its window, or the whole sequence."""
+        return min(max_seq_len, self.window) if self.window else max_seq_len
+
+
 def paged_attention_2d(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -224,8 +302,10 @@ def paged_attention_2d(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    variant: Variant | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention for a mixed prefill/decode batch; q ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
+    """Causal paged attention for a mixed prefill/decode batch; q ``[T, Hq, D]`` -> ``[T, Hq, D]``;
+    ``variant``: window, sinks, soft-cap (None: none of them)."""
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0
@@ -238,6 +318,7 @@ def paged_attention_2d(
     cfg = launch_config(meta.max_query_len, qpk, head_size)
     num_seqs = meta.num_seqs
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
+    sinks, softcap, window, flags = (variant or Variant.of(q, None, None, None)).kernel_args(q)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -246,7 +327,10 @@ def paged_attention_2d(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
+        sinks,
         scale * LOG2E,
+        softcap,
+        window,
         num_seqs,
         qpk,
         head_size,
@@ -263,6 +347,7 @@ def paged_attention_2d(
         meta.block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1],
         DOT_PRECISION=dot_precision(q.dtype),
+        **flags,
         **cfg,
     )
     return out

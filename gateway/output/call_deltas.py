@@ -1,0 +1,182 @@
+"""Tool calls streamed in pieces, as vLLM streams them: a call's name (and id) once known, then
+its arguments as they are generated, in ``delta.tool_calls`` entries by call index.
+
+Under a named ``tool_choice`` the whole text is the arguments: each text delta is an argument
+piece. Under ``"required"`` the text is a JSON array ``[{"name": ..., "parameters": {...}}, ...]``
+(`gateway.openai.tool_grammar`): `RequiredCalls` reads it a character at a time, carrying its
+state across pieces, so the name goes out once its string is closed and each call's arguments
+are the exact text of its ``parameters`` value, piece by piece. The non-streamed response reads
+its text with the same scanner, so the argument pieces of a stream, however its text was split,
+join to the response's arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# One streamed event of a call: its index, its name (once, when first known) and an argument piece.
+CallPiece = tuple[int, str | None, str]
+
+_NAME_KEY = "name"
+_ARGUMENTS_KEY = "parameters"
+
+
+@dataclass(slots=True)
+class _Call:
+    """What `RequiredCalls` knows of one call of the array."""
+
+    name: str | None = None
+    name_sent: bool = False
+    arguments: list[str] = field(default_factory=list)  # held until the name goes out
+    has_arguments: bool = False
+
+
+class RequiredCalls:
+    """An incremental reader of the ``"required"`` calls array: `feed` returns the call pieces a
+    text piece completes; `finish` those still held (arguments whose call's name never closed,
+    ``{}`` for a call without parameters). Only the array's structure is read here: whether the
+    whole is valid JSON is the caller's question (`gateway.output.tool_calls`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+        self.depth = 0  # containers open: 1 inside the array, 2 inside a call object
+        self.in_string = False
+        self.escaped = False
+        self.key: str | None = None  # the call object's key whose value comes (or is being read)
+        self.expect_key = False  # at depth 2: the next string is a key
+        self.token: list[str] = []  # a key's or the name's JSON string, as read so far
+        self.reading: str | None = None  # "key", "name", "arguments" or None (a value skipped)
+
+    def feed(self, text: str) -> list[CallPiece]:
+        out: list[CallPiece] = []
+        arguments: list[str] = []  # this piece's argument text of the current call
+        for ch in text:
+            if self.reading == "arguments" and not self._argument_char(ch):
+                arguments.append(ch)
+                continue
+            if arguments:
+                self._send_arguments("".join(arguments), out)
+                arguments.clear()
+            self._structure(ch, out)
+        if arguments:
+            self._send_arguments("".join(arguments), out)
+        return out
+
+    def _argument_char(self, ch: str) -> bool:
+        """Whether ``ch`` ends the arguments value (a ``,`` or ``}`` of the call object); tracks
+        strings and depth inside the value otherwise."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return False
+        if ch == '"':
+            self.in_string = True
+        elif ch in "[{":
+            self.depth += 1
+        elif ch in "]}":
+            if self.depth == 2:  # the call object closes
+                self.reading = None
+                return True
+            self.depth -= 1
+        elif ch == "," and self.depth == 2:
+            self.reading = None
+            return True
+        return False
+
+    def _structure(self, ch: str, out: list[CallPiece]) -> None:
+        """One character outside the arguments value."""
+        if self.in_string:
+            if self.reading in ("key", "name"):
+                self.token.append(ch)
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+                self._string_done(out)
+            return
+        if self.depth == 2 and self.key is not None and self.reading is None and not ch.isspace() and ch not in ":,}":
+            if self.key == _ARGUMENTS_KEY:  # the arguments value begins
+                self.reading = "arguments"
+                self.calls[-1].has_arguments = True
+                self.key = None
+                if not self._argument_char(ch):
+                    self._send_arguments(ch, out)
+                return
+            if self.key == _NAME_KEY and ch == '"':
+                self.reading, self.token, self.in_string, self.key = "name", [ch], True, None
+                return
+            self.key = None  # another key's value: skipped
+        if ch == '"':
+            self.in_string = True
+            if self.depth == 2 and self.expect_key:
+                self.reading, self.token, self.expect_key = "key", [ch], False
+        elif ch in "[{":
+            self.depth += 1
+            if self.depth == 2:
+                self.calls.append(_Call())
+                self.expect_key = True
+        elif ch in "]}":
+            self.depth -= 1
+        elif ch == "," and self.depth == 2:
+            self.expect_key = True
+
+    def _string_done(self, out: list[CallPiece]) -> None:
+        text, reading = "".join(self.token), self.reading
+        self.reading, self.token = None, []
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return
+        if reading == "key":
+            self.key = value
+        elif reading == "name" and isinstance(value, str) and self.calls and self.calls[-1].name is None:
+            call = self.calls[-1]
+            call.name = value
+            self._flush(len(self.calls) - 1, out)
+
+    def _send_arguments(self, piece: str, out: list[CallPiece]) -> None:
+        call = self.calls[-1]
+        call.arguments.append(piece)
+        if call.name is not None:
+            self._flush(len(self.calls) - 1, out)
+
+    def _flush(self, index: int, out: list[CallPiece]) -> None:
+        """Call ``index``'s name (the first time) and its held arguments."""
+        call = self.calls[index]
+        held = "".join(call.arguments)
+        call.arguments.clear()
+        if not call.name_sent:
+            call.name_sent = True
+            out.append((index, call.name, held))
+        elif held:
+            out.append((index, None, held))
+
+    def finish(self) -> list[CallPiece]:
+        """What is still to go out once the text has ended."""
+        out: list[CallPiece] = []
+        for i, call in enumerate(self.calls):
+            if call.name is None:
+                continue
+            if not call.has_arguments:
+                call.arguments.append("{}")  # (as the response reads a call without parameters)
+                call.has_arguments = True
+            self._flush(i, out)
+        return out
+
+
+def join_pieces(pieces: list[CallPiece]) -> list[tuple[str, str]]:
+    """The (name, arguments) calls that ``pieces`` make, in order of their index."""
+    names: dict[int, str] = {}
+    arguments: dict[int, list[str]] = {}
+    for index, name, piece in pieces:
+        if name is not None:
+            names[index] = name
+        arguments.setdefault(index, []).append(piece)
+    return [(names[i], "".join(arguments[i])) for i in sorted(names)]

@@ -49,7 +49,13 @@ def _close(schema: Any, closable: bool) -> Any:
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _ONE:
-            out[key] = _close(value, True) if isinstance(value, dict) else [_close(v, True) for v in value] if isinstance(value, list) else value
+            out[key] = (
+                _close(value, True)
+                if isinstance(value, dict)
+                else [_close(v, True) for v in value]
+                if isinstance(value, list)
+                else value
+            )
         elif key in _LIST and isinstance(value, list):
             out[key] = [_close(v, True) for v in value]
         elif key == "allOf" and isinstance(value, list):

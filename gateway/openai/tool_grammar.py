@@ -74,11 +74,15 @@ def _rebase(schema: Any, at: str) -> Any:
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) and not _is_definition_ref(value):
+        if (
+            key == "$ref"
+            and isinstance(value, str)
+            and (value == "#" or value.startswith("#/"))
+            and not _is_definition_ref(value)
+        ):
             out[key] = at + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
         else:
             out[key] = _rebase(value, at)
     return out
-

@@ -58,7 +58,9 @@ class ResponseFormatter:
         self.chat = spec.kind == "chat"
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
         # streaming: a tool-constrained request's calls, in pieces
-        self.call_stream = ConstrainedCallStream(self.tool_call) if self.tool_call is not None and self.tool_call.kind != "parsed" else None
+        self.call_stream = (
+            ConstrainedCallStream(self.tool_call) if self.tool_call is not None and self.tool_call.kind != "parsed" else None
+        )
         tools = self.tool_call.parser if self.tool_call is not None else None  # "auto" tool calls
         self.output = (
             ChatOutput(

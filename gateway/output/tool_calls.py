@@ -53,7 +53,11 @@ def with_ids(calls: list[Call], response_id: str, created: int, choice: int, id_
     """``calls`` (name, arguments) in OpenAI's message form, each with its id: ``chatcmpl-tool-``
     and 24 hex digits, or ``id_length`` hex digits alone (a model whose template checks them)."""
     return [
-        {"id": call_id(response_id, created, choice, i, id_length), "type": "function", "function": {"name": name, "arguments": arguments}}
+        {
+            "id": call_id(response_id, created, choice, i, id_length),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
         for i, (name, arguments) in enumerate(calls)
     ]
 

@@ -21,7 +21,7 @@ from gateway.http.errors import ApiError
 from gateway.openai.schema import parse_chat
 from gateway.openai.structured import ToolCallMode
 from gateway.openai.tool_grammar import ToolSchemaError, required_calls_schema
-from gateway.output.call_deltas import RequiredCalls, join_pieces
+from gateway.output.call_deltas import CallScanner, join_pieces
 from gateway.output.generation import Piece
 from gateway.output.responses import ResponseFormatter
 from gateway.output.tool_calls import ConstrainedCallStream, tool_calls
@@ -229,7 +229,7 @@ def test_streamed_pieces_join_to_the_response_under_any_split() -> None:
         deltas, reason = _stream(named, text, rng)
         assert reason == "tool_calls" and _joined(deltas) == [(want[0]["id"], "add", text)]
     # A call without parameters reads as {}, streamed too.
-    scanner = RequiredCalls()
+    scanner = CallScanner()
     assert join_pieces([*scanner.feed('[{"name":"f"}]'), *scanner.finish()]) == [("f", "{}")]
 
 

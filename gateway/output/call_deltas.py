@@ -3,11 +3,13 @@ its arguments as they are generated, in ``delta.tool_calls`` entries by call ind
 
 Under a named ``tool_choice`` the whole text is the arguments: each text delta is an argument
 piece. Under ``"required"`` the text is a JSON array ``[{"name": ..., "parameters": {...}}, ...]``
-(`gateway.openai.tool_grammar`): `RequiredCalls` reads it a character at a time, carrying its
+(`gateway.openai.tool_grammar`): `CallScanner` reads it a character at a time, carrying its
 state across pieces, so the name goes out once its string is closed and each call's arguments
-are the exact text of its ``parameters`` value, piece by piece. The non-streamed response reads
-its text with the same scanner, so the argument pieces of a stream, however its text was split,
-join to the response's arguments.
+are the text of its ``parameters`` value (whitespace outside strings dropped), piece by piece.
+Under ``"auto"`` the hermes and llama3_json parsers' call objects (``{"name", "arguments"}``,
+at the top level of their region) go through the same scanner (`gateway.output.tool_parsers`).
+The non-streamed response reads its text with the same scanner, so the argument pieces of a
+stream, however its text was split, join to the response's arguments.
 """
 
 from __future__ import annotations
@@ -19,32 +21,37 @@ from dataclasses import dataclass, field
 CallPiece = tuple[int, str | None, str]
 
 _NAME_KEY = "name"
-_ARGUMENTS_KEY = "parameters"
+# What `CallScanner._argument_char` says of a character inside an arguments value.
+_KEEP, _SKIP, _END = 0, 1, 2
 
 
 @dataclass(slots=True)
 class _Call:
-    """What `RequiredCalls` knows of one call of the array."""
+    """What `CallScanner` knows of one call."""
 
     name: str | None = None
     name_sent: bool = False
     arguments: list[str] = field(default_factory=list)  # held until the name goes out
-    has_arguments: bool = False
+    argument_key: str | None = None  # the key whose value the arguments are (the first one met)
 
 
-class RequiredCalls:
-    """An incremental reader of the ``"required"`` calls array: `feed` returns the call pieces a
-    text piece completes; `finish` those still held (arguments whose call's name never closed,
-    ``{}`` for a call without parameters). Only the array's structure is read here: whether the
-    whole is valid JSON is the caller's question (`gateway.output.tool_calls`)."""
+class CallScanner:
+    """An incremental reader of call objects ``{"name": ..., <argument key>: {...}}`` whose
+    members sit ``call_depth`` containers deep (2 in the "required" array, 1 for objects at the
+    top level): `feed` returns the call pieces a text piece completes; `finish` those still held
+    (arguments whose call's name never closed, ``{}`` for a call without arguments). Text outside
+    the objects is passed over. Only the structure is read here: whether the whole is valid JSON
+    is the caller's question."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_depth: int = 2, argument_keys: tuple[str, ...] = ("parameters",)) -> None:
+        self.call_depth = call_depth
+        self.argument_keys = argument_keys
         self.calls: list[_Call] = []
-        self.depth = 0  # containers open: 1 inside the array, 2 inside a call object
+        self.depth = 0  # containers open
         self.in_string = False
         self.escaped = False
         self.key: str | None = None  # the call object's key whose value comes (or is being read)
-        self.expect_key = False  # at depth 2: the next string is a key
+        self.expect_key = False  # in a call object: the next string is a key
         self.token: list[str] = []  # a key's or the name's JSON string, as read so far
         self.reading: str | None = None  # "key", "name", "arguments" or None (a value skipped)
 
@@ -52,8 +59,9 @@ class RequiredCalls:
         out: list[CallPiece] = []
         arguments: list[str] = []  # this piece's argument text of the current call
         for ch in text:
-            if self.reading == "arguments" and not self._argument_char(ch):
-                arguments.append(ch)
+            if self.reading == "arguments" and (kind := self._argument_char(ch)) != _END:
+                if kind == _KEEP:
+                    arguments.append(ch)
                 continue
             if arguments:
                 self._send_arguments("".join(arguments), out)
@@ -63,9 +71,9 @@ class RequiredCalls:
             self._send_arguments("".join(arguments), out)
         return out
 
-    def _argument_char(self, ch: str) -> bool:
-        """Whether ``ch`` ends the arguments value (a ``,`` or ``}`` of the call object); tracks
-        strings and depth inside the value otherwise."""
+    def _argument_char(self, ch: str) -> int:
+        """Whether ``ch`` ends the arguments value (a ``,`` or ``}`` of the call object), is
+        whitespace between its tokens (dropped) or is kept; tracks strings and depth inside it."""
         if self.in_string:
             if self.escaped:
                 self.escaped = False
@@ -73,20 +81,22 @@ class RequiredCalls:
                 self.escaped = True
             elif ch == '"':
                 self.in_string = False
-            return False
+            return _KEEP
+        if ch.isspace():
+            return _SKIP
         if ch == '"':
             self.in_string = True
         elif ch in "[{":
             self.depth += 1
         elif ch in "]}":
-            if self.depth == 2:  # the call object closes
+            if self.depth == self.call_depth:  # the call object closes
                 self.reading = None
-                return True
+                return _END
             self.depth -= 1
-        elif ch == "," and self.depth == 2:
+        elif ch == "," and self.depth == self.call_depth:
             self.reading = None
-            return True
-        return False
+            return _END
+        return _KEEP
 
     def _structure(self, ch: str, out: list[CallPiece]) -> None:
         """One character outside the arguments value."""
@@ -101,12 +111,13 @@ class RequiredCalls:
                 self.in_string = False
                 self._string_done(out)
             return
-        if self.depth == 2 and self.key is not None and self.reading is None and not ch.isspace() and ch not in ":,}":
-            if self.key == _ARGUMENTS_KEY:  # the arguments value begins
+        inside = self.depth == self.call_depth and bool(self.calls)
+        if inside and self.key is not None and self.reading is None and not ch.isspace() and ch not in ":,}":
+            if self.key in self.argument_keys and self.calls[-1].argument_key is None:  # the arguments begin
                 self.reading = "arguments"
-                self.calls[-1].has_arguments = True
+                self.calls[-1].argument_key = self.key
                 self.key = None
-                if not self._argument_char(ch):
+                if self._argument_char(ch) == _KEEP:
                     self._send_arguments(ch, out)
                 return
             if self.key == _NAME_KEY and ch == '"':
@@ -114,17 +125,19 @@ class RequiredCalls:
                 return
             self.key = None  # another key's value: skipped
         if ch == '"':
+            if self.depth == 0:  # (text around the objects: a quote there opens no string)
+                return
             self.in_string = True
-            if self.depth == 2 and self.expect_key:
+            if inside and self.expect_key:
                 self.reading, self.token, self.expect_key = "key", [ch], False
         elif ch in "[{":
             self.depth += 1
-            if self.depth == 2:
+            if self.depth == self.call_depth and ch == "{":
                 self.calls.append(_Call())
                 self.expect_key = True
         elif ch in "]}":
-            self.depth -= 1
-        elif ch == "," and self.depth == 2:
+            self.depth = max(self.depth - 1, 0)
+        elif ch == "," and inside:
             self.expect_key = True
 
     def _string_done(self, out: list[CallPiece]) -> None:
@@ -164,9 +177,9 @@ class RequiredCalls:
         for i, call in enumerate(self.calls):
             if call.name is None:
                 continue
-            if not call.has_arguments:
-                call.arguments.append("{}")  # (as the response reads a call without parameters)
-                call.has_arguments = True
+            if call.argument_key is None:
+                call.arguments.append("{}")  # (as the response reads a call without arguments)
+                call.argument_key = ""
             self._flush(i, out)
         return out
 

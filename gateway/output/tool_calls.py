@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from gateway.openai.structured import ToolCallMode
-from gateway.output.call_deltas import CallPiece, RequiredCalls, join_pieces
+from gateway.output.call_deltas import CallPiece, CallScanner, join_pieces
 from gateway.output.tool_parsers import Call, arguments_json
 
 
@@ -44,7 +44,7 @@ def _calls(mode: ToolCallMode, text: str) -> list[Call] | None:
             return None
         if arguments_json(call.get("parameters", {})) is None:  # (a lone surrogate, which no UTF-8 response holds)
             return None
-    scanner = RequiredCalls()
+    scanner = CallScanner()
     calls = join_pieces([*scanner.feed(text), *scanner.finish()])
     return calls if len(calls) == len(value) else None
 
@@ -68,9 +68,24 @@ def call_id(response_id: str, created: int, choice: int, index: int, id_length: 
     return digest[:id_length] if id_length else "chatcmpl-tool-" + digest[:24]
 
 
-def stream_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``calls`` as the entries of a streamed ``delta.tool_calls`` (each with its ``index``)."""
-    return [{"index": i, **call} for i, call in enumerate(calls)]
+def delta_entries(pieces: list[CallPiece], ids: tuple[str, int, int], id_length: int = 0) -> list[dict[str, Any]]:
+    """Call ``pieces`` as the entries of a streamed ``delta.tool_calls``: one per call, with its
+    ``index``; a call's first (its name known) with its id, type and name too. ``ids``: what the
+    call ids derive from (`with_ids`)."""
+    out = []
+    for index, name, arguments in _merged(pieces):
+        if name is None:
+            out.append({"index": index, "function": {"arguments": arguments}})
+        else:
+            out.append(
+                {
+                    "index": index,
+                    "id": call_id(*ids, index, id_length),
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            )
+    return out
 
 
 def _merged(pieces: list[CallPiece]) -> list[CallPiece]:
@@ -93,7 +108,7 @@ class ConstrainedCallStream:
     def __init__(self, mode: ToolCallMode) -> None:
         self.mode = mode
         self.text: list[str] = []
-        self.required = RequiredCalls() if mode.kind == "required" else None
+        self.required = CallScanner() if mode.kind == "required" else None
         self.started = False  # a named call's first piece (name and id) sent
 
     def delta(self, text: str, finish_reason: str | None, ids: tuple[str, int, int]) -> tuple[dict[str, Any], str | None]:
@@ -111,7 +126,7 @@ class ConstrainedCallStream:
             pieces = []
         delta: dict[str, Any] = {}
         if pieces:
-            delta["tool_calls"] = [self._entry(piece, ids) for piece in _merged(pieces)]
+            delta["tool_calls"] = delta_entries(pieces, ids, self.mode.id_length)
         if finish_reason is None:
             return delta, None
         whole = "".join(self.text)
@@ -120,14 +135,3 @@ class ConstrainedCallStream:
         if self.required is not None and not any(c.name_sent for c in self.required.calls):
             return {"content": whole}, finish_reason
         return delta, finish_reason
-
-    def _entry(self, piece: CallPiece, ids: tuple[str, int, int]) -> dict[str, Any]:
-        index, name, arguments = piece
-        if name is None:
-            return {"index": index, "function": {"arguments": arguments}}
-        return {
-            "index": index,
-            "id": call_id(*ids, index, self.mode.id_length),
-            "type": "function",
-            "function": {"name": name, "arguments": arguments},
-        }

@@ -15,12 +15,15 @@ stream, however its text was split, join to the response's arguments.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 # One streamed event of a call: its index, its name (once, when first known) and an argument piece.
 CallPiece = tuple[int, str | None, str]
 
 _NAME_KEY = "name"
+# Where a JSON string's plain run ends.
+_STRING_STOP = re.compile(r'["\\]')
 # What `CallScanner._argument_char` says of a character inside an arguments value.
 _KEEP, _SKIP, _END = 0, 1, 2
 
@@ -58,7 +61,19 @@ class CallScanner:
     def feed(self, text: str) -> list[CallPiece]:
         out: list[CallPiece] = []
         arguments: list[str] = []  # this piece's argument text of the current call
-        for ch in text:
+        at, end = 0, len(text)
+        while at < end:
+            if self.reading == "arguments" and self.in_string and not self.escaped:
+                # Inside a string of the arguments, copy up to its next quote or backslash at once
+                # (long string values are most of a large call).
+                stop = _STRING_STOP.search(text, at)
+                run_end = stop.start() if stop is not None else end
+                if run_end > at:
+                    arguments.append(text[at:run_end])
+                    at = run_end
+                    continue
+            ch = text[at]
+            at += 1
             if self.reading == "arguments" and (kind := self._argument_char(ch)) != _END:
                 if kind == _KEEP:
                     arguments.append(ch)

@@ -10,7 +10,8 @@ explicit keywords before the schema is compiled; an explicit ``additionalPropert
 schema) or ``items`` is kept as given.
 
 Not closed: the members of an ``allOf`` (closed one by one, each would refuse the others'
-properties, where strict mode judges the merged object) and what sits under ``not``, ``if`` or
+properties, where strict mode judges the merged object), an object that requires a property it
+does not list (closed, it would admit nothing), and what sits under ``not``, ``if`` or
 ``contains`` (closing there would widen or flip what the schema means). Data keywords (``const``,
 ``enum``, ``default``, ``examples``) are values, copied as they are.
 """
@@ -36,6 +37,14 @@ def _is_object(schema: dict[str, Any]) -> bool:
     if kind == "object" or (isinstance(kind, list) and "object" in kind):
         return True
     return kind is None and "properties" in schema
+
+
+def _lists_required(schema: dict[str, Any]) -> bool:
+    """Whether every required property is listed (closed, one that is not could never be given)."""
+    required, properties = schema.get("required", []), schema.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict):
+        return False
+    return all(name in properties for name in required)
 
 
 def _is_array(schema: dict[str, Any]) -> bool:
@@ -66,7 +75,12 @@ def _close(schema: Any, closable: bool) -> Any:
             out[key] = value
     if not closable or "allOf" in schema or "$ref" in schema:  # (judged with the schemas it merges with)
         return out
-    if _is_object(schema) and "additionalProperties" not in schema and "unevaluatedProperties" not in schema:
+    if (
+        _is_object(schema)
+        and "additionalProperties" not in schema
+        and "unevaluatedProperties" not in schema
+        and _lists_required(schema)
+    ):
         out["additionalProperties"] = False
     if _is_array(schema):
         if "prefixItems" in schema and "items" not in schema and "unevaluatedItems" not in schema:

@@ -102,6 +102,8 @@ def test_schemas_close_where_they_say_nothing() -> None:
     assert all("additionalProperties" not in s for s in props["both"]["allOf"])  # judged merged
     assert closed["$defs"]["D"]["additionalProperties"] is False
     assert close_schema(True) is True
+    unlisted = {"type": "object", "required": ["x"]}  # closed, it would admit no object at all
+    assert close_schema(unlisted) == unlisted
 
 
 def test_an_unlisted_key_is_refused_unless_the_request_opens_objects() -> None:

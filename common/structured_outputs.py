@@ -7,7 +7,9 @@ reject a grammar that cannot compile with a 400, `compile_error`) and the execut
 the token matchers, `executor.grammar`) share.
 
 JSON is compact: no whitespace between tokens (llguidance's ``whitespace_flexible: false``), so a
-weak model cannot spend its token budget on runs of spaces and newlines inside a JSON value.
+weak model cannot spend its token budget on runs of spaces and newlines inside a JSON value. A
+JSON schema is closed where it says nothing (`common.strict_json_schema`, as vLLM's default backend
+compiles it) unless ``disable_additional_properties`` is false.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
+
+from common.strict_json_schema import close_schema
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +61,10 @@ class StructuredOutputsParams:
     whole output matches; ``choice``: the output is one of these strings; ``grammar``: a Lark (or
     GBNF) grammar; ``json_object``: any JSON object. The output ends (EOS is forced) once the
     constraint allows nothing more.
+
+    ``disable_additional_properties`` (vLLM's option): a ``json`` schema admits no object
+    properties or array items beyond those it lists, where it says nothing (xgrammar's strict
+    mode, vLLM's default); false compiles it as JSON Schema reads it (open objects).
     """
 
     json: dict[str, Any] | str | None = None
@@ -64,6 +72,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_additional_properties: bool = True
 
     def _set(self, kind: str) -> bool:
         value = getattr(self, kind)  # identity: 0 == False, and a 0 given for a schema is a wrong value, not none
@@ -79,6 +88,8 @@ class StructuredOutputsParams:
         given = [k for k in _KINDS if self._set(k)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}, got {', '.join(given) or 'none'}")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError("structured_outputs.disable_additional_properties must be a boolean")
         kind = given[0]
         if kind == "json":
             schema = self.json
@@ -116,12 +127,24 @@ class StructuredOutputsParams:
         return jsonlib.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def to_dict(self) -> dict[str, Any]:
-        """The wire form: only the set field; a schema as JSON text (any JSON nests safely)."""
+        """The wire form: only the set field (and an option away from its default); a schema as
+        JSON text (any JSON nests safely)."""
         kind = self.kind()
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, str):
             value = jsonlib.dumps(value, separators=(",", ":"))
-        return {kind: value}
+        out: dict[str, Any] = {kind: value}
+        if not self.disable_additional_properties:
+            out["disable_additional_properties"] = False
+        return out
+
+    def json_schema(self) -> Any:
+        """The ``json`` schema (validated) as it compiles: parsed, and closed unless opened."""
+        try:
+            schema = jsonlib.loads(self.json) if isinstance(self.json, str) else self.json
+            return close_schema(schema) if self.disable_additional_properties else schema
+        except RecursionError:  # (a schema sent as text nests as deep as it likes)
+            raise ValueError("structured_outputs.json nests too deeply") from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
@@ -136,8 +159,7 @@ class StructuredOutputsParams:
         if kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=cast("Any", JSON_OPTIONS))
         if kind == "json":
-            schema = self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)
-            return LLMatcher.grammar_from_json_schema(schema, defaults=cast("Any", JSON_OPTIONS))
+            return LLMatcher.grammar_from_json_schema(jsonlib.dumps(self.json_schema()), defaults=cast("Any", JSON_OPTIONS))
         if kind == "regex":
             return LLMatcher.grammar_from_regex(str(self.regex))
         if kind == "choice":

@@ -107,7 +107,9 @@ def test_reasoning_then_tool_calls_streamed_or_not() -> None:
         assert "".join(d.get("reasoning", "") for d, _ in deltas) == "I should add."
         assert all(d.get("reasoning") == d.get("reasoning_content") for d, _ in deltas)
         assert "".join(d.get("content", "") for d, _ in deltas) == "Adding."
-        assert [c["function"]["name"] for d, _ in deltas for c in d.get("tool_calls", [])] == ["add"]
+        entries = [c for d, _ in deltas for c in d.get("tool_calls", [])]  # (the call in pieces)
+        assert [c["function"]["name"] for c in entries if "name" in c["function"]] == ["add"]
+        assert "".join(c["function"]["arguments"] for c in entries) == '{"a":1}'
     # vLLM's include_reasoning: false drops it; content left empty by thinking is null.
     assert _output(include=False).message(text, "stop", IDS)[0].keys() == {"role", "content", "tool_calls"}
     assert _output(tools=None).message("cut while thinking", "length", IDS) == (

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from infra.launcher import free_port, wait_healthy
 from infra.stack import Stack
@@ -124,16 +126,15 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
     calls = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1 and calls[0].function.name == "add"
     jsonschema.validate(json.loads(calls[0].function.arguments), schemas["add"])
-    # Streamed: the calls come whole in the final chunk.
+    # Streamed: the name and id once, then the arguments in pieces that join to the response's.
     stream = client.chat.completions.create(
         model="", messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=100, seed=6, stream=True
     )
     chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not any(d.content for d in deltas)
-    streamed = [tc for d in deltas for tc in d.tool_calls or []]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
+    assert [(name, arguments) for _, name, arguments in joined_calls(deltas)] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
     # "none" is plain text; "auto" (the default with tools) needs a gateway with a tool-call parser: a 400
     # here, as from vLLM without one.
     plain = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=3)
@@ -149,6 +150,21 @@ def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
     ]
     reply = client.chat.completions.create(model="", messages=turn, tools=TOOLS, tool_choice="none", max_tokens=3)  # type: ignore[arg-type]
     assert reply.choices[0].finish_reason == "length"
+
+
+def joined_calls(deltas: list[Any]) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each call streamed in ``deltas``: the id and name come once, in
+    the call's first entry, the arguments in pieces."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        for tc in delta.tool_calls or []:
+            if tc.id is not None:
+                assert tc.index not in calls and tc.function.name
+                calls[tc.index] = [tc.id, tc.function.name, ""]
+            else:
+                assert tc.function.name is None
+            calls[tc.index][2] += tc.function.arguments or ""
+    return [(c[0], c[1], c[2]) for _, c in sorted(calls.items())]
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +192,7 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes(stack: Stack, auto_ur
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
     calls = choice.message.tool_calls
     assert calls and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]  # type: ignore[union-attr]
-    # Streamed: the content as it comes, the call whole at the end.
+    # Streamed: the content as it comes, then the call in pieces (hermes streams its arguments).
     chunks = list(
         client.chat.completions.create(
             model="", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body=forced, stream=True, tool_choice="auto"
@@ -184,8 +200,8 @@ def test_auto_tool_choice_reads_the_calls_the_model_writes(stack: Stack, auto_ur
     )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Checking.\n"
-    streamed = [tc for d in deltas for tc in d.tool_calls or []]
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
+    assert len([d for d in deltas if d.tool_calls]) > 1
+    assert [(name, arguments) for _, name, arguments in joined_calls(deltas)] == [("add", calls[0].function.arguments)]  # type: ignore[union-attr]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # Without a call in the output, "auto" is plain content.
     plain = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=4)
@@ -231,3 +247,113 @@ def test_a_reasoning_parser_takes_the_thinking_out_of_the_content(stack: Stack, 
     go_on: Any = {"add_generation_prompt": False, "continue_final_message": True}
     answer = client.chat.completions.create(**{**kwargs, "messages": prefilled}, extra_body=go_on).choices[0].message
     assert answer.content and not hasattr(answer, "reasoning")
+
+
+class Unit(enum.Enum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+    country: str = Field(max_length=4)
+
+
+class Forecast(BaseModel):
+    place: Place
+    unit: Unit
+    days: int = Field(ge=1, le=9)
+
+
+class Alarm(BaseModel):
+    unit: Unit
+    above: int = Field(ge=-50, le=50)
+
+
+PYDANTIC_TOOLS: Any = [
+    {"type": "function", "function": {"name": "forecast", "parameters": Forecast.model_json_schema()}},
+    {"type": "function", "function": {"name": "alarm", "parameters": Alarm.model_json_schema()}},
+]
+
+
+def test_pydantic_tools_with_defs_under_required_stream_and_resume(stack: Stack, client: openai.OpenAI, auto_url: str) -> None:
+    """Tools whose parameters hold ``$defs`` (an enum, a nested model): a 200 whose calls
+    validate; streamed, pieces that join to the same calls; replayed on another gateway, the same
+    events."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in PYDANTIC_TOOLS}
+    kwargs: Any = dict(model="", messages=MESSAGES, tools=PYDANTIC_TOOLS, tool_choice="required", max_tokens=300, seed=7)
+    out = client.chat.completions.create(**kwargs)
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])  # type: ignore[union-attr]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert len([d for d in deltas if d.tool_calls]) > 1  # in pieces, not whole at the end
+    want = [(c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
+    assert [(name, arguments) for _, name, arguments in joined_calls(deltas)] == want
+    body = {
+        "messages": MESSAGES,
+        "tools": PYDANTIC_TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 300,
+        "seed": 7,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{stack.urls[0]}/v1/chat/completions", json=body, headers={"X-Request-Id": "defs-1"}) as r:
+        assert r.status_code == 200
+        first = r.read().decode()
+    replay = httpx.get(f"{auto_url}/v1/streams/defs-1", headers={"Last-Event-ID": "0"}, timeout=60)
+    assert replay.status_code == 200 and replay.text == first
+    # One definition name with two schemas: a 400 naming it.
+    clash: Any = [
+        *PYDANTIC_TOOLS[:1],
+        {
+            "type": "function",
+            "function": {
+                "name": "other",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"u": {"$ref": "#/$defs/Unit"}},
+                    "$defs": {"Unit": {"type": "integer"}},
+                },
+            },
+        },
+    ]
+    with pytest.raises(openai.BadRequestError, match="Unit") as info:
+        client.chat.completions.create(**{**kwargs, "tools": clash})
+    assert info.value.body is not None and info.value.body.get("param") == "tools"  # type: ignore[union-attr]
+
+
+def test_a_forced_tool_choice_overrides_response_format(client: openai.OpenAI) -> None:
+    """The OpenAI Agents SDK sends both (an agent with an output type and tool_choice "required")."""
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
+    out = client.chat.completions.create(
+        model="", messages=MESSAGES, tools=PYDANTIC_TOOLS, tool_choice="required", response_format=fmt, max_tokens=300, seed=8
+    )
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.tool_calls
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+
+
+def test_schemas_are_closed_by_default_and_the_request_may_open_them(client: openai.OpenAI) -> None:
+    """No ``additionalProperties``: only the listed key (vLLM's default backend's strict mode);
+    vLLM's ``disable_additional_properties: false`` compiles the schema as JSON Schema reads it."""
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "n", "schema": OPEN_SCHEMA}}
+    for seed in range(3):
+        out = client.chat.completions.create(model="", messages=MESSAGES, response_format=fmt, max_tokens=60, seed=seed)
+        value = json.loads(out.choices[0].message.content or "")
+        assert set(value) == {"n"}
+    opened = client.chat.completions.create(
+        model="",
+        messages=MESSAGES,
+        response_format=fmt,
+        max_tokens=60,
+        seed=0,
+        extra_body={"structured_outputs": {"disable_additional_properties": False}},
+    )
+    assert opened.choices[0].finish_reason in ("stop", "length")
+    if opened.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(opened.choices[0].message.content or ""), OPEN_SCHEMA)

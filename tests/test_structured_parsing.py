@@ -80,14 +80,17 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
         ({"structured_outputs": {"whatever": 1}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
-        ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
         ({"tools": {"add": ADD}}, "tools"),
         ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [ADD], "tool_choice": "auto"}, "tool_choice"),  # no tool-call parser here (vLLM's 400 too)
         ({"tools": [ADD]}, "tool_choice"),  # "auto" is the default with tools
-        ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "disable_additional_properties": "no"}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_additional_properties": 0}},
+            "structured_outputs",
+        ),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"prompt_embeds": "AAAA"}, "prompt_embeds"),  # these four are refused, not ignored

@@ -15,6 +15,7 @@ from gateway.http.config import GatewayConfig
 from gateway.http.errors import ApiError
 from gateway.http.server import build_parser, main
 from gateway.openai.schema import ChatParsers, parse_chat
+from gateway.output.call_deltas import join_pieces
 from gateway.output.generation import Piece
 from gateway.output.responses import ResponseFormatter
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS, CallStream, split_calls
@@ -103,18 +104,25 @@ def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> N
     texts = [*TEXTS, '  {"name": "f", "parameters": {}}', '<|python_tag|>{"name": "f"}', "Hello {", "<|python_ta"]
     texts += ["Ok [TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{}", '[TOOL_CALLS] [{"name": "f"}]', "[TOOL_CALL", "[TOOL_CALLS]f{"]
     texts += ['[f(a="x"), g()]', "<|python_start|>[f()]<|python_end|>", "<|python_sta", " [f(a=1)", "Hi [f()]"]
+    # Arguments streamed in pieces: whitespace, escapes, nesting, a name after the arguments.
+    texts += ['<tool_call>\n{"arguments": {"x": [1, 2, {"y": "a b\\" }"}]}, "name": "late"}\n</tool_call>']
+    texts += ['{"name": "f", "parameters": {"a": "\\u00e9", "b": 1.50}} ; {"name": "g", "parameters": {}}']
     rng = random.Random(0)
     for text in texts:
         for stopped in (True, False):
             want_content, want_calls = split_calls(parser, text, stopped)
             for _ in range(20):
                 stream, sent, at = CallStream(parser), "", 0
+                pieces = []
                 while at < len(text):
                     step = rng.randint(1, 6)
                     sent += stream.feed(text[at : at + step])
+                    pieces += stream.pieces()
                     at += step
                 rest, calls = stream.finish(stopped)
                 assert (sent + rest, calls) == (want_content, want_calls), (text, stopped)
+                if calls:  # the pieces streamed and the last ones join to the response's calls
+                    assert join_pieces([*pieces, *stream.last_pieces(calls)]) == calls, (text, stopped)
     # Content before a call goes out as it comes; a possible tag start waits for the next piece.
     stream = CallStream(HERMES)
     assert stream.feed("Let me check <tool") == "Let me check "
@@ -137,8 +145,10 @@ def test_auto_answers_tool_calls_streamed_or_not() -> None:
     fmt = _formatter(True)
     chunks = [c for p in pieces for c in fmt.stream_piece(p)]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert deltas[0] == {"content": "Adding. "} and len(chunks) == 2  # the call's text is held back
-    assert deltas[-1] == {"tool_calls": [{"index": 0, **calls[0]}]} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert deltas[0] == {"content": "Adding. "} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # The call in pieces: its id and name once known (the second piece has them), then its arguments.
+    assert deltas[1] == {"tool_calls": [{"index": 0, **calls[0], "function": {"name": "add", "arguments": ""}}]}
+    assert deltas[2] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":1,"b":"é"}'}}]}
     # Cut by the length limit inside a call: text, as vLLM answers it.
     # OpenAI's parallel_tool_calls: false: the first call only (vLLM's rule too).
     two = [Piece(TWO, finish_reason="stop")]

@@ -6,10 +6,17 @@ enforces it token by token (`executor.grammar`). `check_grammar` compiles it (ll
 the model's vocabulary) on a worker thread before the request is submitted: a grammar that cannot
 compile is a 400 naming the field it came from.
 
+A JSON schema compiles closed where it says nothing (no unlisted properties or items: vLLM's
+default backend's strict mode, `common.strict_json_schema`); vLLM's option
+``structured_outputs: {"disable_additional_properties": false}`` opens it, alone or beside the
+constraint (``response_format``, ``guided_json``, a tool's parameters).
+
 Tools: ``tool_choice`` ``"required"`` constrains the output to a JSON array of calls
 ``[{"name": ..., "parameters": {...}}]`` (vLLM's form), one of the tools' names with that tool's
-parameter schema each; a named function constrains it to that tool's parameters (the arguments
-object). The response carries them as OpenAI ``tool_calls`` (`gateway.output.tool_calls`).
+parameter schema each, their ``$defs`` lifted to the root (`gateway.openai.tool_grammar`); a named
+function constrains it to that tool's parameters (the arguments object). Either overrides another
+constraint (``response_format``: the OpenAI Agents SDK sends both), as in vLLM. The response
+carries them as OpenAI ``tool_calls`` (`gateway.output.tool_calls`).
 ``"auto"`` (the default with tools) needs a gateway started with vLLM's ``--enable-auto-tool-choice
 --tool-call-parser NAME``: the output is free-form, and the parser finds the calls in it
 (`gateway.output.tool_parsers`); without one it is a 400, as from vLLM. ``"none"`` generates plain text.
@@ -26,6 +33,7 @@ from common.sampling_params import SamplingParams
 from common.structured_outputs import StructuredOutputsParams, grammar_tokenizer
 from gateway.http.errors import ApiError, bad
 from gateway.openai.json_input import preview, typename
+from gateway.openai.tool_grammar import ToolSchemaError, required_calls_schema
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 MAX_TOOLS = 128
@@ -35,9 +43,10 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _SPEC_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM options of `structured_outputs` accepted and ignored: JSON is always compact here, and
-# there is one backend (no fallback to choose). ``disable_additional_properties`` changes the
-# schema: only its default (false) is accepted.
+# there is one backend (no fallback to choose).
 _IGNORED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "backend")
+# vLLM's option that closes (true, the default here) or opens (false) a JSON schema's objects.
+_STRICT_OPTION = "disable_additional_properties"
 
 
 @dataclass(slots=True)
@@ -76,15 +85,14 @@ def parse_structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | No
     if so is not None:
         if not isinstance(so, dict):
             raise bad(f"'structured_outputs' must be an object, got {typename(so)}", "structured_outputs")
-        if so.get("disable_additional_properties") not in (None, False):
-            raise bad("'structured_outputs.disable_additional_properties' is not supported by this server", "structured_outputs")
-        unknown = [k for k in so if k not in _SPEC_FIELDS and k not in _IGNORED_OPTIONS and k != "disable_additional_properties"]
+        unknown = [k for k in so if k not in _SPEC_FIELDS and k not in _IGNORED_OPTIONS and k != _STRICT_OPTION]
         if unknown:
             raise bad(
                 f"'structured_outputs' has unsupported field {preview(unknown[0])} (supported: {', '.join(_SPEC_FIELDS)})",
                 "structured_outputs",
             )
-        found.append((StructuredOutputsParams(**{k: v for k, v in so.items() if k in _SPEC_FIELDS}), "structured_outputs"))
+        if any(k in _SPEC_FIELDS for k in so):  # (options alone shape another field's constraint)
+            found.append((StructuredOutputsParams(**{k: v for k, v in so.items() if k in _SPEC_FIELDS}), "structured_outputs"))
     for name, kind in _GUIDED.items():
         if body.get(name) is not None:
             found.append((StructuredOutputsParams(**{kind: body[name]}), name))
@@ -93,11 +101,22 @@ def parse_structured(body: dict[str, Any]) -> tuple[StructuredOutputsParams | No
     if len(found) > 1:
         raise bad(f"give one of {', '.join(p for _, p in found)}, not several", found[1][1])
     spec, param = found[0]
+    spec.disable_additional_properties = closed_objects(body)
     try:
         spec.validate()
     except ValueError as exc:
         raise bad(str(exc).replace("structured_outputs", param, 1), param) from None
     return spec, param
+
+
+def closed_objects(body: dict[str, Any]) -> bool:
+    """Whether the request's JSON schemas compile closed: vLLM's ``disable_additional_properties``
+    (default true here, as vLLM's default backend compiles them); a 400 unless a boolean."""
+    so = body.get("structured_outputs")
+    value = so.get(_STRICT_OPTION, True) if isinstance(so, dict) else True
+    if not isinstance(value, bool):
+        raise bad(f"'structured_outputs.{_STRICT_OPTION}' must be a boolean, got {typename(value)}", "structured_outputs")
+    return value
 
 
 def _response_format(fmt: Any) -> StructuredOutputsParams | None:
@@ -123,7 +142,7 @@ def parse_tools(
     body: dict[str, Any], sampling: SamplingParams, param: str | None, tool_parser: str | None = None
 ) -> StructuredRequest | None:
     """Validate chat ``tools`` and ``tool_choice``; for "required" or a named function, set the
-    matching constraint on ``sampling`` (a 400 if another one is set). ``param``: the field of a
+    matching constraint on ``sampling``, in place of any other (vLLM's rule). ``param``: the field of a
     constraint already parsed (`parse_structured`); ``tool_parser``: the parser "auto" reads the
     output with (None: "auto" is a 400). Returns the request's `StructuredRequest`."""
     for legacy in ("functions", "function_call"):
@@ -152,18 +171,10 @@ def parse_tools(
         return StructuredRequest(param or "tools", None, tools)
     if choice == "required":
         mode = ToolCallMode("required", id_length=id_length)
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name, params in schemas.items()
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if body.get("parallel_tool_calls") is False:  # OpenAI's: at most one call
-            schema["maxItems"] = 1
+        try:  # (``parallel_tool_calls: false``, OpenAI's: at most one call)
+            schema = required_calls_schema(schemas, body.get("parallel_tool_calls") is False)
+        except ToolSchemaError as exc:
+            raise bad(str(exc), "tools") from None
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if not isinstance(name, str) or name not in schemas:  # a list or an object is no name (and unhashable)
@@ -174,9 +185,8 @@ def parse_tools(
             "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
             "tool_choice",
         )
-    if sampling.structured_outputs is not None:
-        raise bad(f"'tool_choice' {preview(choice)} cannot be combined with '{param}'", "tool_choice")
-    sampling.structured_outputs = StructuredOutputsParams(json=schema)
+    # The forced tool's grammar wins over ``response_format`` and the like (vLLM's rule).
+    sampling.structured_outputs = StructuredOutputsParams(json=schema, disable_additional_properties=closed_objects(body))
     return StructuredRequest("tools", mode, tools)
 
 

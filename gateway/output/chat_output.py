@@ -3,7 +3,8 @@
 A reasoning parser (`gateway.output.reasoning_parsers`) takes the model's thinking out of the text, into
 ``reasoning`` (vLLM's current name) and ``reasoning_content`` (vLLM's earlier one, DeepSeek's API's),
 dropped with vLLM's ``include_reasoning: false``; a tool-call parser (`gateway.output.tool_parsers`) then
-finds the calls in what is left, the content. Streamed, both run incrementally and the deltas
+finds the calls in what is left, the content. Streamed, both run incrementally (calls in pieces
+where the parser streams them) and the deltas
 join to the response of the same tokens.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.output.call_deltas import CallPiece
 from gateway.output.reasoning_parsers import ReasoningStream, ThinkParser
-from gateway.output.tool_calls import stream_tool_calls, with_ids
+from gateway.output.tool_calls import delta_entries, with_ids
 from gateway.output.tool_parsers import Call, CallStream, Schemas, ToolCallParser, split_calls
 
 
@@ -68,16 +70,21 @@ class ChatOutput:
         if finish_reason is not None and self.reasoning_stream is not None:
             more_reasoning, more_content = self.reasoning_stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
-        calls = None
+        pieces: list[CallPiece] = []
         if self.call_stream is not None:
             content = self.call_stream.feed(content)
+            pieces = self.call_stream.pieces()
             if finish_reason is not None:
                 rest, calls = self.call_stream.finish(finish_reason == "stop", self.schemas)
                 content += rest
+                if calls:
+                    pieces += self.call_stream.last_pieces(calls[:1] if self.one_call else calls)
+                    finish_reason = "tool_calls"
+        if self.one_call:
+            pieces = [p for p in pieces if p[0] == 0]
         delta = self._with_reasoning({}, reasoning)
         if content:
             delta["content"] = content
-        if calls:
-            delta["tool_calls"] = stream_tool_calls(self._with_ids(calls[:1] if self.one_call else calls, ids))
-            finish_reason = "tool_calls"
+        if pieces:
+            delta["tool_calls"] = delta_entries(pieces, ids, self.id_length)
         return delta, finish_reason

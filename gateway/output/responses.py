@@ -1,8 +1,8 @@
 """OpenAI response bodies and SSE chunks for completions and chat completions.
 
 A chat request whose ``tool_choice`` constrains it to tool calls (`gateway.openai.structured`) answers
-with ``tool_calls`` and finish reason "tool_calls"; streamed, its text is held back and the calls
-come whole in the final chunk (`gateway.output.tool_calls`). Free-form output goes through the gateway's
+with ``tool_calls`` and finish reason "tool_calls"; streamed, the calls go out in pieces as they
+are generated (`gateway.output.tool_calls`). Free-form output goes through the gateway's
 parsers, of a thinking model's reasoning and of "auto" tool calls (`gateway.output.chat_output`).
 """
 
@@ -21,7 +21,7 @@ from gateway.openai.structured import ToolCallMode
 from gateway.output.chat_output import ChatOutput
 from gateway.output.generation import Piece
 from gateway.output.reasoning_parsers import REASONING_PARSERS
-from gateway.output.tool_calls import stream_tool_calls, tool_calls
+from gateway.output.tool_calls import ConstrainedCallStream, tool_calls
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("conveyor.gateway")
@@ -57,7 +57,10 @@ class ResponseFormatter:
         self.text_offset = len(echo_text) if echo_text else 0
         self.chat = spec.kind == "chat"
         self.tool_call: ToolCallMode | None = spec.structured.tool_call if spec.structured is not None else None
-        self.tool_text = ""  # a tool-call request's text so far (streaming)
+        # streaming: a tool-constrained request's calls, in pieces
+        self.call_stream = (
+            ConstrainedCallStream(self.tool_call) if self.tool_call is not None and self.tool_call.kind != "parsed" else None
+        )
         tools = self.tool_call.parser if self.tool_call is not None else None  # "auto" tool calls
         self.output = (
             ChatOutput(
@@ -271,8 +274,8 @@ class ResponseFormatter:
                 reason = piece.finish_reason
                 if self.output is not None:
                     delta, reason = self.output.delta(piece.text, piece.finish_reason, self._call_ids())
-                elif self.tool_call is not None:
-                    delta, reason = self._tool_delta(piece)
+                elif self.call_stream is not None:
+                    delta, reason = self.call_stream.delta(piece.text, piece.finish_reason, self._call_ids())
                 choice = {
                     "index": self.index,
                     "delta": delta,
@@ -281,7 +284,7 @@ class ResponseFormatter:
                     "stop_reason": piece.stop_reason,
                 }
                 if not delta and reason is None and logprobs is None and not wants_ids:
-                    choice = {}  # a tool call's text, held back
+                    choice = {}  # a tool call's text, held back until its name is known
             else:
                 choice = {
                     "index": self.index,
@@ -297,18 +300,6 @@ class ResponseFormatter:
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk of a stream with ``include_usage``: no choices, the usage."""
         return {**self._chunk({}), "choices": [], "usage": self.usage(completion_tokens)}
-
-    def _tool_delta(self, piece: Piece) -> tuple[dict[str, Any], str | None]:
-        """A tool-call request's delta and finish reason: nothing until the end, then the calls
-        (or, for output cut short, its whole text as content)."""
-        assert self.tool_call is not None
-        self.tool_text += piece.text
-        if piece.finish_reason is None:
-            return {}, None
-        calls = self._constrained_calls(self.tool_text) if piece.finish_reason == "stop" else None
-        if calls:
-            return {"tool_calls": stream_tool_calls(calls)}, "tool_calls"
-        return {"content": self.tool_text}, piece.finish_reason
 
     def _call_ids(self) -> tuple[str, int, int]:
         """What this choice's tool call ids derive from (`gateway.output.tool_calls.with_ids`)."""

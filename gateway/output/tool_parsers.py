@@ -12,8 +12,11 @@ calls; ``qwen3_coder`` (Qwen3-Coder) XML whose values the tools' schemas type.
 The content is the text before the first call. A response whose calls do not all parse (bad JSON,
 no name, arguments that are not an object, a call cut short by ``max_tokens``) has none: its whole
 text is the content, as in vLLM. Streamed, text before the first call goes out as it comes (minus
-what may be the start of a call's tag, held until the next piece tells); from the tag on, the text
-is held and the calls come whole in the final chunk, so a stream and a response of the same tokens
+what may be the start of a call's tag, held until the next piece tells). From the tag on, hermes
+and llama3_json stream each call as vLLM does: its name (and id) once known, then its arguments
+in pieces (`gateway.output.call_deltas`); their arguments are the model's JSON text with the
+whitespace between tokens dropped, in a response too, so the pieces join to the response's. The
+other parsers' calls come whole in the final chunk. A stream and a response of the same tokens
 agree, a resumed stream included.
 """
 
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.output.call_deltas import CallPiece, CallScanner, join_pieces
 from gateway.output.stop import tag_prefix
 
 # One call: the function's name and its arguments as a JSON string.
@@ -84,6 +88,7 @@ class HermesParser:
     start: str = "<tool_call>"
     end: str = "</tool_call>"
     id_length: int = 0  # (call ids of OpenAI's shape)
+    argument_keys: tuple[str, ...] = ARGUMENT_KEYS  # its calls are JSON objects: streamed in pieces
 
     def find(self, text: str, fresh: bool) -> int:
         """Where the first call starts in ``text`` (``fresh``: the output's beginning); -1: nowhere (yet)."""
@@ -104,7 +109,7 @@ class HermesParser:
             close = region.find(self.end, body_at)
             if close < 0 and not stopped:
                 return None
-            call = _call(_loads(region[body_at : len(region) if close < 0 else close].strip()), ARGUMENT_KEYS)
+            call = _call(_loads(region[body_at : len(region) if close < 0 else close].strip()), self.argument_keys)
             if call is None:
                 return None
             calls.append(call)
@@ -122,6 +127,7 @@ class Llama3JsonParser:
     name: str = "llama3_json"
     python_tag: str = "<|python_tag|>"
     id_length: int = 0
+    argument_keys: tuple[str, ...] = ARGUMENT_KEYS[::-1]
 
     def find(self, text: str, fresh: bool) -> int:
         head = text.lstrip()
@@ -145,7 +151,7 @@ class Llama3JsonParser:
                 value, at = _DECODER.raw_decode(body, at)
             except (ValueError, RecursionError):
                 return None
-            call = _call(value, ARGUMENT_KEYS[::-1])
+            call = _call(value, self.argument_keys)
             if call is None:
                 return None
             calls.append(call)
@@ -168,6 +174,7 @@ class MistralParser:
     start: str = "[TOOL_CALLS]"
     args: str = "[ARGS]"
     id_length: int = 9
+    argument_keys: tuple[str, ...] = ()  # (calls come whole at the end)
 
     def find(self, text: str, fresh: bool) -> int:
         return text.find(self.start)
@@ -203,6 +210,7 @@ class PythonicParser:
     name: str = "pythonic"
     tags: tuple[str, str] = ("<|python_start|>", "<|python_end|>")
     id_length: int = 0
+    argument_keys: tuple[str, ...] = ()
 
     def find(self, text: str, fresh: bool) -> int:
         head = text.lstrip()
@@ -250,6 +258,7 @@ class Qwen3CoderParser:
     end: str = "</tool_call>"
     bare: str = "<function="
     id_length: int = 0
+    argument_keys: tuple[str, ...] = ()
 
     def find(self, text: str, fresh: bool) -> int:
         found = [at for at in (text.find(self.start), text.find(self.bare)) if at >= 0]
@@ -341,13 +350,34 @@ def split_calls(
     at = parser.find(text, True)
     if at < 0:
         return text, None
-    calls = parser.parse(text[at:], stopped, schemas)
+    calls = parse_region(parser, text[at:], stopped, schemas)
     return (text[:at], calls) if calls else (text, None)
 
 
+def parse_region(parser: ToolCallParser, region: str, stopped: bool, schemas: Schemas | None = None) -> list[Call] | None:
+    """The calls of ``region`` (the text from the first call on), None unless all parse; a parser
+    that streams its calls gives each call's arguments as `CallScanner` reads them (the model's
+    text, whitespace between tokens dropped), which the streamed pieces join to."""
+    calls = parser.parse(region, stopped, schemas)
+    if not calls or not parser.argument_keys:
+        return calls
+    scanner = CallScanner(1, parser.argument_keys)
+    scanned = join_pieces([*scanner.feed(region), *scanner.finish()])
+    if len(scanned) != len(calls):
+        return calls
+    # (the scanner takes the first argument key it meets, the parser its own first: an object
+    # with both, or stray JSON between calls, keeps the parser's reading)
+    return [
+        (name, raw) if raw_name == name and _loads(raw) == _loads(arguments) else (name, arguments)
+        for (name, arguments), (raw_name, raw) in zip(calls, scanned)
+    ]
+
+
 class CallStream:
-    """One streamed choice's text through a parser: `feed` returns the content that can go out now;
-    `finish` the rest of it and the calls, once the output has ended."""
+    """One streamed choice's text through a parser: `feed` returns the content that can go out now,
+    `pieces` the call pieces it completed (a parser with ``argument_keys``); `finish` the rest
+    of the content and the calls once the output has ended, and `last_pieces` what of them is
+    still to go out."""
 
     def __init__(self, parser: ToolCallParser) -> None:
         self.parser = parser
@@ -355,16 +385,44 @@ class CallStream:
         self.calls: list[str] = []  # everything from the first call on (joined once: a 1 MB call took 3.6 s)
         self.in_calls = False
         self.fresh = True  # no content sent yet
+        self.scanner = CallScanner(1, parser.argument_keys) if parser.argument_keys else None
+        self.new: list[CallPiece] = []  # pieces not yet taken
+        self.sent: dict[int, str] = {}  # call index -> its arguments sent (its name went out)
+
+    def _scan(self, text: str) -> None:
+        if self.scanner is not None:
+            self.new += self.scanner.feed(text)
+
+    def pieces(self) -> list[CallPiece]:
+        """The call pieces completed since the last call (each noted as sent)."""
+        out, self.new = self.new, []
+        for index, _name, arguments in out:
+            self.sent[index] = self.sent.get(index, "") + arguments
+        return out
+
+    def last_pieces(self, calls: list[Call]) -> list[CallPiece]:
+        """What of the final ``calls`` has not gone out: whole calls, or the rest of the arguments
+        of those already begun."""
+        out: list[CallPiece] = []
+        for index, (name, arguments) in enumerate(calls):
+            sent = self.sent.get(index)
+            if sent is None:
+                out.append((index, name, arguments))
+            elif arguments.startswith(sent) and len(arguments) > len(sent):
+                out.append((index, None, arguments[len(sent) :]))
+        return out
 
     def feed(self, text: str) -> str:
         if self.in_calls:
             self.calls.append(text)
+            self._scan(text)
             return ""
         text = self.held + text
         at = self.parser.find(text, self.fresh)
         if at >= 0:
             self.in_calls, self.held = True, ""
             self.calls.append(text[at:])
+            self._scan(text[at:])
             return text[:at]
         keep = self.parser.undecided(text, self.fresh)
         self.held, out = text[len(text) - keep :], text[: len(text) - keep]
@@ -375,5 +433,5 @@ class CallStream:
         """What is left to send as content, and the calls (None: none; the held text is content)."""
         held, self.held = self.held + "".join(self.calls), ""
         self.calls.clear()
-        calls = self.parser.parse(held, stopped, schemas) if self.in_calls else None
+        calls = parse_region(self.parser, held, stopped, schemas) if self.in_calls else None
         return ("", calls) if calls else (held, None)

@@ -326,8 +326,8 @@ class CacheManager:
         limit = request.num_tokens - 1
         hashes = self.block_hashes(request, limit)[: limit // self.block_size]
         if self.sliding_window is not None:
-            out = self._window_hit(hashes)
-            return out, len(out) * self.block_size
+            hit = self._window_hit(hashes)
+            return hit, len(hit) * self.block_size
         out: list[int] = []
         for h in hashes:
             block = self.cached_blocks.get(h)

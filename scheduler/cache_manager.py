@@ -135,15 +135,20 @@ class CacheManager:
 
     ``sliding_window``: the window every attention layer shares (None: some layer sees everything,
     or window-aware freeing is off); with one, tables name the null block ``total_blocks`` in
-    place of the blocks behind the window (see the module doc).
+    place of the blocks behind the window (see the module doc). ``wait_for_cache`` (prefix caching
+    on): a block leaves the window only once registered, so a step in flight that computed it
+    still leaves its cache entry behind.
     """
 
-    def __init__(self, total_blocks: int, block_size: int, sliding_window: int | None = None) -> None:
+    def __init__(
+        self, total_blocks: int, block_size: int, sliding_window: int | None = None, wait_for_cache: bool = False
+    ) -> None:
         assert total_blocks > 0 and block_size > 0
         assert sliding_window is None or sliding_window > 0
         self.total_blocks = total_blocks
         self.block_size = block_size
         self.sliding_window = sliding_window
+        self.wait_for_cache = wait_for_cache
         self.null_block = -1 if sliding_window is None else total_blocks  # -1: no table names it
         self.blocks = [KVBlock(i) for i in range(total_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -277,6 +282,8 @@ class CacheManager:
         if not table:
             return
         first = min(max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table))
+        if self.wait_for_cache:
+            first = min(first, self.num_cached_blocks.get(request_id, 0))
         done = self.num_skipped_blocks.get(request_id, 0)
         if first <= done:
             return
@@ -420,4 +427,4 @@ class CacheManager:
 def cache_manager_for(info: ExecutorInfo, config: SchedulerConfig) -> CacheManager:
     """The block pool of ``info``'s executor; window-aware when its model and ``config`` allow."""
     window = info.sliding_window if config.free_window_blocks else None
-    return CacheManager(info.num_blocks, info.block_size, window)
+    return CacheManager(info.num_blocks, info.block_size, window, config.enable_prefix_caching)

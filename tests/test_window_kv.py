@@ -104,6 +104,18 @@ def test_a_block_nulled_before_its_step_answered_is_not_registered() -> None:
     cm.check_invariants()
 
 
+def test_waiting_for_the_cache_keeps_a_block_until_it_is_registered() -> None:
+    cm = CacheManager(8, 4, sliding_window=2, wait_for_cache=True)
+    a = req("a", list(range(1, 30)))
+    assert cm.allocate_slots("a", 16)
+    assert cm.allocate_slots("a", 24, (), 16)  # the first chunk has not answered: nothing registered
+    assert cm.num_skipped("a") == 0
+    cm.cache_full_blocks(a, 16)  # it answered: its 4 blocks are cache entries, then free to go
+    assert cm.allocate_slots("a", 28, (), 24)
+    assert cm.num_skipped("a") == 4 and len(cm.cached_blocks) == 4
+    cm.check_invariants()
+
+
 def test_without_a_window_block_tables_are_unchanged() -> None:
     cm = CacheManager(8, 4)
     assert cm.allocate_slots("a", 20, (), 0) and cm.allocate_slots("a", 24, (), 20)
@@ -114,20 +126,22 @@ def test_without_a_window_block_tables_are_unchanged() -> None:
 def test_the_switch_and_the_executor_say_whether_to_free(free: bool) -> None:
     info = ExecutorInfo("m", 10, 4, 64, [EOS], VOCAB, sliding_window=8)
     assert cache_manager_for(info, SchedulerConfig(free_window_blocks=free)).sliding_window == (8 if free else None)
+    assert not cache_manager_for(info, SchedulerConfig(enable_prefix_caching=False)).wait_for_cache
     plain = ExecutorInfo("m", 10, 4, 64, [EOS], VOCAB)
     assert cache_manager_for(plain, SchedulerConfig()).sliding_window is None
 
 
 class WindowKVExecutor(ScriptedExecutor):
     """Writes a record of each position's token prefix into its KV slot, as a forward pass writes
-    K/V, and checks each row: every key its window sees holds the row's own prefix, the blocks
-    wholly behind its window are the null block in its table (so it never reads freed memory),
-    and nothing is ever written into the null block."""
+    K/V, and checks each row: every key its window sees holds the row's own prefix, null blocks
+    only lead its table, and nothing is ever written into the null block. ``strict``: the
+    scheduler frees at once (no prefix caching to wait for), so the blocks wholly behind the
+    window must be null (it never reads freed memory)."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int, max_model_len: int = 64, frees: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int, max_model_len: int = 64, strict: bool = False) -> None:
         super().__init__(num_blocks, block_size, max_model_len)
         self.info.sliding_window = window
-        self.frees = frees  # False: the scheduler keeps every block (nothing is null)
+        self.strict = strict
         self.kv: dict[int, tuple[int, ...]] = {}
         self.nulls_read = 0
 
@@ -152,9 +166,11 @@ class WindowKVExecutor(ScriptedExecutor):
                 batch.block_tables[i],
             )
             first = max(0, end - q - w + 1)  # the first key its first new token sees
-            behind = table[: first // bs] if self.frees else []
+            behind = table[: first // bs] if self.strict else []
             assert all(b == null for b in behind), f"{rid}: a block behind its window is not null ({table})"
-            self.nulls_read += sum(b == null for b in table)
+            nulls = sum(b == null for b in table)
+            assert all(b == null for b in table[:nulls]), f"{rid}: a null block inside its window ({table})"
+            self.nulls_read += nulls
             for p in range(first, end):
                 assert self.kv.get(table[p // bs] * bs + p % bs) == tuple(tokens[: p + 1]), (
                     f"{rid} attends to stale K/V at position {p} (table {table})"
@@ -162,9 +178,11 @@ class WindowKVExecutor(ScriptedExecutor):
         return super().run_batch(batch)
 
 
-def test_the_executor_copy_of_a_table_gets_its_null_blocks() -> None:
-    ex = WindowKVExecutor(32, 4, window=5)
-    sched = Scheduler(SchedulerConfig(8, 4), cache_manager_for(ex.info, SchedulerConfig()), ex.info)
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_executor_copy_of_a_table_gets_its_null_blocks(caching: bool) -> None:
+    ex = WindowKVExecutor(32, 4, window=5, strict=not caching)
+    config = SchedulerConfig(8, 4, enable_prefix_caching=caching)
+    sched = Scheduler(config, cache_manager_for(ex.info, config), ex.info)
     core = EngineCore(sched, InlineExecutor(ex), async_scheduling=True)
     r = Request("r", list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
     sched.add_request(r)
@@ -181,7 +199,7 @@ def test_freeing_lets_more_requests_run_at_once() -> None:
     side with no preemption; keeping every block, they preempt each other."""
 
     def preemptions(free: bool) -> int:
-        ex = WindowKVExecutor(20, 4, window=4, max_model_len=80, frees=free)
+        ex = WindowKVExecutor(20, 4, window=4, max_model_len=80)
         config = SchedulerConfig(8, 8, free_window_blocks=free)
         sched = Scheduler(config, cache_manager_for(ex.info, config), ex.info)
         core = EngineCore(sched, InlineExecutor(ex), async_scheduling=True)
@@ -219,7 +237,7 @@ def windowed_workload(seed: int) -> None:
     num_blocks = -(-30 // block_size) + rng.randint(0, 4)
     depth = rng.choice([1, 2, 3])
     config = SchedulerConfig(rng.choice([3, 5, 8, 16]), rng.choice([2, 4, 8]), enable_prefix_caching=rng.random() < 0.8)
-    ex = WindowKVExecutor(num_blocks, block_size, window)
+    ex = WindowKVExecutor(num_blocks, block_size, window, strict=not config.enable_prefix_caching)
     sched = Scheduler(config, cache_manager_for(ex.info, config), ex.info)
     core = EngineCore(sched, InlineExecutor(ex), async_scheduling=depth > 1, steps_in_flight=max(depth, 2))
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 14))] for _ in range(3)]
@@ -254,13 +272,16 @@ def windowed_workload(seed: int) -> None:
 def test_random_cache_manager_sequences_match_a_simple_model() -> None:
     """Random admit (with window hits) / grow / preempt / finish sequences on the cache manager
     alone, against what a window keeps: each table is as long as its tokens need, its leading
-    ``max(0, c - W + 1) // block_size`` entries are null and the rest distinct live blocks, a hit
+    ``max(0, c - W + 1) // block_size`` entries are null (no more than are registered, when it waits
+    for the cache) and the rest distinct live blocks, a hit
     names blocks cached under the request's own hashes and ends in the run the window needs,
     and the free count is the pool less the blocks some table holds."""
     for seed in range(100):
         rng = random.Random(seed)
         bs, window, total = rng.choice([2, 4]), rng.choice([1, 3, 4, 6, 9]), rng.randint(6, 20)
-        cm = CacheManager(total, bs, sliding_window=window)
+        wait = rng.random() < 0.5
+        cm = CacheManager(total, bs, sliding_window=window, wait_for_cache=wait)
+        registered: dict[str, int] = {}  # blocks registered per request (hits count as registered)
         needed = max(1, -(-(window - 1) // bs))
         base = [rng.randrange(1, 50) for _ in range(12)]
         live: dict[str, tuple[Request, int, int]] = {}  # id -> (request, computed, allocated tokens)
@@ -279,10 +300,13 @@ def test_random_cache_manager_sequences_match_a_simple_model() -> None:
                 end = min(r.num_tokens, hit_tokens + rng.randint(1, 6))
                 if cm.allocate_slots(rid, end, hit):
                     live[rid] = (r, hit_tokens, end)
+                    registered[rid] = len(hit)
             elif choice < 0.8:
                 rid = rng.choice(list(live))
                 r, computed, allocated = live[rid]
-                cm.cache_full_blocks(r, allocated)
+                if rng.random() < 0.7:  # else its step has not answered yet
+                    cm.cache_full_blocks(r, allocated)
+                    registered[rid] = max(registered[rid], allocated // bs)
                 computed = allocated
                 end = min(computed + rng.randint(1, 5), r.num_tokens + 8)
                 if end > r.num_tokens:
@@ -300,8 +324,10 @@ def test_random_cache_manager_sequences_match_a_simple_model() -> None:
             for rid, (_, computed, allocated) in live.items():
                 table = cm.get_block_table(rid)
                 assert len(table) == -(-allocated // bs), f"seed {seed}: {rid} table length"
-                skipped = max(0, computed - window + 1) // bs
-                assert cm.num_skipped(rid) == min(skipped, len(table)), f"seed {seed}: {rid} keeps blocks behind its window"
+                skipped = min(max(0, computed - window + 1) // bs, len(table))
+                if wait:
+                    skipped = min(skipped, registered[rid])
+                assert cm.num_skipped(rid) == skipped, f"seed {seed}: {rid} keeps blocks behind its window"
                 held.update(b for b in table if b != cm.null_block)
             assert cm.get_num_free_blocks() == total - len(held), f"seed {seed}: free count"
         for rid in list(live):

@@ -10,11 +10,12 @@ BENCHES = {
     "prefix-overhead": "bench.prefix_overhead",
     "engine-redis": "bench.engine_redis",
     "cpu-threads": "bench.cpu_threads",
+    "window-kv": "bench.window_kv",
 }
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads} [options]``."""
+    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,window-kv} [options]``."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

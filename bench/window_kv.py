@@ -1,7 +1,8 @@
 """How many long requests a fixed KV pool serves at once, with and without window-aware freeing.
 
-    python -m bench.window_kv                                  # tiny windowed Mistral on CPU, 1,900-token prompts
-    python -m bench.window_kv --executor null --prompt-len 8192 --max-model-len 8400 --num-blocks 1100
+    python -m bench.window_kv --num-requests 24 --max-tokens 128 --max-num-batched-tokens 1024 --num-blocks 300
+    python -m bench.window_kv --executor null --prompt-len 8192 --max-model-len 8800 --num-blocks 1100 \
+        --num-requests 160 --max-tokens 512 --max-num-batched-tokens 2048       # or: conveyor bench window-kv ...
 
 A Mistral checkpoint whose every layer has a sliding window far shorter than the prompts (a tiny
 random one made here, `executor.make_model`), ``--num-requests`` prompts submitted together to one
@@ -64,7 +65,9 @@ def drive(core: EngineCore, sched: Scheduler, prompts: list[list[int]], max_toke
 
 
 def run_mode(free: bool, prompts: list[list[int]], args: argparse.Namespace, model: str | None) -> Result:
-    config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, free_window_blocks=free)
+    config = SchedulerConfig(
+        args.max_num_batched_tokens, args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, free_window_blocks=free
+    )
     if model is None:
         executor: Any = NullExecutor(args.num_blocks, args.block_size, args.max_model_len)
         executor.info.sliding_window = args.window
@@ -81,6 +84,7 @@ def run_mode(free: bool, prompts: list[list[int]], args: argparse.Namespace, mod
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
         free_window_blocks=free,
     )
     try:
@@ -103,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="off, a block leaves the window at once; on, only once registered (one step later with async scheduling)",
+    )
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
@@ -116,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.executor} executor: {args.num_requests} requests of {args.prompt_len} prompt + {args.max_tokens} output "
         f"tokens, window {args.window}, {args.num_blocks} blocks of {args.block_size} "
-        f"({args.num_blocks * args.block_size} tokens), chunk {args.max_num_batched_tokens}"
+        f"({args.num_blocks * args.block_size} tokens), chunk {args.max_num_batched_tokens}, "
+        f"prefix caching {'off' if args.no_prefix_caching else 'on'}"
     )
     print(f"{'mode':<22}{'max running':>12}{'mean running':>14}{'preemptions':>13}{'steps':>8}{'seconds':>9}")
     for free, r in results.items():

@@ -11,11 +11,12 @@ BENCHES = {
     "engine-redis": "bench.engine_redis",
     "cpu-threads": "bench.cpu_threads",
     "moe-layer": "bench.moe_layer",
+    "window-kv": "bench.window_kv",
 }
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer} [options]``."""
+    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer,window-kv} [options]``."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

@@ -137,6 +137,9 @@ class SchedulerConfig:
     ``scheduling_policy`` (vLLM's): ``fcfs``, or ``priority``: waiting requests are admitted by
     their ``priority`` (lower first), then arrival, and the lowest priority is preempted first
     (`scheduler.request_queue`). Under ``fcfs`` a request's priority must be 0.
+    ``free_window_blocks``: with a model whose every attention layer has the same sliding window,
+    free the blocks that fall out of it (`scheduler.cache_manager`); off, such a model keeps every
+    block, as a full-attention one (a baseline for `bench.window_kv`).
     """
 
     max_num_batched_tokens: int = 2048
@@ -146,6 +149,7 @@ class SchedulerConfig:
     steps_in_flight: int = 2
     max_step_bytes: int | None = None
     scheduling_policy: str = "fcfs"
+    free_window_blocks: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option (a zero limit would never schedule)."""
@@ -155,14 +159,19 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs)
         _check_int("steps_in_flight", self.steps_in_flight, 1, MAX_STEPS_IN_FLIGHT)
         _check_int("max_step_bytes", self.max_step_bytes, optional=True)
-        for name in ("enable_prefix_caching", "async_scheduling"):
+        for name in ("enable_prefix_caching", "async_scheduling", "free_window_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)
 class ExecutorInfo:
-    """What an executor reports to its scheduler once the model and KV cache are up."""
+    """What an executor reports to its scheduler once the model and KV cache are up.
+
+    ``sliding_window``: the window every attention layer shares (None: some layer attends to the
+    whole sequence), so the scheduler may free blocks behind it; the executor's KV tensors then
+    hold one block past the pool (id ``num_blocks``), zero and never written: the null block.
+    """
 
     model_name: str
     num_blocks: int
@@ -170,6 +179,7 @@ class ExecutorInfo:
     max_model_len: int
     eos_token_ids: list[int]
     vocab_size: int
+    sliding_window: int | None = None
 
 
 class ServiceDefaults:

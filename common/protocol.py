@@ -204,6 +204,7 @@ class ExecutorHello:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int] = packed("i")
+    sliding_window: int = 0  # `ExecutorInfo.sliding_window`; 0: none
 
 
 @dataclass(slots=True)

@@ -89,6 +89,12 @@ class HFModelConfig:
             return self.sliding_window
         return None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window every layer shares (KV behind it is never read again), or None."""
+        windows = {self.window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
     def rope(self, layer: int) -> RopeParams:
         """The rotary parameters of ``layer`` (its type's)."""
         if self.rope_local is not None and self.window(layer) is not None:

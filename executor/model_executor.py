@@ -118,7 +118,10 @@ class ModelExecutor:
         self.num_blocks = self._num_blocks(local)
         if tp is not None:
             self.num_blocks = tp.min_int(self.num_blocks)
-        shape = (self.num_blocks, self.block_size, local.num_kv_heads, cfg.head_dim)
+        # With one window for all layers, one block more than the pool: the scheduler's null block
+        # (id ``num_blocks``), which stands for blocks out of every window and is never written.
+        null = 0 if cfg.kv_window is None else 1
+        shape = (self.num_blocks + null, self.block_size, local.num_kv_heads, cfg.head_dim)
         # Zero-filled: masked-out keys/values must be finite (0 x NaN would poison attention).
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -133,6 +136,7 @@ class ModelExecutor:
             max_model_len=self.max_model_len,
             eos_token_ids=list(cfg.eos_token_ids),
             vocab_size=cfg.vocab_size,
+            sliding_window=cfg.kv_window,
         )
         self.backend = backend
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)

@@ -103,6 +103,7 @@ class ExecutorService:
             i.max_model_len,
             i.vocab_size,
             list(i.eos_token_ids),
+            i.sliding_window or 0,
         )
 
     def run(self) -> None:

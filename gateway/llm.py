@@ -22,7 +22,7 @@ from common.parallel_sampling import child_params, cumulative_logprob, num_child
 from common.sampling_params import SamplingParams
 from common.structured_outputs import grammar_tokenizer
 from gateway.output.processor import OutputDelta, OutputProcessor
-from scheduler.cache_manager import CacheManager
+from scheduler.cache_manager import cache_manager_for
 from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -131,7 +131,7 @@ class LLM:
             self.model_config, self.parallel_config, self.cache_config, self.scheduler_config.max_num_seqs
         )
         info = self.executor.info
-        self.cache_manager = CacheManager(info.num_blocks, info.block_size)
+        self.cache_manager = cache_manager_for(info, self.scheduler_config)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_manager, info)
         sc = self.scheduler_config
         self.inline = InlineExecutor(self.executor)

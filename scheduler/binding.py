@@ -180,7 +180,13 @@ class ExecutorBinding:
         t.exchange([Outgoing(t.names.steps(self.sid), t.encode(bind), STEPS_MAXLEN, ENGINE_STREAMS_TTL_MS)])
         self.hello = hello
         info = ExecutorInfo(
-            hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len, hello.eos_token_ids, hello.vocab_size
+            hello.model_name,
+            hello.num_blocks,
+            hello.block_size,
+            hello.max_model_len,
+            hello.eos_token_ids,
+            hello.vocab_size,
+            hello.sliding_window or None,
         )
         logger.info(
             "bound executor %s (epoch %d): %s, %d blocks of %d",

@@ -15,6 +15,16 @@ when `allocate_blocks` hands it out again (LRU: the least recently freed first) 
 dropped. The executor never writes into a full block again unless it is reallocated, so a cached
 block's K/V stays valid; blocks are registered only after the step that computed them succeeded
 (`cache_full_blocks`), so a failed step never leaves a half-written block in the cache.
+
+Sliding windows (vLLM's sliding-window manager; ``sliding_window`` W, when every attention layer
+has the same window): a query at position p sees keys p - W + 1 .. p only, so once a request has
+``num_computed_tokens`` c, the step that computes its next tokens needs nothing before c - W + 1.
+`remove_skipped_blocks` frees its blocks wholly before that (they keep their cache entries, as
+any freed block) and puts the null block in their place: id ``total_blocks``, one past the pool,
+which the executor keeps zero (never allocated, never written, so its K/V stay finite) and which
+attention reads only where the window masks it. A prefix hit then needs only its last
+cdiv(W - 1, block_size) blocks cached; the earlier ones come back as null blocks
+(`get_computed_blocks`). Without a window nothing changes.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from common.config import ExecutorInfo, SchedulerConfig
 
 if TYPE_CHECKING:
     from scheduler.request import Request
@@ -119,15 +131,30 @@ class FreeBlockQueue:
 
 
 class CacheManager:
-    """Owns the block pool and every request's block table (the scheduler's view of KV memory)."""
+    """Owns the block pool and every request's block table (the scheduler's view of KV memory).
 
-    def __init__(self, total_blocks: int, block_size: int) -> None:
+    ``sliding_window``: the window every attention layer shares (None: some layer sees everything,
+    or window-aware freeing is off); with one, tables name the null block ``total_blocks`` in
+    place of the blocks behind the window (see the module doc). ``wait_for_cache`` (prefix caching
+    on): a block leaves the window only once registered, so a step in flight that computed it
+    still leaves its cache entry behind.
+    """
+
+    def __init__(
+        self, total_blocks: int, block_size: int, sliding_window: int | None = None, wait_for_cache: bool = False
+    ) -> None:
         assert total_blocks > 0 and block_size > 0
+        assert sliding_window is None or sliding_window > 0
         self.total_blocks = total_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.wait_for_cache = wait_for_cache
+        self.null_block = -1 if sliding_window is None else total_blocks  # -1: no table names it
         self.blocks = [KVBlock(i) for i in range(total_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.block_tables: dict[str, list[int]] = {}
+        # Per request, how many leading entries of its table are the null block (window only).
+        self.num_skipped_blocks: dict[str, int] = {}
         # Prefix cache: content hash -> the block holding it (one block per hash: when two
         # requests computed the same block side by side, the first registered wins and the other
         # copy stays private), and per request how many of its leading blocks are registered.
@@ -162,6 +189,8 @@ class CacheManager:
         without its parent). A freed block keeps its cache entry until it is reallocated.
         """
         for block_id in block_ids:
+            if block_id == self.null_block:
+                continue
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"block {block_id} freed with ref_cnt 0"
             block.ref_cnt -= 1
@@ -176,7 +205,7 @@ class CacheManager:
         """How many more free blocks a new request's `allocate_slots` of ``num_tokens`` with the
         hit ``computed_blocks`` needs than the pool has (0 or less: it fits)."""
         need = self.num_blocks_for(num_tokens) - len(computed_blocks)
-        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        reclaimed = sum(1 for b in computed_blocks if b != self.null_block and self.blocks[b].ref_cnt == 0)
         return need + reclaimed - self.free_queue.num_free
 
     def blocks_freed_by(self, request_ids: Sequence[str], keep: Sequence[int] = ()) -> int:
@@ -185,18 +214,25 @@ class CacheManager:
         dropped: dict[int, int] = {}
         for request_id in request_ids:
             for block_id in self.block_tables.get(request_id, ()):
+                if block_id == self.null_block:
+                    continue
                 dropped[block_id] = dropped.get(block_id, 0) + 1
         kept = set(keep)
         return sum(1 for b, n in dropped.items() if n == self.blocks[b].ref_cnt and b not in kept)
 
-    def allocate_slots(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> bool:
         """Grow ``request_id``'s table to hold ``num_tokens`` tokens, all or nothing.
 
         ``computed_blocks`` (only for a request that holds no blocks yet): its prefix-cache hit,
         from `get_computed_blocks`; they head the table, shared, and count as registered.
+        ``num_computed_tokens``: the tokens it has computed (with a window, the blocks before its
+        window are freed first: `remove_skipped_blocks`).
         """
         if computed_blocks:
             return self._allocate_with_hit(request_id, num_tokens, computed_blocks)
+        self.remove_skipped_blocks(request_id, num_computed_tokens)
         table = self.block_tables.setdefault(request_id, [])
         need = self.num_blocks_for(num_tokens) - len(table)
         if need <= 0:
@@ -215,20 +251,55 @@ class CacheManager:
         if self.blocks_short(num_tokens, computed_blocks) > 0:
             return False
         # Take the hit before allocating: allocating could otherwise evict one of its blocks.
+        skipped = 0
         for block_id in computed_blocks:
+            if block_id == self.null_block:
+                skipped += 1
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
         table = self.block_tables[request_id] = list(computed_blocks)
         self.num_cached_blocks[request_id] = len(computed_blocks)
+        if skipped:
+            self.num_skipped_blocks[request_id] = skipped
+        self.remove_skipped_blocks(request_id, len(computed_blocks) * self.block_size)
         if need > 0:
             table.extend(self.allocate_blocks(need))
         return True
 
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """With a window: free ``request_id``'s blocks wholly before ``num_computed_tokens - W + 1``
+        (the first token it computes next sees keys from there on) and null them in its table.
+
+        They keep their cache entries (freed oldest first, so evicted first). A step in flight that
+        still reads one is safe: the executor runs steps in order, so whoever is given the block
+        writes it only after."""
+        if self.sliding_window is None:
+            return
+        table = self.block_tables.get(request_id)
+        if not table:
+            return
+        first = min(max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table))
+        if self.wait_for_cache:
+            first = min(first, self.num_cached_blocks.get(request_id, 0))
+        done = self.num_skipped_blocks.get(request_id, 0)
+        if first <= done:
+            return
+        freed = table[done:first]
+        table[done:first] = [self.null_block] * (first - done)
+        self.num_skipped_blocks[request_id] = first
+        self.free_blocks(freed)
+
+    def num_skipped(self, request_id: str) -> int:
+        """How many leading entries of ``request_id``'s table are the null block."""
+        return self.num_skipped_blocks.get(request_id, 0)
+
     def free(self, request_id: str) -> None:
         """Release every block of ``request_id`` (no-op if it holds none); cached ones stay cached."""
         self.num_cached_blocks.pop(request_id, None)
+        self.num_skipped_blocks.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             self.free_blocks(table[::-1])
@@ -260,14 +331,34 @@ class CacheManager:
         cached, therefore recomputes its last block: a cached block is never written again.
         """
         limit = request.num_tokens - 1
-        hashes = self.block_hashes(request, limit)
+        hashes = self.block_hashes(request, limit)[: limit // self.block_size]
+        if self.sliding_window is not None:
+            hit = self._window_hit(hashes)
+            return hit, len(hit) * self.block_size
         out: list[int] = []
-        for h in hashes[: limit // self.block_size]:
+        for h in hashes:
             block = self.cached_blocks.get(h)
             if block is None:
                 break
             out.append(block.block_id)
         return out, len(out) * self.block_size
+
+    def _window_hit(self, hashes: list[BlockHash]) -> list[int]:
+        """The longest hit under the window: the furthest run of ``cdiv(W - 1, block_size)``
+        cached blocks (what the next token's window reaches back over), null blocks before it;
+        failing that, the run of cached blocks from the start (a hit the window covers whole)."""
+        assert self.sliding_window is not None
+        needed = max(1, -(-(self.sliding_window - 1) // self.block_size))
+        run = 0
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in self.cached_blocks:
+                run += 1
+                if run == needed:
+                    tail = [self.cached_blocks[h].block_id for h in hashes[i : i + needed]]
+                    return [self.null_block] * i + tail
+            else:
+                run = 0
+        return [self.cached_blocks[h].block_id for h in hashes[:run]]
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register ``request``'s blocks full within its first ``num_computed_tokens`` tokens, once
@@ -282,6 +373,8 @@ class CacheManager:
             return
         hashes = self.block_hashes(request, n * self.block_size)
         for i in range(done, n):
+            if table[i] == self.null_block:  # out of the window before its step answered: nothing to keep
+                continue
             block = self.blocks[table[i]]
             if block.block_hash is None and hashes[i] not in self.cached_blocks:
                 block.block_hash = hashes[i]
@@ -304,9 +397,14 @@ class CacheManager:
     def check_invariants(self) -> None:
         """Assert the module invariant; with no live tables, every block must be free."""
         refs = [0] * self.total_blocks
-        for table in self.block_tables.values():
+        for request_id, table in self.block_tables.items():
+            skipped = self.num_skipped_blocks.get(request_id, 0)
+            assert all(b == self.null_block for b in table[:skipped]), f"{request_id}: a skipped block is not null"
+            assert self.null_block not in table[skipped:], f"{request_id}: a null block inside its window"
             for block_id in table:
-                refs[block_id] += 1
+                if block_id != self.null_block:
+                    refs[block_id] += 1
+        assert set(self.num_skipped_blocks) <= set(self.block_tables), "skipped counts of a request with no table"
         free_ids = self.free_queue.block_ids()
         assert len(free_ids) == self.free_queue.num_free == len(set(free_ids))
         free_set = set(free_ids)
@@ -324,3 +422,9 @@ class CacheManager:
             assert self.cached_blocks.get(block.block_hash) is block  # type: ignore[arg-type]
         for request_id, n in self.num_cached_blocks.items():
             assert n <= len(self.block_tables.get(request_id, ())), f"{request_id}: registered past its table"
+
+
+def cache_manager_for(info: ExecutorInfo, config: SchedulerConfig) -> CacheManager:
+    """The block pool of ``info``'s executor; window-aware when its model and ``config`` allow."""
+    window = info.sliding_window if config.free_window_blocks else None
+    return CacheManager(info.num_blocks, info.block_size, window, config.enable_prefix_caching)

@@ -73,6 +73,8 @@ class Scheduler:
 
     Invariant: ``executor_blocks`` names exactly the requests the executor holds (how many of
     their block ids it has; -1 after a preemption: the next step resends the whole table).
+    ``executor_skipped``: how many leading null blocks (sliding window) the executor's copy of a
+    table has; when the cache manager nulls more, the whole table is resent.
     """
 
     def __init__(self, config: SchedulerConfig, cache_manager: CacheManager, info: ExecutorInfo) -> None:
@@ -92,6 +94,7 @@ class Scheduler:
         # Requests of a failed step, still to pass one step alone (in order); see `isolate`.
         self.suspects: list[str] = []
         self.executor_blocks: dict[str, int] = {}
+        self.executor_skipped: dict[str, int] = {}
         self.finished_for_executor: list[str] = []  # sent with the next step
         self.pending: deque[ScheduledStep] = deque()  # scheduled, output not yet applied (oldest first)
         self.step_counter = 0
@@ -149,6 +152,7 @@ class Scheduler:
             siblings.remove(request)
             if not siblings:
                 del self.groups[request.group_id]  # type: ignore[arg-type]
+        self.executor_skipped.pop(request.request_id, None)
         if self.executor_blocks.pop(request.request_id, None) is not None:
             self.finished_for_executor.append(request.request_id)
 
@@ -195,7 +199,7 @@ class Scheduler:
                 i += 1
                 continue
             undone = False
-            while not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            while not self._grow(request, n):
                 victim = pick_victim(self.running, self.waiting.by_priority)  # fcfs: the last
                 at = next(k for k in range(len(self.running) - 1, -1, -1) if self.running[k] is victim)
                 del self.running[at]
@@ -256,6 +260,10 @@ class Scheduler:
             scheduled[request.request_id] = admitted
             budget, wire = budget - admitted, wire - cost - admitted * per
         return scheduled
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """Blocks for a running request's next ``n`` tokens (those behind its window freed first)."""
+        return self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n, (), request.num_computed_tokens)
 
     def _in_flight(self, request: Request) -> bool:
         """Whether a step whose output has not arrived holds ``request``."""
@@ -343,6 +351,10 @@ class Scheduler:
             start = request.num_computed_tokens
             table = self.cache.get_block_table(request_id)
             known = self.executor_blocks.get(request_id)
+            skipped = self.cache.num_skipped(request_id)
+            if known is not None and skipped != self.executor_skipped.get(request_id, 0):
+                known = -1  # blocks left its window: its copy must stop naming them
+            self.executor_skipped[request_id] = skipped
             if known is None:
                 assert request.num_output_placeholders == 0, "a new request has no step in flight"
                 output.add_new(
@@ -455,6 +467,7 @@ class Scheduler:
             request.num_output_placeholders = 0
         self.preempt_all(counted=False)  # not memory pressure: vLLM's preemption count stays
         self.executor_blocks.clear()
+        self.executor_skipped.clear()
         self.finished_for_executor.clear()
 
     def preempt_all(self, counted: bool = True) -> None:
@@ -489,7 +502,7 @@ class Scheduler:
                 n = self._num_new_tokens(request, budget)
                 if n == 0:
                     return {}  # its last token is on the way
-                if not self.cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                if not self._grow(request, n):
                     n = None
             if n is not None:
                 break

@@ -38,7 +38,7 @@ from common.service_cli import AUTO, record_process_id
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 from scheduler.binding import ExecutorBinding
-from scheduler.cache_manager import CacheManager
+from scheduler.cache_manager import cache_manager_for
 from scheduler.engine_core import EngineCore
 from scheduler.engine_status import EngineBeat, engine_status
 from scheduler.outputs import OutputRouter
@@ -162,8 +162,8 @@ class SchedulerService:
                 executor = self.binding.wait(self.stopping, self._idle)
                 if executor is None:
                     break
-                cache = CacheManager(executor.info.num_blocks, executor.info.block_size)
                 config = self.config.scheduler_config()
+                cache = cache_manager_for(executor.info, config)
                 if self.engine is None:
                     self.engine = Scheduler(config, cache, executor.info)
                 else:

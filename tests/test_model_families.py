@@ -62,7 +62,10 @@ def assert_greedy_matches(got: list[int], got_lps: list[dict[int, float]] | None
 def test_greedy_parity_with_transformers(tiny_model, arch: str, window: int | None) -> None:
     path = tiny_model(arch, sliding_window=window)
     llm = LLM(path, num_blocks=11, max_model_len=176, **ENGINE)
-    ps = prompts(llm.executor.info.vocab_size)
+    vocab = llm.executor.info.vocab_size
+    ps = prompts(vocab)
+    if llm.cache_manager.sliding_window is not None:  # freeing blocks behind the window: more load to preempt
+        ps += prompts(vocab, seed=1) + prompts(vocab, seed=2)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outs = llm.generate(ps, params)
     assert llm.scheduler.num_preemptions > 0, "few blocks should have preempted a request"

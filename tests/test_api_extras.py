@@ -118,7 +118,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
         ("gwC", {"model": str(sampled)}),
         ("gwD", {"model": str(sampled), "generation_config": "vllm"}),
     ):
-        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_key=API_KEY, **options)
+        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_keys=(API_KEY,), **options)
         port = free_port()
         apps.append(create_app(config))
         server = uvicorn.Server(uvicorn.Config(apps[-1], host="127.0.0.1", port=port, log_level="critical"))

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
+from common.protocol import Names
 from common.redact import redact_url
+from common.redis_errors import REDIS_FAILURES, RedisAuthFailed
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
+from common.transport import SyncTransport
 from gateway.http.config import GatewayConfig
 from gateway.http.tenants import read_key_file, split_keys
 from gateway.output.reasoning_parsers import REASONING_PARSERS
@@ -100,6 +103,19 @@ def tenant_secret() -> str:
     return os.environ.get("CONVEYOR_TENANT_SECRET", "")
 
 
+def check_credentials(config: GatewayConfig) -> None:
+    """Raise `RedisAuthFailed` if Redis rejects the credentials, before the server starts: from the
+    app's start-up uvicorn would report it as a traceback and exit code 3, not the promised 2 and
+    one line. An unreachable Redis is no error here: the gateway answers 503 until it is reachable."""
+    transport = SyncTransport(config.redis_url, Names(config.namespace), owner="gateway")
+    try:
+        transport.ping(deadline_s=2)
+    except REDIS_FAILURES:
+        pass
+    finally:
+        transport.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -140,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         args.namespace,
         f"{len(set(keys))} API key(s), one tenant each" if keys else "no API key required",
     )
+    try:
+        check_credentials(config)
+    except RedisAuthFailed as exc:
+        logger.error("%s", exc)
+        return 2
     import uvicorn
 
     from gateway.http.routes import create_app

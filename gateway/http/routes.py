@@ -46,6 +46,7 @@ from gateway.http.request_ids import header_request_id, request_id_of
 from gateway.http.tenants import ANONYMOUS, ApiKeys, Tenant, request_tenant
 from gateway.openai.input_workers import InputWorkers
 from gateway.openai.json_input import LARGE_INPUT_BYTES, read_json
+from gateway.openai.request_docs import publish_request_schemas
 from gateway.openai.schema import (
     BYTES_PER_TOKEN_ID,
     GenerationSpec,
@@ -115,6 +116,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         workers.close()
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
+    publish_request_schemas(app)  # the bodies, for /openapi.json only (`gateway.openai.request_docs`)
     app.state.client = client
     app.state.config = config
     app.state.metrics = metrics

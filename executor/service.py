@@ -298,7 +298,8 @@ class ExecutorService:
         if out.logprobs and any(lp is not None for lp in out.logprobs):
             result.lp_counts, result.lp_token_ids, result.lp_values = pack_logprobs(list(out.logprobs))
         if out.prompt_logprobs:
-            result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(out.prompt_logprobs)
+            packed = pack_prompt_logprobs(out.prompt_logprobs)
+            result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values, result.plp_ranks = packed
         return result
 
 

@@ -88,7 +88,7 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
         ({"tools": [ADD], "tool_choice": "auto"}, "tool_choice"),  # no tool-call parser here (vLLM's 400 too)
         ({"tools": [ADD]}, "tool_choice"),  # "auto" is the default with tools
         ({"structured_outputs": {"regex": "a", "disable_additional_properties": True}}, "structured_outputs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # (served, but not streamed)
         ({"use_beam_search": True}, "use_beam_search"),
         ({"prompt_embeds": "AAAA"}, "prompt_embeds"),  # these four are refused, not ignored
         ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),

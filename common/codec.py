@@ -218,7 +218,25 @@ def unpack_logprobs(counts: list[int], ids: list[int], values: list[float]) -> l
 
 
 # -- prompt logprobs and wire sizes ------------------------------------------------------------------
-PromptLogprobs = list[dict[int, float] | None]
+class PromptLogprob(dict[int, float]):
+    """One prompt position's logprobs: token id -> logprob (the prompt token's, then the top-k),
+    and the prompt token's ``rank`` in the whole vocabulary (1: the likeliest; 0: not known),
+    which vLLM's ``prompt_logprobs`` reports and the top-k alone cannot tell."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, entries: dict[int, float] | None = None, rank: int = 0) -> None:
+        super().__init__(entries or {})
+        self.rank = rank
+
+
+PromptLogprobs = list[dict[int, float] | None]  # per position; `PromptLogprob` where the rank is known
+
+
+def rank_of(entry: dict[int, float] | None) -> int:
+    """The prompt token's rank an entry carries (0: none)."""
+    return entry.rank if isinstance(entry, PromptLogprob) else 0
+
 
 # Sizes as packed here: what message splitting and the scheduler's byte budget
 # (`scheduler.step_bytes`) count.
@@ -233,26 +251,30 @@ def logprobs_bytes(entries: list[dict[int, float] | None] | None) -> int:
 
 def pack_prompt_logprobs(
     per_row: list[PromptLogprobs | None],
-) -> tuple[list[int], list[int], list[int], list[float]]:
-    """Columns ``(num, counts, ids, values)`` of per-row prompt logprobs (None: the row has none,
-    ``num`` -1); all empty when no row has any (the common case)."""
+) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+    """Columns ``(num, counts, ids, values, ranks)`` of per-row prompt logprobs (None: the row has
+    none, ``num`` -1; ``ranks``: one per position, `rank_of`); all empty when no row has any (the
+    common case)."""
     if all(entries is None for entries in per_row):
-        return [], [], [], []
+        return [], [], [], [], []
     num = [-1 if entries is None else len(entries) for entries in per_row]
-    counts, ids, values = pack_logprobs([e for entries in per_row if entries is not None for e in entries])
-    return num, counts, ids, values
+    flat = [e for entries in per_row if entries is not None for e in entries]
+    counts, ids, values = pack_logprobs(flat)
+    return num, counts, ids, values, [rank_of(e) for e in flat]
 
 
 def unpack_prompt_logprobs(
-    rows: int, num: list[int], counts: list[int], ids: list[int], values: list[float]
+    rows: int, num: list[int], counts: list[int], ids: list[int], values: list[float], ranks: list[int] | None = None
 ) -> list[PromptLogprobs | None]:
     """Inverse of `pack_prompt_logprobs` for ``rows`` rows (all None when the columns are empty);
     raises `ProtocolError` if the columns disagree."""
     if not num:
         return [None] * rows
-    if len(num) != rows or sum(max(k, 0) for k in num) != len(counts):
+    if len(num) != rows or sum(max(k, 0) for k in num) != len(counts) or (ranks and len(ranks) != len(counts)):
         raise ProtocolError("prompt-logprob columns disagree with the rows")
-    flat = unpack_logprobs(counts, ids, values)
+    flat: PromptLogprobs = unpack_logprobs(counts, ids, values)
+    if ranks:
+        flat = [e if e is None else PromptLogprob(e, rank) for e, rank in zip(flat, ranks)]
     out: list[PromptLogprobs | None] = []
     pos = 0
     for k in num:

@@ -51,13 +51,14 @@ from common.codec import (
     logprobs_bytes,
     pack_logprobs,
     packed,
+    rank_of,
     unpack_logprobs,
     unpack_prompt_logprobs,
 )
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
 from common.sampling_params import SamplingParams, sampling_to_dict
 
-PROTOCOL_VERSION = 6  # bumped whenever a message changes shape: messages of another version are rejected at decode
+PROTOCOL_VERSION = 7  # bumped whenever a message changes shape: messages of another version are rejected at decode
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -365,6 +366,7 @@ class StepOutputs:
     plp_counts: list[int] = packed("i")
     plp_token_ids: list[int] = packed("i")
     plp_values: list[float] = packed("d")
+    plp_ranks: list[int] = packed("i")  # per prompt position: the prompt token's rank (0: not known)
 
     def add(
         self,
@@ -403,6 +405,7 @@ class StepOutputs:
             self.plp_counts.extend(counts)
             self.plp_token_ids.extend(ids)
             self.plp_values.extend(values)
+            self.plp_ranks.extend(rank_of(e) for e in prompt_logprobs)
 
     def check_columns(self) -> None:
         """Raise ``ValueError`` unless the columns describe the same requests and tokens: called by
@@ -449,7 +452,9 @@ class StepOutputs:
     def prompt_logprobs(self) -> list[PromptLogprobs | None]:
         """Per request, its prompt logprobs (None where not carried)."""
         num = self.plp_num + [-1] * (len(self.request_ids) - len(self.plp_num)) if self.plp_num else []
-        return unpack_prompt_logprobs(len(self.request_ids), num, self.plp_counts, self.plp_token_ids, self.plp_values)
+        return unpack_prompt_logprobs(
+            len(self.request_ids), num, self.plp_counts, self.plp_token_ids, self.plp_values, self.plp_ranks
+        )
 
     def queue_times(self) -> list[float | None]:
         """``queue_time_s`` per request, None where not carried (all None if the column is absent
@@ -499,6 +504,7 @@ class StepResult:
     plp_counts: list[int] = packed("i")
     plp_token_ids: list[int] = packed("i")
     plp_values: list[float] = packed("d")
+    plp_ranks: list[int] = packed("i")  # per prompt position: the prompt token's rank (0: not known)
 
     def check_columns(self) -> None:
         """Raise ``ValueError`` unless the logprob columns agree with the tokens (called by
@@ -510,7 +516,9 @@ class StepResult:
         if self.plp_num:
             if len(self.plp_num) != len(self.token_ids):
                 raise ValueError("plp_num disagrees with token_ids")
-            unpack_prompt_logprobs(len(self.token_ids), self.plp_num, self.plp_counts, self.plp_token_ids, self.plp_values)
+            unpack_prompt_logprobs(
+                len(self.token_ids), self.plp_num, self.plp_counts, self.plp_token_ids, self.plp_values, self.plp_ranks
+            )
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ During prefill (a whole prompt, or a chunk of it when prefill is chunked), the h
 prompt position ``p`` predicts prompt token ``p + 1``; for the requests that asked, those rows get
 logits too (normally only each sequence's last row does), and each yields ``{token: logprob}`` for
 the actual prompt token plus the top-k, from the raw logits (as generated-token logprobs, and
-vLLM's). Rows are taken chunk by chunk, so memory stays bounded by the step's token budget.
+vLLM's), and the prompt token's rank in the vocabulary (`PromptLogprob`). Rows are taken chunk by
+chunk, so memory stays bounded by the step's token budget.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from common.codec import PromptLogprob
 from executor.input_batch import Batch
 
 PromptLogprobs = list[dict[int, float] | None]
@@ -40,7 +42,10 @@ def prompt_logprobs_of(logits: torch.Tensor, batch: Batch) -> list[PromptLogprob
     dev = logits.device
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(batch.prompt_lp_targets, dtype=torch.int64, device=dev)
-    chosen: list[float] = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, targets[:, None])
+    # vLLM's rank: 1 + how many tokens are likelier than the prompt token (ties share a rank).
+    ranks: list[int] = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen: list[float] = chosen_t.squeeze(1).tolist()
     top_n = max(k for _, _, k in batch.prompt_lp)
     top_ids: list[list[int]] = []
     top_vals: list[list[float]] = []
@@ -52,7 +57,7 @@ def prompt_logprobs_of(logits: torch.Tensor, batch: Batch) -> list[PromptLogprob
     for i, count, k in batch.prompt_lp:
         entries: PromptLogprobs = []
         for _ in range(count):
-            entry = {batch.prompt_lp_targets[r]: chosen[r]}
+            entry = PromptLogprob({batch.prompt_lp_targets[r]: chosen[r]}, ranks[r])
             for j in range(k):
                 entry.setdefault(top_ids[r][j], top_vals[r][j])
             entries.append(entry)

@@ -27,7 +27,7 @@ from common.codec import pack_logprobs, pack_prompt_logprobs
 from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.heartbeat import Heartbeat
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
-from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS
+from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS, Backoff
 from common.service_cli import (
     AUTO,
     add_engine_id,
@@ -192,6 +192,7 @@ class ExecutorService:
         queue: deque[tuple[bytes, SchedulerOutput | BindExecutor]] = deque()  # read, not yet run
         writes = WriteBehind(t)
         read: PendingRead | None = None
+        outage: Backoff | None = None  # since the last read that answered, while Redis fails
         last_activity = last_claim_check = time.monotonic()
         run_id = t.run_id()
         logger.info("executor %s: serving scheduler %s", self.eid, scheduler_id)
@@ -214,14 +215,18 @@ class ExecutorService:
                             writes.settle()  # about to wait: a result that did not land is redone first
                         got, read = [(entry_id, msg) for _, entry_id, msg in read.take()], None
                 except TRANSIENT_ERRORS as exc:
-                    logger.warning("Redis: %s; retrying", exc)
                     if read is not None:
                         read.close()
                         read = None
+                    # An idle executor has nothing to redo, so nothing that waits: the read is retried
+                    # after a wait that grows as a call's does (`Backoff` logs each retry), until one answers.
+                    outage = outage or Backoff(f"executor {self.eid}", None)
+                    self.stopping.wait(outage.wait_s(exc))
                     writes.redo()  # blocks, retrying, until Redis answers
                     sends = []
                     continue
                 if got is not None:
+                    outage = None  # a read answered: the next outage backs off from the start
                     queue.extend(got)
                     if not got:
                         # Idle: re-announce every few seconds, so a scheduler that (re)started finds this
@@ -294,7 +299,8 @@ class ExecutorService:
         if out.logprobs and any(lp is not None for lp in out.logprobs):
             result.lp_counts, result.lp_token_ids, result.lp_values = pack_logprobs(list(out.logprobs))
         if out.prompt_logprobs:
-            result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(out.prompt_logprobs)
+            packed = pack_prompt_logprobs(out.prompt_logprobs)
+            result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values, result.plp_ranks = packed
         return result
 
 

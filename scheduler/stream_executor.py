@@ -119,7 +119,9 @@ class StreamExecutor:
         self.last_forward_s = result.forward_s
         logprobs = unpack_logprobs(result.lp_counts, result.lp_token_ids, result.lp_values) if result.lp_counts else []
         prompt_logprobs = (
-            unpack_prompt_logprobs(num_seqs, result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values)
+            unpack_prompt_logprobs(
+                num_seqs, result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values, result.plp_ranks
+            )
             if result.plp_num
             else []
         )

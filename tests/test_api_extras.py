@@ -30,6 +30,7 @@ from common.protocol import AbortRequests, GenerateRequest, Names, StepOutputs, 
 from common.redact import RedactingFilter
 from gateway.http.config import GatewayConfig
 from gateway.http.request_ids import MAX_REQUEST_ID_CHARS
+from gateway.http.tenants import Tenant, tenant_id
 from infra.launcher import free_port, wait_healthy
 from infra.stack import find_redis
 from tests.test_gateway_validation import ENGINE, MAX_MODEL_LEN, VOCAB_SIZE, _error, register_engine
@@ -118,7 +119,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, tiny_model: Any) -> Iterator[d
         ("gwC", {"model": str(sampled)}),
         ("gwD", {"model": str(sampled), "generation_config": "vllm"}),
     ):
-        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_key=API_KEY, **options)
+        config = GatewayConfig(redis_url=url, namespace=names.namespace, gateway_id=gateway_id, api_keys=(API_KEY,), **options)
         port = free_port()
         apps.append(create_app(config))
         server = uvicorn.Server(uvicorn.Config(apps[-1], host="127.0.0.1", port=port, log_level="critical"))
@@ -364,7 +365,7 @@ def test_x_request_id_is_the_response_id_and_the_engine_ids_prefix(env: dict[str
     assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "trace/0002:x"
     chunks = _sse(streamed)
     assert {ch["id"] for ch in chunks} == {"trace/0002:x"}
-    assert env["redis"].exists(env["names"].journal("trace/0002:x"))
+    assert env["redis"].exists(_journal(env, "trace/0002:x"))
     assert re.fullmatch(r"trace/0002:x-[0-9a-f]{8}", _engine_request(env, "trace/0002:x-").request_id)
     # Such a stream resumes by that id (it holds a "/"), on the other gateway, event for event.
     replay = env["b"].get("/v1/streams/trace/0002:x")
@@ -474,7 +475,7 @@ def test_a_claimed_id_is_freed_when_the_stream_cannot_start(env: dict[str, Any],
 
     monkeypatch.setattr(env["apps"][0].state.client, "_route", no_engine)
     _error(_completion(env["a"], "hi", "orphan-1", stream=True), 503, "engine unavailable")
-    assert not env["redis"].exists(env["names"].journal("orphan-1"))
+    assert not env["redis"].exists(_journal(env, "orphan-1"))
     monkeypatch.undo()
     assert _completion(env["a"], "hi there", "orphan-1", stream=True).status_code == 200
 
@@ -708,7 +709,7 @@ def test_vllms_request_id_field_is_the_request_id_without_the_header(env: dict[s
     )
     assert both.status_code == 200 and both.json()["id"] == "header-0002"
     streamed = c.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2, "stream": True, "request_id": "body-0003"})
-    assert {ch["id"] for ch in _sse(streamed)} == {"body-0003"} and env["redis"].exists(env["names"].journal("body-0003"))
+    assert {ch["id"] for ch in _sse(streamed)} == {"body-0003"} and env["redis"].exists(_journal(env, "body-0003"))
     for bad_id in ("has space", 12):
         err = _error(c.post("/v1/completions", json={"prompt": "a", "request_id": bad_id}), 400, "request_id")
         assert err["param"] == "request_id" and err["code"] == "invalid_request_id"
@@ -754,5 +755,11 @@ def test_the_models_generation_config_gives_the_sampling_defaults(env: dict[str,
         headers={"X-Request-Id": "defaults-5"},
     ) as r:
         r.read()
-    header = decode(env["redis"].xrange(env["names"].journal("defaults-5"), count=1)[0][1][b"m"])
+    header = decode(env["redis"].xrange(_journal(env, "defaults-5"), count=1)[0][1][b"m"])
     assert {k: json.loads(header.body)[k] for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
+
+
+def _journal(env: dict[str, Any], response_id: str) -> str:
+    """The journal of a stream of this module's key: named by its tenant (no tenant secret: the namespace keys it)."""
+    names = env["names"]
+    return str(names.journal(Tenant(tenant_id(names.namespace.encode(), API_KEY)).scope(response_id)))

@@ -24,6 +24,7 @@ from common.sampling_params import sampling_from_dict
 from gateway.http.config import GatewayConfig
 from gateway.http.routes import create_app
 from gateway.openai.schema import parse_chat
+from infra.launcher import free_port
 from infra.stack import find_redis
 
 pytestmark = pytest.mark.stack
@@ -337,8 +338,30 @@ def test_health_is_503_until_the_tokenizer_loads(tmp_path: Path) -> None:
                 time.sleep(0.1)
             err = _error(c.get("/health"), 503, "not ready", "could not load the tokenizer", "no-such-model")
             assert err["type"] == "server_error"
+            # Not ready, no work taken: a 503 a load balancer retries elsewhere, not a request held here.
+            for path, body in (
+                ("/v1/completions", {"prompt": "hi"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ):
+                response = c.post(path, json=body)
+                err = _error(response, 503, "not ready", "could not load the tokenizer")
+                assert err["code"] == "not_ready" and response.headers["retry-after"] == "1"
     finally:
         for key in r.scan_iter(match=f"{names.namespace}:*"):
             r.delete(key)
         if proc is not None:
             proc.terminate()
+
+
+def test_health_says_redis_is_unreachable_without_its_address(caplog: pytest.LogCaptureFixture) -> None:
+    """The address of Redis is for the log, not for whoever asks /health."""
+    port = free_port()  # nothing listens there
+    config = GatewayConfig(redis_url=f"redis://127.0.0.1:{port}/0", namespace="test-gw-unreachable", gateway_id="gw1")
+    with caplog.at_level("WARNING", "conveyor.gateway"), TestClient(create_app(config)) as c:
+        deadline = time.time() + 30
+        while "Redis unreachable" not in c.get("/health").text and time.time() < deadline:
+            time.sleep(0.2)
+        response = c.get("/health")
+        _error(response, 503, "Redis unreachable")
+        assert str(port) not in response.text and "127.0.0.1" not in response.text
+        assert str(port) in caplog.text  # the detail is logged

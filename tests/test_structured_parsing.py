@@ -91,7 +91,7 @@ def test_malformed_or_conflicting_fields_are_400(tokenizer: Any) -> None:
             {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_additional_properties": 0}},
             "structured_outputs",
         ),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # (served, but not streamed)
         ({"use_beam_search": True}, "use_beam_search"),
         ({"prompt_embeds": "AAAA"}, "prompt_embeds"),  # these four are refused, not ignored
         ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),

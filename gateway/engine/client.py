@@ -311,7 +311,7 @@ class EngineClient:
     # -- resuming a stream another gateway served ------------------------------------------------
     async def adopt(
         self,
-        response_id: str,
+        journal_id: str,
         prompt_token_ids: list[int],
         sampling: dict[str, Any],
         route: Route,
@@ -323,12 +323,12 @@ class EngineClient:
         the live ones, once its engine routes the request here (`SyncRequest`)."""
         request_id = base_request_id(route.request_id)
         if request_id in self.requests:  # two handles of one stream: each would take the other's outputs
-            raise RequestIdInUse(f"stream {response_id!r} is already being served by this gateway")
+            raise RequestIdInUse("the stream is already being served by this gateway")
         handle = RequestHandle(
             request_id,
             prompt_token_ids,
             sampling,
-            journal_id=response_id,
+            journal_id=journal_id,
             engine_request_id=route.request_id,
             scheduler_id=route.scheduler_id,
             attempts=attempt_of(route.request_id) + 1,

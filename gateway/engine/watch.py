@@ -131,8 +131,9 @@ class EngineWatch:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.client.down_reason = f"cannot reach Redis: {exc}"
-                logger.warning("engine watch: %s", exc)
+                # Clients see that much; the log has the detail (its address is not theirs to know).
+                self.client.down_reason = "Redis unreachable"
+                logger.warning("engine watch: Redis unreachable: %s", exc)
             asleep = time.monotonic()
             await asyncio.sleep(ServiceDefaults.liveness_check_s)
             overslept = time.monotonic() - asleep - ServiceDefaults.liveness_check_s

@@ -39,6 +39,7 @@ from gateway.engine.client import EngineClient, RequestIdInUse
 from gateway.engine.journal import Journal, journal_body, journaled_spec, stream_not_found
 from gateway.http.errors import ApiError
 from gateway.http.metrics import GatewayMetrics
+from gateway.http.tenants import ANONYMOUS, Tenant
 from gateway.openai.input_workers import InputWorkers
 from gateway.openai.schema import ChatParsers, GenerationSpec
 from gateway.openai.tokenization import echo_text, prepare_prompt, resolve_bad_words, tokenizes_inline
@@ -60,6 +61,7 @@ class ServeContext:
     model: str  # the served name
     max_inflight: int
     parsers: ChatParsers = ChatParsers()  # of free-form chat output (journaled with the stream)
+    tenant: Tenant = ANONYMOUS  # the request's: its journal is named by `Tenant.scope` of the response id
 
 
 @dataclass(slots=True)
@@ -153,7 +155,8 @@ async def serve(
     # (a chat's one prompt: its token ids go on the response, with return_token_ids)
     envelope = ResponseFormatter(spec, response_id, ctx.model, ctx.tokenizer, num_prompt_tokens, None, 0, prompts[0].ids)
     journal = _journal_headers(ctx, spec, body, response_id, envelope.created, prompts, budgets, gens) if spec.stream else []
-    await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))], response_id if spec.stream else "", journal, client_chose)
+    journal_id = ctx.tenant.scope(response_id) if spec.stream else ""
+    await _start(gens, [f"{engine_id}-{i}" for i in range(len(gens))], journal_id, journal, client_chose)
     n = spec.sampling.n
     if spec.stream:
         formatters = [
@@ -193,7 +196,7 @@ def _journal_headers(
     """A stream's journal headers, one per prompt naming its choices (`gateway.engine.journal`)."""
     return [
         Outgoing(
-            ctx.client.names.journal(response_id),
+            ctx.client.names.journal(ctx.tenant.scope(response_id)),
             encode(
                 JournalHeader(
                     response_id,
@@ -332,7 +335,7 @@ async def resume(ctx: ServeContext, response_id: str, journal: Journal, last_eve
             for j, rid in enumerate(header.choice_ids):
                 child = child_params(sampling, j)
                 handle = await ctx.client.adopt(
-                    response_id,
+                    ctx.tenant.scope(response_id),
                     prompt.ids,
                     sampling_to_dict(child),
                     journal.routes[rid],

@@ -27,7 +27,10 @@ class GatewayConfig:
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
-    api_key: str | None = field(default=None, repr=False)
+    # Each key is a tenant (`gateway.http.tenants`); none: one anonymous tenant, no key required.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The HMAC key of tenant ids: the same on every replica ("" -> the namespace).
+    tenant_secret: str = field(default="", repr=False)
     # vLLM's pair: "auto" tool choice reads the output with this parser (`gateway.output.tool_parsers`).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None

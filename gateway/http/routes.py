@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib.metadata
 import logging
 import time
@@ -44,8 +43,10 @@ from gateway.http.config import GatewayConfig
 from gateway.http.errors import ApiError
 from gateway.http.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.http.request_ids import header_request_id, request_id_of
+from gateway.http.tenants import ANONYMOUS, ApiKeys, Tenant, request_tenant
 from gateway.openai.input_workers import InputWorkers
 from gateway.openai.json_input import LARGE_INPUT_BYTES, read_json
+from gateway.openai.request_docs import publish_request_schemas
 from gateway.openai.schema import (
     BYTES_PER_TOKEN_ID,
     GenerationSpec,
@@ -63,6 +64,7 @@ from gateway.openai.vllm_fields import check_priority
 from gateway.output.responses import EventStreamResponse
 
 logger = logging.getLogger("conveyor.gateway")
+TOKENIZER_RETRY_S = 5.0  # between attempts to load a tokenizer that failed to load
 SHUTDOWN_TIMEOUT_S = 5.0  # the most the lifespan's clean-up may take (aborts, key deletes, close)
 
 
@@ -86,6 +88,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return config.served_model_name or info.model_name
 
     metrics = GatewayMetrics(client, served_name, config.served_model_name or "")  # per app: tests run several
+    api_keys = ApiKeys(config.api_keys, config.tenant_secret or config.namespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,10 +98,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             while client.model_info is None:
                 await asyncio.sleep(0.5)
             metrics.series(served_name(client.model_info))  # the request series show (at 0) before any request
-            try:
-                await tokenizers.get(client.model_info)
-            except Exception:
-                logger.exception("could not load the tokenizer")
+            while tokenizers.tokenizer is None:  # new work waits for it (`ready_info`): keep trying
+                try:
+                    await tokenizers.get(client.model_info)
+                except Exception as exc:
+                    logger.error("could not load the tokenizer (%s); trying again in %.0f s", exc, TOKENIZER_RETRY_S)
+                    await asyncio.sleep(TOKENIZER_RETRY_S)
 
         warm_task = asyncio.create_task(warm())
         logger.info("gateway %s serving on %s:%d (namespace %r)", gateway_id, config.host, config.port, config.namespace)
@@ -111,9 +116,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         workers.close()
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
+    publish_request_schemas(app)  # the bodies, for /openapi.json only (`gateway.openai.request_docs`)
     app.state.client = client
     app.state.config = config
     app.state.metrics = metrics
+    app.state.api_keys = api_keys  # `gateway.http.tenants`: the tenant of a request
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -166,17 +173,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.add_middleware(answer_unhandled)
 
-    def check_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), config.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+    check_key = api_keys.tenant_of  # a 401 unless the request carries a key; its tenant otherwise
 
     def ready_info() -> EngineStatus:
+        """The engine's model, for new work: a 503 (with Retry-After) while no engine serves or this
+        gateway is still loading the tokenizer, as /health says, so that a load balancer's retry
+        lands on a ready replica instead of holding the request here until it is."""
         info = client.model_info
         if info is None or client.down_reason is not None:
             raise ApiError(503, f"engine unavailable: {client.down_reason}", "server_error", code="engine_unavailable")
+        if tokenizers.tokenizer is None:
+            why = tokenizers.error or "loading the tokenizer"
+            raise ApiError(503, f"gateway not ready: {why}", "server_error", code="not_ready")
         return info
 
     def check_model(model: str | None, info: EngineStatus) -> str:
@@ -199,7 +207,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if client.down_reason is not None:
             error = ApiError(503, f"engine unavailable: {client.down_reason}", "server_error")
             return JSONResponse(error.body(), status_code=503)
-        if tokenizers.tokenizer is None:  # ready only once requests need not wait for it
+        if tokenizers.tokenizer is None:  # new work is refused until then (`ready_info`)
             why = tokenizers.error or "loading the tokenizer"
             return JSONResponse(ApiError(503, f"gateway not ready: {why}", "server_error").body(), status_code=503)
         return JSONResponse({"status": "ok", "gateway_id": gateway_id})
@@ -278,9 +286,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         text = await workers.run(BYTES_PER_TOKEN_ID * len(tokens) > LARGE_INPUT_BYTES, detokenize, tokenizer, tokens, info)
         return JSONResponse({"prompt": text})
 
-    def context(info: EngineStatus, tokenizer: Any, model: str) -> ServeContext:
+    def context(info: EngineStatus, tokenizer: Any, model: str, tenant: Tenant = ANONYMOUS) -> ServeContext:
         limit, parsers = config.max_inflight, config.chat_parsers
-        return ServeContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, model, limit, parsers)
+        return ServeContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, model, limit, parsers, tenant)
 
     async def complete(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
         arrival = time.monotonic()
@@ -291,7 +299,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         apply_sampling_defaults(spec.sampling, body, tokenizers.sampling_defaults)
         response_id, engine_id = response_ids(request, spec, client_id)
         ids = (response_id, engine_id, client_id is not None)
-        out = await serve(context(info, tokenizer, name), request, spec, ids, body, arrival)
+        out = await serve(context(info, tokenizer, name, request_tenant(request)), request, spec, ids, body, arrival)
         if isinstance(out, dict):
             return JSONResponse(out, headers={"X-Request-Id": response_id})
         return event_stream(out, response_id)
@@ -307,16 +315,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/streams/{response_id:path}")  # a client's id may hold "/"
     async def resume_stream(request: Request, response_id: str) -> Response:
         """Resume a streaming response (on any gateway): the events after ``Last-Event-ID``."""
-        check_key(request)
+        tenant = check_key(request)
         last = request.headers.get("last-event-id", "").strip() or "0"  # empty: nothing yet, as for n > 1
-        journal = await read_journal(client, response_id)
+        journal = await read_journal(client, tenant.scope(response_id))  # another tenant's: none (a 404)
         if not journal.headers:
             raise stream_not_found(response_id)
         # The journal holds what was streamed: a stream that ended resumes without a live engine
         # (one that did not waits for an engine, as any request whose engine is gone).
         info = client.model_info or ready_info()
         tokenizer = await tokenizers.get(info)
-        ctx = context(info, tokenizer, journal.headers[0].served_model)
+        ctx = context(info, tokenizer, journal.headers[0].served_model, tenant)
         return event_stream(await resume(ctx, response_id, journal, last), response_id)
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> EventStreamResponse:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
+from common.protocol import Names
 from common.redact import redact_url
+from common.redis_errors import REDIS_FAILURES, RedisAuthFailed
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
+from common.transport import SyncTransport
 from gateway.http.config import GatewayConfig
+from gateway.http.tenants import read_key_file, split_keys
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
@@ -43,8 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
-        default=env("CONVEYOR_API_KEY"),
-        help="require this bearer token (prefer CONVEYOR_API_KEY: a flag shows in the process list)",
+        action="append",
+        default=[],
+        help="accept this bearer token, a tenant of its own; repeatable (prefer CONVEYOR_API_KEY, comma-separated, "
+        "or --api-key-file: a flag shows in the process list)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=env("CONVEYOR_API_KEY_FILE"),
+        help="accept the keys of this file too, one a line (blank lines and # comments ignored): a mounted secret",
     )
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -76,9 +88,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def configured_keys(args: argparse.Namespace) -> list[str]:
+    """The API keys: every ``--api-key``, ``CONVEYOR_API_KEY``'s (comma-separated) and the key file's."""
+    keys = split_keys([*args.api_key, os.environ.get("CONVEYOR_API_KEY")])
+    return keys + (read_key_file(args.api_key_file) if args.api_key_file else [])
+
+
+def tenant_secret() -> str:
+    """The tenant secret: ``CONVEYOR_TENANT_SECRET``, or the file ``CONVEYOR_TENANT_SECRET_FILE`` names
+    (a mounted secret); "" when neither is set."""
+    path = os.environ.get("CONVEYOR_TENANT_SECRET_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get("CONVEYOR_TENANT_SECRET", "")
+
+
+def check_credentials(config: GatewayConfig) -> None:
+    """Raise `RedisAuthFailed` if Redis rejects the credentials, before the server starts: from the
+    app's start-up uvicorn would report it as a traceback and exit code 3, not the promised 2 and
+    one line. An unreachable Redis is no error here: the gateway answers 503 until it is reachable."""
+    transport = SyncTransport(config.redis_url, Names(config.namespace), owner="gateway")
+    try:
+        transport.ping(deadline_s=2)
+    except REDIS_FAILURES:
+        pass
+    finally:
+        transport.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        keys, secret = configured_keys(args), tenant_secret()
+    except OSError as exc:
+        parser.error(f"cannot read a key file: {exc}")
     try:
         config = GatewayConfig(
             redis_url=args.redis_url,
@@ -90,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             served_model_name=args.served_model_name,
             max_body_bytes=args.max_body_bytes,
             max_inflight=args.max_inflight,
-            api_key=args.api_key,
+            api_keys=tuple(keys),
+            tenant_secret=secret,
             heartbeat_ttl_ms=args.heartbeat_ttl_ms,
             migration_limit=args.migration_limit,
             recovery_timeout_s=args.recovery_timeout,
@@ -104,13 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # settings that do not go together
         parser.error(str(exc))
     # The key never reaches a log, whoever logs it.
-    setup_logging(args.log_level, secrets=[args.api_key], log_format=args.log_format)
+    setup_logging(args.log_level, secrets=[*keys, config.tenant_secret], log_format=args.log_format)
     logger.info(
-        "gateway: Redis %s, namespace %r, API key %s",
+        "gateway: Redis %s, namespace %r, %s",
         redact_url(args.redis_url),
         args.namespace,
-        "required" if args.api_key else "not required",
+        f"{len(set(keys))} API key(s), one tenant each" if keys else "no API key required",
     )
+    try:
+        check_credentials(config)
+    except RedisAuthFailed as exc:
+        logger.error("%s", exc)
+        return 2
     import uvicorn
 
     from gateway.http.routes import create_app

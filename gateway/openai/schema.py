@@ -77,6 +77,7 @@ class GenerationSpec:
     prompts: list[str | list[int]] | None = None  # a list of several prompts (completions); then ``prompt*`` are None
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs on the response (top-k as given)
     include_usage: bool = False
     continuous_usage: bool = False  # every chunk carries the usage so far, not only the last
     add_special_tokens: bool = True
@@ -177,6 +178,10 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
     )
     if sampling.top_k == -1:
         sampling.top_k = 0
+    prompt_logprobs = get_int(body, "prompt_logprobs", None)
+    if prompt_logprobs is not None and stream:  # (as vLLM: they would come with no chunk of the stream)
+        raise bad("'prompt_logprobs' is not available when 'stream' is true", "prompt_logprobs")
+    sampling.prompt_logprobs = prompt_logprobs  # its range checked with the rest
     try:
         sampling.validate()
     except ValueError as exc:
@@ -202,6 +207,7 @@ def _common(body: dict[str, Any], kind: str, max_tokens: int | None, logprobs: i
         priority=parse_priority(body),
         cache_salt=parse_cache_salt(body),
         return_token_ids=get_bool(body, "return_token_ids", False),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -253,7 +259,8 @@ def parse_completion(body: Any) -> GenerationSpec:
     spec = _common(body, "completion", 16 if max_tokens is None else max_tokens, logprobs)
     spec.echo = get_bool(body, "echo", False)
     if spec.echo and logprobs is not None:
-        spec.sampling.prompt_logprobs = logprobs  # the prompt's logprobs come with its echo (streamed too)
+        # the prompt's logprobs come with its echo (streamed too); the engine computes the larger top-k asked for
+        spec.sampling.prompt_logprobs = max(logprobs, spec.prompt_logprobs or 0)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

@@ -27,9 +27,8 @@ def refuse_unless_neutral(body: dict[str, Any], name: str, neutral: Any) -> None
 
 
 # vLLM's sampling extensions this server does not honour: refused unless neutral (ignored, they
-# would look like support). ``prompt_logprobs``: completions' ``echo`` with ``logprobs`` returns them.
+# would look like support).
 UNSUPPORTED_VLLM_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("prompt_logprobs", None),
     ("use_beam_search", False),
     ("length_penalty", 1.0),
     # (inputs and hooks of vLLM's own: prompts as embeddings, custom logits processors, its

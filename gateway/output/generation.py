@@ -28,6 +28,7 @@ from gateway.output.processor import OutputProcessor
 
 # One line per finished request (`RequestLog`), under a logger of its own: easy to route or mute.
 request_logger = logging.getLogger("conveyor.gateway.requests")
+logger = logging.getLogger("conveyor.gateway")
 
 
 @dataclass(slots=True)
@@ -146,6 +147,8 @@ class Generation:
     ) -> None:
         """Submit to the engine (a resumable stream, siblings: see `EngineClient.submit`); errors
         here become HTTP errors (nothing was streamed yet)."""
+        # The client's id: a journal's name is scoped by tenant (`gateway.http.tenants`).
+        shown = self.log.response_id if self.log is not None else journal_id or self.request_id
         try:
             self.handle = await self.client.submit(
                 self.request_id,
@@ -162,15 +165,16 @@ class Generation:
         except RequestIdInUse:
             raise ApiError(
                 409,
-                f"request id {journal_id!r} (X-Request-Id, or the request_id field) names a stream in flight or "
-                f"still resumable (GET /v1/streams/{journal_id} resumes it); send another id",
+                f"request id {shown!r} (X-Request-Id, or the request_id field) names a stream in flight or "
+                f"still resumable (GET /v1/streams/{shown} resumes it); send another id",
                 param="X-Request-Id",
                 code="duplicate_request_id",
             ) from None
         except EngineUnavailable as exc:
             raise ApiError(503, f"engine unavailable: {exc}", "server_error", code="engine_unavailable") from None
         except REDIS_FAILURES as exc:  # out of reach, or refusing writes (out of memory, read-only)
-            raise ApiError(503, f"the engine's Redis failed: {exc}", "server_error") from None
+            logger.warning("request %s: Redis failed: %s", shown, exc)
+            raise ApiError(503, f"the engine's Redis failed ({type(exc).__name__}); retry shortly", "server_error") from None
 
     async def pieces(self) -> AsyncIterator[Piece]:
         assert self.handle is not None, "start() first"

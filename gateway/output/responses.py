@@ -20,6 +20,7 @@ from gateway.openai.schema import GenerationSpec
 from gateway.openai.structured import ToolCallMode
 from gateway.output.chat_output import ChatOutput
 from gateway.output.generation import Piece
+from gateway.output.prompt_logprobs import vllm_prompt_logprobs
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_calls import ConstrainedCallStream, tool_calls
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
@@ -177,6 +178,10 @@ class ResponseFormatter:
         }
         if self.chat and self.spec.return_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids
+        if self.chat and self.spec.prompt_logprobs is not None:  # vLLM's: one prompt, on the response
+            body["prompt_logprobs"] = next((c.pop("prompt_logprobs") for c in choices if "prompt_logprobs" in c), None)
+            for c in choices:
+                c.pop("prompt_logprobs", None)
         return body
 
     def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
@@ -218,6 +223,10 @@ class ResponseFormatter:
                 "finish_reason": reason,
                 "stop_reason": stop_reason,
             }
+        if (k := self.spec.prompt_logprobs) is not None and self.prompt_token_ids is not None:
+            entries = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+            if entries is not None:  # (on a chat's response, not its choice: `response`)
+                out["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, entries, k, self._token_text)
         return self._with_token_ids(out, [t for p in pieces for t in p.token_ids])
 
     # -- streaming ---------------------------------------------------------------------------

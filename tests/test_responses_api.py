@@ -256,6 +256,14 @@ def test_a_background_response_whose_gateway_died_reads_failed(stack: Stack, cli
     assert got["status"] == "failed" and "stopped" in got["error"]["message"]
     assert stack.redis.hget(key, "status") == b"failed"
     assert 0 < stack.redis.pttl(key) <= 3_600_000  # never kept forever
+    # Another key's response is none of this client's business: a 404, as an unknown id.
+    theirs = stack.names.response("resp_theirs")
+    stack.redis.hset(theirs, mapping={"status": "completed", "owner": "another-key", "response": "{}", "history": "[]"})
+    stack.redis.pexpire(theirs, 60_000)
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{stack.urls[0]}/v1/responses/resp_theirs", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert stack.redis.exists(theirs)
 
 
 def test_reasoning_items_and_auto_tool_calls(parsing_client: openai.OpenAI) -> None:

@@ -161,7 +161,7 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
             try:
                 while not work.done():
                     await asyncio.wait([work], timeout=RESPONSE_LEASE_MS / 3000)
-                    if not work.done() and await store.hold(response_id, RESPONSE_LEASE_MS) in ("cancelled", None):
+                    if not work.done() and await refresh() in ("cancelled", "gone"):
                         work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
@@ -172,6 +172,14 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
                 deps.tasks.pop(response_id, None)
                 with contextlib.suppress(Exception):
                     await store.release(response_id)
+
+        async def refresh() -> str:
+            """Hold the lease on; the stored status ("" if Redis failed: a lapsed lease then reads as failed)."""
+            try:
+                return await store.hold(response_id, RESPONSE_LEASE_MS) or "gone"
+            except Exception as exc:
+                logger.warning("could not refresh the lease of background response %s: %s", response_id, exc)
+                return ""
 
         async def generate() -> None:
             try:

@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from common.protocol import RESPONSE_LEASE_MS
 from infra.launcher import free_port, wait_healthy
 from infra.stack import Stack
 
@@ -232,7 +233,7 @@ def test_background_responses_run_after_the_reply_and_can_be_cancelled(stack: St
     assert done.output_text == foreground.output_text
     # A long one, cancelled: it stays cancelled, and its generation stops.
     long = client.responses.create(
-        model="", input="Go on", background=True, max_output_tokens=100_000, extra_body={"ignore_eos": True}
+        model="", input="Go on", background=True, max_output_tokens=2000, extra_body={"ignore_eos": True}
     )
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
@@ -264,6 +265,25 @@ def test_a_background_response_whose_gateway_died_reads_failed(stack: Stack, cli
         r = httpx.request(method, f"{stack.urls[0]}/v1/responses/resp_theirs", timeout=30)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert stack.redis.exists(theirs)
+
+
+@pytest.mark.slow  # a gateway started, then its lease left to lapse
+def test_a_background_response_reads_failed_soon_after_its_gateway_is_killed(stack: Stack, client: openai.OpenAI) -> None:
+    stack.ports.append(free_port())
+    i = len(stack.ports) - 1
+    proc = stack.spawn_gateway(i)
+    wait_healthy(f"{stack.urls[i]}/health", 60, [proc])
+    doomed = openai.OpenAI(base_url=f"{stack.urls[i]}/v1", api_key="unused", max_retries=0, timeout=60)
+    out = doomed.responses.create(
+        model="", input="Long", background=True, max_output_tokens=2000, extra_body={"ignore_eos": True}
+    )
+    assert client.responses.retrieve(out.id).status in ("queued", "in_progress")  # read on another gateway
+    proc.kill()
+    proc.wait()
+    killed = time.monotonic()
+    got = _wait(client, out.id, timeout_s=RESPONSE_LEASE_MS / 1000 + 15)
+    assert got.status == "failed" and got.error is not None and "stopped" in got.error.message
+    assert time.monotonic() - killed < RESPONSE_LEASE_MS / 1000 + 5
 
 
 def test_reasoning_items_and_auto_tool_calls(parsing_client: openai.OpenAI) -> None:

@@ -52,6 +52,7 @@ class ResponseEvents:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the items done
         self.open: dict[str, Any] | None = None  # the item being streamed
+        self.parts: list[str] = []  # its text or arguments so far (joined once, as it closes)
         self.counts = {"rs": 0, "msg": 0, "fc": 0}
         self.tool_indexes: set[int] = set()
         self.finish_reason: str | None = None
@@ -105,7 +106,7 @@ class ResponseEvents:
     def _begin(self, kind: str, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._close()
         self.counts[kind] += 1
-        self.open = item
+        self.open, self.parts = item, []
         return [*events, self._event("response.output_item.added", output_index=len(self.output), item=dict(item))]
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
@@ -119,7 +120,7 @@ class ResponseEvents:
                 events += self._begin(kind, message_item(ident, None, "in_progress"))
                 events.append(self._part_event("response.content_part.added", text_part("")))
         assert self.open is not None
-        self.open["text"] = self.open.get("text", "") + text
+        self.parts.append(text)
         where = {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
         if kind == "rs":
             events.append(self._event("response.reasoning_text.delta", **where, delta=text))
@@ -142,7 +143,7 @@ class ResponseEvents:
             events += self._begin("fc", call_item(ident, call.get("id", ""), fn.get("name", ""), "", "in_progress"))
         assert self.open is not None
         if fn.get("arguments"):
-            self.open["arguments"] += fn["arguments"]
+            self.parts.append(fn["arguments"])
             where = {"item_id": self.open["id"], "output_index": len(self.output)}
             events.append(self._event("response.function_call_arguments.delta", **where, delta=fn["arguments"]))
         return events
@@ -153,28 +154,27 @@ class ResponseEvents:
         if item is None:
             return []
         index = len(self.output)
+        text = "".join(self.parts)
         events: list[dict[str, Any]] = []
         if item["type"] == "reasoning":
-            text = item.pop("text", "")
             done = reasoning_item(item["id"], text)
             events.append(
                 self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text)
             )
         elif item["type"] == "message":
-            text = item.pop("text", "")
             done = message_item(item["id"], text)
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             events.append(self._event("response.output_text.done", **where, text=text, logprobs=[]))
             events.append(self._event("response.content_part.done", **where, part=text_part(text)))
         else:
-            done = call_item(item["id"], item["call_id"], item["name"], item["arguments"])
+            done = call_item(item["id"], item["call_id"], item["name"], text)
             events.append(
                 self._event(
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=index,
                     name=item["name"],
-                    arguments=item["arguments"],
+                    arguments=text,
                 )
             )
         self.output.append(done)

@@ -74,6 +74,12 @@ OUTPUTS_TTL_MS = 120_000
 # A `StepOutputs` finish reason for the gateway a stream was taken from: another gateway resumed it
 # (`SyncRequest`), so this one ends its copy without journaling anything (the stream goes on there).
 TAKEN_OVER = "taken_over"
+# A stored Responses API response (its body and the chat history a follow-up turn continues): a
+# turn past this is answered but not stored (its request is a 400 up front when its input is).
+MAX_STORED_RESPONSE_BYTES = 16 * 1024 * 1024
+# A background response's lease (`Names.response_lease`): refreshed every third of it while the
+# response runs, so a dead gateway's response reads "failed" within this long.
+RESPONSE_LEASE_MS = 15_000
 # The engine streams (steps, results) outlive their engine by this long at most.
 ENGINE_STREAMS_TTL_MS = 3_600_000
 # Engine registrations not refreshed for this long are dropped from the ``engines`` set, and the
@@ -125,6 +131,16 @@ class Names:
         header and the routes). Bounded by its request (at most ``SamplingParams.MAX_N`` choices of
         at most the model's context each, a route per move) and by its TTL, the resume window."""
         return f"{self.namespace}:journal:{response_id}"
+
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response (a hash: its status, owner, body and chat history),
+        bounded by ``MAX_STORED_RESPONSE_BYTES`` and by its TTL (`GatewayConfig.response_ttl_s`)."""
+        return f"{self.namespace}:response:{response_id}"
+
+    def response_lease(self, response_id: str) -> str:
+        """Held (with a short TTL, refreshed) by the gateway running a background response: when it
+        lapses before the response ends, that gateway is gone and the response has failed."""
+        return f"{self.namespace}:response-lease:{response_id}"
 
     def heartbeat(self, kind: str, process_id: str) -> str:
         return f"{self.namespace}:hb:{kind}:{process_id}"

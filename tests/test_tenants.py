@@ -5,6 +5,7 @@ key owns its streams. Another key cannot read, cut or adopt them, and may use th
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,29 @@ def test_no_key_reaches_redis_or_a_log(stack: Stack) -> None:
                 assert all(key.encode() not in v for _, entry in r.xrange(name) for v in entry.values())
     logs = "".join(path.read_text(errors="replace") for path in stack.workdir.glob("*.log"))
     assert not any(key in logs for key in (KEY_A, KEY_B, KEY_C, "tenant-secret-of-this-deployment"))
+
+
+def test_a_stored_response_belongs_to_its_key(stack: Stack) -> None:
+    """The Responses API's stored responses are the tenant's: another key gets 404 on retrieve,
+    delete and as ``previous_response_id``; a background response runs under its key too."""
+    mine = _client(stack, KEY_A).responses.create(model="", input="hello", max_output_tokens=3, temperature=0)
+    other = _client(stack, KEY_B, gateway=1)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="", input="more", previous_response_id=mine.id, max_output_tokens=2)
+    assert _client(stack, KEY_A, gateway=1).responses.retrieve(mine.id).output_text == mine.output_text
+    queued = _client(stack, KEY_C).responses.create(model="", input="later", max_output_tokens=3, background=True)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(queued.id)
+    owner = _client(stack, KEY_C, gateway=1)
+    for _ in range(600):
+        done = owner.responses.retrieve(queued.id)
+        if done.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    # It ran to its token limit under its own key: "incomplete" is the Responses API's word for that.
+    assert done.status == "incomplete" and done.incomplete_details is not None
+    assert done.incomplete_details.reason == "max_output_tokens" and done.usage is not None and done.usage.output_tokens == 3

@@ -10,6 +10,8 @@ from gateway.openai.schema import ChatParsers
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
 
+DEFAULT_RESPONSE_TTL_S = 3600.0
+
 
 @dataclass(slots=True)
 class GatewayConfig:
@@ -27,6 +29,7 @@ class GatewayConfig:
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
+    response_ttl_s: float = DEFAULT_RESPONSE_TTL_S  # how long a stored Responses API response is kept (`gateway.responses.store`)
     # Each key is a tenant (`gateway.http.tenants`); none: one anonymous tenant, no key required.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # The HMAC key of tenant ids: the same on every replica ("" -> the namespace).

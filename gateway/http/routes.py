@@ -43,6 +43,7 @@ from gateway.http.config import GatewayConfig
 from gateway.http.errors import ApiError
 from gateway.http.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.http.request_ids import header_request_id, request_id_of
+from gateway.http.responses_api import ResponsesDeps, add_responses_routes
 from gateway.http.tenants import ANONYMOUS, ApiKeys, Tenant, request_tenant
 from gateway.openai.input_workers import InputWorkers
 from gateway.openai.json_input import LARGE_INPUT_BYTES, read_json
@@ -62,6 +63,7 @@ from gateway.openai.tokenization import (
 )
 from gateway.openai.vllm_fields import check_priority
 from gateway.output.responses import EventStreamResponse
+from gateway.responses.store import ResponseStore
 
 logger = logging.getLogger("conveyor.gateway")
 TOKENIZER_RETRY_S = 5.0  # between attempts to load a tokenizer that failed to load
@@ -290,16 +292,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
         limit, parsers = config.max_inflight, config.chat_parsers
         return ServeContext(client, tokenizer, tokenizers.call_lock, workers, metrics, info, model, limit, parsers, tenant)
 
-    async def complete(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
+    async def generate(
+        request: Request, spec: GenerationSpec, body: Any, ids: tuple[str, str, bool]
+    ) -> tuple[str, dict[str, Any] | AsyncIterator[str]]:
+        """The one request path: the served name, and the response body or its SSE events."""
         arrival = time.monotonic()
         info = ready_info()
         name = check_model(spec.model, info)
         check_priority(spec.priority, client.engines.values())
         tokenizer = await tokenizers.get(info)
         apply_sampling_defaults(spec.sampling, body, tokenizers.sampling_defaults)
+        return name, await serve(context(info, tokenizer, name, request_tenant(request)), request, spec, ids, body, arrival)
+
+    async def complete(request: Request, spec: GenerationSpec, body: Any, client_id: str | None) -> Response:
         response_id, engine_id = response_ids(request, spec, client_id)
-        ids = (response_id, engine_id, client_id is not None)
-        out = await serve(context(info, tokenizer, name, request_tenant(request)), request, spec, ids, body, arrival)
+        _, out = await generate(request, spec, body, (response_id, engine_id, client_id is not None))
         if isinstance(out, dict):
             return JSONResponse(out, headers={"X-Request-Id": response_id})
         return event_stream(out, response_id)
@@ -326,6 +333,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
         tokenizer = await tokenizers.get(info)
         ctx = context(info, tokenizer, journal.headers[0].served_model, tenant)
         return event_stream(await resume(ctx, response_id, journal, last), response_id)
+
+    add_responses_routes(
+        app,
+        ResponsesDeps(
+            check_key,
+            lambda request: read_json(request, config.max_body_bytes, workers),
+            lambda body: parse_chat(body, config.chat_parsers),
+            lambda model: check_model(model, ready_info()),
+            lambda request, spec, body, response_id: generate(request, spec, body, (response_id, response_id, False)),
+            ResponseStore(client.transport, client.names, int(config.response_ttl_s * 1000)),
+        ),
+    )
 
     def event_stream(events: AsyncIterator[str], response_id: str) -> EventStreamResponse:
         # The id in a header too: a client whose gateway dies before the first event can still resume.

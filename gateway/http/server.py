@@ -14,7 +14,7 @@ from common.redact import redact_url
 from common.redis_errors import REDIS_FAILURES, RedisAuthFailed
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from common.transport import SyncTransport
-from gateway.http.config import GatewayConfig
+from gateway.http.config import DEFAULT_RESPONSE_TTL_S, GatewayConfig
 from gateway.http.tenants import read_key_file, split_keys
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         "vllm: OpenAI's (temperature 1, no top-p or top-k)",
     )
     p.add_argument(
+        "--response-ttl",
+        type=float,
+        default=float(env("CONVEYOR_RESPONSE_TTL") or DEFAULT_RESPONSE_TTL_S),
+        help="seconds a stored Responses API response is kept (GET /v1/responses/{id}, previous_response_id)",
+    )
+    p.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=env("CONVEYOR_REASONING_PARSER") or None,
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             migration_limit=args.migration_limit,
             recovery_timeout_s=args.recovery_timeout,
             resume_window_s=args.resume_window,
+            response_ttl_s=args.response_ttl,
             stall_timeout_s=args.stall_timeout,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,

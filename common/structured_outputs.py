@@ -39,9 +39,8 @@ MAX_CHOICES = 1024
 INITIAL_LEXER_FUEL = 100_000
 
 # llguidance compiles a grammar recursively, native stack a level of nesting: on a default 8 MiB
-# stack about 1,000 nested rules or $refs (a 70 KB request) crashed the whole process (SIGSEGV).
-# Compiled on a thread with this much stack, a 12,000-level Lark chain (250 KB, near
-# MAX_GRAMMAR_CHARS) and a 5,000-level $ref chain (320 KB) compile. Address space: only the depth a
+# stack about 1,000 nested rules or $refs (a 70 KB request) overflow it and kill the process.
+# With this much stack the deepest grammars MAX_GRAMMAR_CHARS admits compile; only the depth a
 # grammar reaches is touched.
 GRAMMAR_STACK_BYTES = 256 << 20
 # `threading.stack_size` is the process's setting for new threads: set and restored under a lock.

@@ -28,12 +28,10 @@ from executor.ops import Ops
 
 # Sequences share one padded SDPA call while its padding costs less than either share of the
 # call's real work or one more call. Decode attention is memory-bound on CPU, so padding costs
-# nearly its full share: for 139 decodes of 40-700 tokens, 1.05 ran a layer's attention in 24 ms
-# against 31 ms at 1.5 (more, smaller calls are cheaper than reading padding).
+# nearly its full share: more, smaller calls are cheaper than reading padding.
 _PAD_WASTE = 1.05
-# ...but a call has a fixed cost (gathers, mask, dispatch: about 58 us on the 2-core dev VM, where
-# attending one more cached K element costs about 1.4 ns), which dominates for a narrow model: 64
-# decodes of 33-160 tokens on 2 KV heads of 16 ran in 12 calls at 0.96 ms a layer, in 1 at 0.48.
+# ...but a call has a fixed cost (gathers, mask, dispatch), worth this many cached K elements
+# attended, which dominates for a narrow model (few KV heads of a small head size).
 _CALL_COST_ELEMENTS = 40_000
 
 

@@ -10,14 +10,13 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-# oneDNN builds (JIT-compiles) and caches one primitive per (weight shape, row count), ~0.55 MB
-# each, held by its primitive cache and by ideep's LRU (1024 entries each by default). Continuous
-# batching brings every row count from 1 to max_num_batched_tokens, so RSS grew with each new one
-# (+0.5 GB in ~3,700 requests; past the caps primitives are rebuilt and evicted without end). Row
-# counts are padded up to a bucket instead: exact up to 16, then _BUCKETS_PER_OCTAVE sizes per
-# power of two (padding < 1/8 of the rows; +3% linear time over 1-512 rows measured on the dev
-# machine, 2304 x 768 weight). Up to 2048 rows that is 72 row counts per weight shape, so the
-# caches stop growing at a few hundred primitives.
+# oneDNN builds (JIT-compiles) and caches one primitive per (weight shape, row count), each about
+# half a megabyte, held by its primitive cache and by ideep's LRU (1024 entries each by default).
+# Continuous batching brings every row count from 1 to max_num_batched_tokens, so without a bound
+# RSS grows with each new one (and past the caps primitives are rebuilt and evicted without end).
+# Row counts are padded up to a bucket instead: exact up to 16, then _BUCKETS_PER_OCTAVE sizes per
+# power of two (padding < 1/8 of the rows). Up to 2048 rows that is 72 row counts per weight
+# shape, so the caches stop growing at a few hundred primitives (docs/reliability.md).
 _BUCKETS_PER_OCTAVE = 8
 
 
@@ -33,9 +32,8 @@ class Linear:
     """``y = x W^T + b``; on CPU (fp32) through oneDNN with the weight packed once at load time.
 
     ``F.linear`` on CPU hands MKL the weight in its checkpoint layout and it is re-blocked on
-    every call, which dominates at decode batch sizes. Measured on the dev machine, same run:
-    [64 x 768] @ [8192 x 768]^T 10.9 ms with ``F.linear``, 7.2 ms prepacked; at 7 rows 5.8 vs 1.4
-    ms; within +-10% either way at 1024 rows. Results agree to ~1e-6 relative.
+    every call, which dominates at decode batch sizes; prepacked, small batches run several times
+    faster and large ones alike. Results agree to ~1e-6 relative.
     """
 
     __slots__ = ("weight", "bias", "packed")

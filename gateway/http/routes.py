@@ -243,7 +243,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Prometheus metrics of the whole deployment (`gateway.http.metrics`); no API key, as /health."""
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    version_body = {"version": package_version()}  # read once: each read parses the package metadata (0.5 ms)
+    version_body = {"version": package_version()}  # read once: each read parses the package metadata
 
     @app.get("/version")
     async def version() -> Response:

@@ -25,8 +25,8 @@ from gateway.openai.structured import check_grammar
 from gateway.output.reasoning_parsers import prompt_phase
 
 # Prompts up to this size are prepared on the event loop itself (`tokenizes_inline`): a thread hop
-# costs far more than their work. On a busy gateway the hop waited a whole turn of the loop and a
-# GIL hand-over: 25 ms of a 100 ms time to first token, on token-id prompts that need no tokenizer.
+# costs far more than their work: on a busy gateway the hop waits a whole turn of the loop and a
+# GIL hand-over, a large share of time to first token for token-id prompts that need no tokenizer.
 INLINE_INPUT_BYTES = 4 * 1024
 
 
@@ -35,7 +35,7 @@ def tokenizes_inline(spec: GenerationSpec, tokenizer: Any) -> bool:
     for a fast tokenizer's lock-free backend, see `encode_text`) without a grammar to compile or
     tools, earlier tool calls or template variables for the chat template to render (walking them
     costs more than their size says). Such a prompt takes well under a millisecond; waiting for a
-    worker thread took tens on a busy gateway. Bad words (up to 256 encodings) take the worker too."""
+    worker thread takes tens on a busy gateway. Bad words (up to 256 encodings) take the worker too."""
     if spec.input_size() > INLINE_INPUT_BYTES or spec.sampling.structured_outputs is not None or spec.bad_words:
         return False
     if spec.structured is not None and spec.structured.tools:

@@ -14,12 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# gpt-oss's clamped SwiGLU ("swigluoai"): its released configs' swiglu_alpha and swiglu_limit.
-# A checkpoint with other values is refused by its family (`executor.models.gpt_oss`).
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
-
-ACTIVATIONS = ("silu", "swigluoai")
+from executor.ops import MOE_ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 
 def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -36,7 +31,7 @@ def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
         gate = gate.clamp(max=SWIGLUOAI_LIMIT)
         up = up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
         return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
-    raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
+    raise ValueError(f"unknown MoE activation {activation!r}; expected one of {MOE_ACTIVATIONS}")
 
 
 def fused_moe(

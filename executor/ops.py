@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+# `Ops.fused_moe`'s activations (a kernel's index into this tuple is its ACTIVATION switch).
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+# gpt-oss's clamped SwiGLU ("swigluoai"): its released configs' swiglu_alpha and swiglu_limit.
+# A checkpoint with other values is refused by its family (`executor.models.gpt_oss`).
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
 
 @dataclass(slots=True, frozen=True)
 class Ops:

@@ -18,11 +18,7 @@ import triton
 import triton.language as tl
 
 from executor.kernels.paged_attention import dot_precision
-
-# `Ops.fused_moe`'s activations; the index is the kernel's ACTIVATION switch.
-ACTIVATIONS = ("silu", "swigluoai")
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
+from executor.ops import MOE_ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,8 +196,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """`executor.ops.Ops.fused_moe`: x ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up), w2
     ``[E, H, I]``, biases ``[E, 2I]``/``[E, H]``, topk ``[T, k]`` -> ``[T, H]`` in x's dtype."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {MOE_ACTIVATIONS}")
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -219,7 +215,7 @@ def fused_moe(
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts)
     # Row t * k + j of both buffers is token t's j-th expert.
     hidden_act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    _launch(x, w13, b13, hidden_act, None, sorted_ids, expert_ids, top_k, True, ACTIVATIONS.index(activation), cfg)
+    _launch(x, w13, b13, hidden_act, None, sorted_ids, expert_ids, top_k, True, MOE_ACTIVATIONS.index(activation), cfg)
     # fp32 rows, so the k-sum rounds once, to x's dtype.
     weighted = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from executor.moe_torch import ACTIVATIONS
-from executor.ops import Ops
+from executor.ops import MOE_ACTIVATIONS, Ops
 
 if TYPE_CHECKING:
     from executor.parallel import TensorParallel
@@ -99,8 +98,8 @@ class MoE:
         shared: SharedExpert | None = None,
         tp: TensorParallel | None = None,
     ) -> None:
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"unknown MoE activation {activation!r}; expected one of {MOE_ACTIVATIONS}")
         num_experts = w13.shape[0]
         if router_weight.shape[0] != num_experts or w2.shape[0] != num_experts:
             raise ValueError(

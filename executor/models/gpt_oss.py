@@ -24,7 +24,7 @@ from executor.layers.moe import Router
 from executor.model_config import HFModelConfig
 from executor.models.base import Shapes, ShardSpec, StateDict, rows, set_windows
 from executor.models.moe_family import MoEConfig, MoEFamily, expert_count
-from executor.moe_torch import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from executor.ops import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 if TYPE_CHECKING:
     from executor.parallel import ShardLayout

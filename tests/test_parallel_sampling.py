@@ -163,10 +163,11 @@ def test_prompt_logprob_columns_round_trip() -> None:
     assert decode(encode(plain.sealed())).plp_num == []  # no column when nobody asked
     rows: list = [None, [{1: -0.25}], [], None]
     result = StepResult(0, 1, [1, 2, 3, 4])
-    result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values = pack_prompt_logprobs(rows)
+    # The rank column has its own round trip (test_prompt_logprob_ranks.py); the values' is this one.
+    result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values, _ = pack_prompt_logprobs(rows)
     back = decode(encode(result))
     assert unpack_prompt_logprobs(4, back.plp_num, back.plp_counts, back.plp_token_ids, back.plp_values) == rows
-    assert pack_prompt_logprobs([None, None]) == ([], [], [], [])
+    assert pack_prompt_logprobs([None, None]) == ([], [], [], [], [])
 
 
 def test_siblings_without_prefix_caching_run_side_by_side(tiny_model) -> None:

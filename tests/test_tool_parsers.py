@@ -445,3 +445,34 @@ def test_bare_qwen3_coder_functions_and_mistral_ids_for_every_tool_choice() -> N
         [Piece('[{"name": "add"}]', finish_reason="stop")]
     )["message"]["tool_calls"]
     assert call["id"].startswith("chatcmpl-tool-")
+
+
+@pytest.mark.parametrize("name", ["mistral", "pythonic", "qwen3_coder"])
+def test_streamed_calls_through_the_formatter_replay_alike_and_join_to_the_message(name: str) -> None:
+    """Chunks in pieces (id and name in the first, arguments after), the same again from a second
+    formatter over the same outputs (a resumed stream replays its journaled ones), and their
+    arguments join to the non-streamed message's."""
+    text = STREAMED[name][0]
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+    body = {**BODY, "tools": [ADD, *tools]}
+    outputs = [Piece(text[i : i + 5]) for i in range(0, len(text), 5)] + [Piece("", finish_reason="stop")]
+    runs = []
+    for _ in range(2):
+        fmt = ResponseFormatter(parse_chat({**body, "stream": True}, ChatParsers(name)), "chatcmpl-1", "m", None, 3, None)
+        fmt.created = 1
+        runs.append([json.dumps(c) for p in outputs for c in fmt.stream_piece(p)])
+    assert runs[0] == runs[1]
+    entries = [e for c in runs[0] for e in json.loads(c)["choices"][0]["delta"].get("tool_calls", [])]
+    assert len([e for e in entries if e["index"] == 0]) > 2  # (the first call in several pieces)
+    whole = ResponseFormatter(parse_chat(body, ChatParsers(name)), "chatcmpl-1", "m", None, 3, None)
+    whole.created = 1
+    message = whole.choice([Piece(text, finish_reason="stop")])["message"]
+    joined: dict[int, dict[str, str]] = {}
+    for e in entries:
+        call = joined.setdefault(e["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += e.get("id", "")
+        call["name"] += e["function"].get("name", "")
+        call["arguments"] += e["function"]["arguments"]
+    assert [joined[i] for i in sorted(joined)] == [
+        {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]
+    ]

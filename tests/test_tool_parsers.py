@@ -220,6 +220,7 @@ def test_streamed_values_as_the_xml_and_python_parsers_read_them() -> None:
     assert coder.partial(head.replace("=path", "=opt") + "text", SCHEMAS) == [("edit", '{"line":12,"opt":')]
     assert pythonic.partial('[f(a=1, s="ab\\"c', None) == [("f", '{"a":1,"s":"ab')]
     assert pythonic.partial('[f(s="""abc', None) == [("f", '{"s":')]
+    assert pythonic.partial('[f(a=[1, "x', None) == [("f", '{"a":')]  # (a list: once whole)
     assert pythonic.partial("[f(a=1), g(", None) == [("f", '{"a":1}'), ("g", "{")]
 
 

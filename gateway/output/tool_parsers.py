@@ -380,7 +380,7 @@ class _PythonicReader:
                     if depth == 0:
                         break
             at += 1
-        return self._out(self._open_keyword(body[start:], open_string - start) if depth == 2 else None)
+        return self._out(self._open_keyword(body[start:], open_string - start) if depth >= 2 else None)
 
     def _string_end(self, at: int, quote: str) -> int:
         """Where the string whose text begins at ``at`` ends (after its quote); -1: still open."""

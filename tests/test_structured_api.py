@@ -230,6 +230,8 @@ def test_a_stream_with_auto_tool_calls_resumes_on_a_gateway_without_the_parser(s
 
 # The same call in the formats of the parsers that re-read their calls' text as it grows.
 WRITTEN = {
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris, the capital of France", "days": 3}'
+    '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
     "pythonic": '[get_weather(city="Paris, the capital of France", days=3), add(a=1, b=2)]',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, the capital of France\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n"
@@ -239,9 +241,9 @@ WRITTEN = {
 
 @pytest.mark.parametrize("parser", sorted(WRITTEN))
 def test_every_parser_streams_its_calls_in_pieces_and_a_resumed_stream_replays_them(stack: Stack, parser: str) -> None:
-    """pythonic and qwen3_coder stream each call's arguments in pieces (a string as it comes, a
-    typed value once whole), which join to the response's; a stream resumed on a gateway without
-    the parser replays the same bytes."""
+    """mistral, pythonic and qwen3_coder stream each call's arguments in pieces (a string as it
+    comes), which join to the response's; a stream resumed on a gateway without the parser replays
+    the same bytes."""
     stack.ports.append(free_port())
     i = len(stack.ports) - 1
     proc = stack.spawn_gateway(i, "--enable-auto-tool-choice", "--tool-call-parser", parser)

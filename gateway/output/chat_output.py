@@ -3,9 +3,8 @@
 A reasoning parser (`gateway.output.reasoning_parsers`) takes the model's thinking out of the text, into
 ``reasoning`` (vLLM's current name) and ``reasoning_content`` (vLLM's earlier one, DeepSeek's API's),
 dropped with vLLM's ``include_reasoning: false``; a tool-call parser (`gateway.output.tool_parsers`) then
-finds the calls in what is left, the content. Streamed, both run incrementally (calls in pieces
-where the parser streams them) and the deltas
-join to the response of the same tokens.
+finds the calls in what is left, the content. Streamed, both run incrementally (calls in pieces)
+and the deltas join to the response of the same tokens.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class ResponseStore:
         for one (None: not at all)."""
         r = self.transport.redis
         key = self.names.response_events(response_id)
-        reply = await self.transport.call(r.xread, {key: after}, count=1024, block=block_ms)
+        reply = await self.transport.call(r.xread, {key: after}, count=1024, block=block_ms, deadline_s=DEADLINE_S)
         return [(entry_id, json.loads(fields[_EVENT_FIELD])) for _, entries in reply or [] for entry_id, fields in entries]
 
     async def release(self, response_id: str) -> None:

@@ -80,6 +80,10 @@ MAX_STORED_RESPONSE_BYTES = 16 * 1024 * 1024
 # A background response's lease (`Names.response_lease`): refreshed every third of it while the
 # response runs, so a dead gateway's response reads "failed" within this long.
 RESPONSE_LEASE_MS = 15_000
+# A streamed background response's typed events (`Names.response_events`) are kept, as long as its
+# stored response, for ``GET /v1/responses/{id}?stream=true`` on any gateway: at most this many
+# (about one per generated token; a replay from before the oldest kept starts at the oldest).
+RESPONSE_EVENTS_MAXLEN = 100_000
 # The engine streams (steps, results) outlive their engine by this long at most.
 ENGINE_STREAMS_TTL_MS = 3_600_000
 # Engine registrations not refreshed for this long are dropped from the ``engines`` set, and the
@@ -136,6 +140,11 @@ class Names:
         """A stored Responses API response (a hash: its status, owner, body and chat history),
         bounded by ``MAX_STORED_RESPONSE_BYTES`` and by its TTL (`GatewayConfig.response_ttl_s`)."""
         return f"{self.namespace}:response:{response_id}"
+
+    def response_events(self, response_id: str) -> str:
+        """A streamed background response's typed events as JSON, in order (``RESPONSE_EVENTS_MAXLEN``,
+        the stored response's TTL); served only to the owner of `response` ``response_id``."""
+        return f"{self.namespace}:response-events:{response_id}"
 
     def response_lease(self, response_id: str) -> str:
         """Held (with a short TTL, refreshed) by the gateway running a background response: when it

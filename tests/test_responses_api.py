@@ -313,3 +313,44 @@ def test_reasoning_items_and_auto_tool_calls(parsing_client: openai.OpenAI) -> N
     assert final.output[1].arguments == call.arguments  # type: ignore[union-attr]
     added = [e.item.type for e in events if e.type == "response.output_item.added"]  # type: ignore[union-attr]
     assert added == ["message", "function_call"]
+
+
+def test_a_background_stream_replays_from_any_gateway_after_a_sequence_number(
+    stack: Stack, client: openai.OpenAI, parsing_client: openai.OpenAI
+) -> None:
+    """``background`` with ``stream``: the typed events as they come, the same again from
+    ``retrieve(stream=True, starting_after=N)`` on another gateway (those after N, then live ones),
+    only for the response's owner."""
+    events = list(
+        client.responses.create(
+            model="", input="Stream it later", background=True, stream=True, max_output_tokens=8, extra_body={"ignore_eos": True}
+        )
+    )
+    assert events[0].type == "response.created" and events[0].response.background is True
+    assert events[-1].type == "response.incomplete" and [e.sequence_number for e in events] == list(range(len(events)))
+    response_id, final = events[0].response.id, events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert final.output_text == text and client.responses.retrieve(response_id).output_text == text
+    dumped = [e.model_dump() for e in events]
+    for after in (-1, 3, len(events) - 2):
+        replayed = list(parsing_client.responses.retrieve(response_id, stream=True, starting_after=after))
+        assert [e.model_dump() for e in replayed] == dumped[after + 1 :]
+    # A long one read live on the other gateway from its fourth event on, while it runs.
+    live = client.responses.create(
+        model="", input="Go on", background=True, stream=True, max_output_tokens=60, extra_body={"ignore_eos": True}
+    )
+    first = [next(live) for _ in range(4)]
+    follower = list(parsing_client.responses.retrieve(first[0].response.id, stream=True, starting_after=3))
+    rest = [e.model_dump() for e in live]
+    assert [e.model_dump() for e in follower] == rest and rest[-1]["type"] == "response.incomplete"
+    assert rest[-1]["response"]["usage"]["output_tokens"] == 60
+    # A background response without stream has no events to stream; another key's is none (a 404).
+    quiet = client.responses.create(model="", input="x", background=True, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        list(client.responses.retrieve(quiet.id, stream=True))
+    theirs = stack.names.response("resp_theirs_streamed")
+    stack.redis.hset(theirs, mapping={"status": "completed", "owner": "another-key", "response": "{}", "history": "[]"})
+    stack.redis.pexpire(theirs, 60_000)
+    stack.redis.xadd(stack.names.response_events("resp_theirs_streamed"), {"e": json.dumps(dumped[0])})
+    r = httpx.get(f"{stack.urls[0]}/v1/responses/resp_theirs_streamed?stream=true&starting_after=-1", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -4,16 +4,21 @@ stream built from chat chunks (their order, numbering, and agreement with the fi
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import fakeredis
 import pytest
 
+from common.protocol import Names
+from common.transport import Transport
 from gateway.http.errors import ApiError
 from gateway.openai.schema import ChatParsers, parse_chat
 from gateway.responses.events import ResponseEvents, chat_chunks, typed_sse
 from gateway.responses.objects import ResponseShell, history_messages, item_id
 from gateway.responses.request import parse_responses
+from gateway.responses.store import ResponseStore
 
 pytestmark = pytest.mark.unit
 
@@ -240,3 +245,34 @@ def test_typed_sse_and_chat_chunks_round_trip() -> None:
     assert json.loads(text.split("data: ", 1)[1]) == event
     chat = 'id: 1\ndata: {"a":1}\n\nid: 2\ndata: {"b":"x\\n"}\n\nid: 3\ndata: [DONE]\n\n'
     assert chat_chunks(chat) == [{"a": 1}, {"b": "x\n"}]
+
+
+def test_a_background_response_s_events_are_kept_in_order_with_a_ttl_and_go_with_it() -> None:
+    """`ResponseStore`'s event stream: appended in order, read after a cursor (all, or the newer
+    ones), with the stored response's TTL; deleting the response deletes them."""
+
+    async def run() -> None:
+        transport = Transport("redis://unused", Names("t-events"))
+        transport.redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer())
+        store = ResponseStore(transport, transport.names, 60_000)
+        shell = ResponseShell("resp_1", 1, "m", parse_responses({"input": "x", "background": True, "stream": True}))
+        events = ResponseEvents(shell)
+        first = events.start()
+        record = {"status": "completed", "owner": "alice", "response": "{}", "history": "[]"}  # (fakeredis runs no Lua)
+        await transport.redis.hset(transport.names.response("resp_1"), mapping=record)
+        assert not await store.has_events("resp_1")
+        await store.append_events("resp_1", first)
+        await store.append_events("resp_1", [])
+        assert await store.has_events("resp_1")
+        key = transport.names.response_events("resp_1")
+        assert 0 < await transport.redis.pttl(key) <= 60_000
+        read = await store.read_events("resp_1", b"0-0", None)
+        assert [e for _, e in read] == first and [e["sequence_number"] for _, e in read] == [0, 1]
+        last = events.feed({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}) + events.finish()
+        await store.append_events("resp_1", last)
+        newer = await store.read_events("resp_1", read[-1][0], None)
+        assert [e for _, e in newer] == last and newer[-1][1]["type"] == "response.completed"
+        assert await store.read_events("resp_1", newer[-1][0], None) == []
+        assert await store.delete("resp_1", "alice") and not await store.has_events("resp_1")
+
+    asyncio.run(run())

@@ -228,6 +228,53 @@ def test_a_stream_with_auto_tool_calls_resumes_on_a_gateway_without_the_parser(s
     assert '"tool_calls":[{"index":0' in first and '"finish_reason":"tool_calls"' in first
 
 
+# The same call in the formats of the parsers that re-read their calls' text as it grows.
+WRITTEN = {
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris, the capital of France", "days": 3}'
+    '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}',
+    "pythonic": '[get_weather(city="Paris, the capital of France", days=3), add(a=1, b=2)]',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis, the capital of France\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n"
+    "</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("parser", sorted(WRITTEN))
+def test_every_parser_streams_its_calls_in_pieces_and_a_resumed_stream_replays_them(stack: Stack, parser: str) -> None:
+    """mistral, pythonic and qwen3_coder stream each call's arguments in pieces (a string as it
+    comes), which join to the response's; a stream resumed on a gateway without the parser replays
+    the same bytes."""
+    stack.ports.append(free_port())
+    i = len(stack.ports) - 1
+    proc = stack.spawn_gateway(i, "--enable-auto-tool-choice", "--tool-call-parser", parser)
+    try:
+        wait_healthy(f"{stack.urls[i]}/health", 60, [proc])
+        client = openai.OpenAI(base_url=f"{stack.urls[i]}/v1", api_key="unused", max_retries=0, timeout=60)
+        forced: Any = {"structured_outputs": {"regex": re.escape(WRITTEN[parser])}}
+        out = client.chat.completions.create(model="", messages=MESSAGES, tools=TOOLS, max_tokens=300, extra_body=forced)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and calls is not None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+            ("get_weather", {"city": "Paris, the capital of France", "days": 3}),
+            ("add", {"a": 1, "b": 2}),
+        ]
+        body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "stream": True, **forced}
+        with httpx.stream(
+            "POST", f"{stack.urls[i]}/v1/chat/completions", json=body, headers={"X-Request-Id": f"{parser}-pieces"}
+        ) as r:
+            assert r.status_code == 200
+            first = r.read().decode()
+        chunks = [json.loads(line[6:]) for line in first.split("\n") if line.startswith("data: {")]
+        deltas = [openai.types.chat.ChatCompletionChunk.model_validate(c).choices[0].delta for c in chunks if c["choices"]]
+        assert len([d for d in deltas if d.tool_calls and d.tool_calls[0].index == 0]) > 2  # (in pieces)
+        assert [(n, a) for _, n, a in joined_calls(deltas)] == [(c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
+        replay = httpx.get(f"{stack.urls[0]}/v1/streams/{parser}-pieces", headers={"Last-Event-ID": "0"}, timeout=60)
+        assert replay.status_code == 200 and replay.text == first
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_reasoning_parser_takes_the_thinking_out_of_the_content(stack: Stack, auto_url: str) -> None:
     """deepseek_r1: the output is reasoning up to a ``</think>``, which the random model never
     writes: all of it is reasoning (as a thinking model's cut by the length limit)."""

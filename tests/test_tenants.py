@@ -190,3 +190,16 @@ def test_a_stored_response_belongs_to_its_key(stack: Stack) -> None:
     # It ran to its token limit under its own key: "incomplete" is the Responses API's word for that.
     assert done.status == "incomplete" and done.incomplete_details is not None
     assert done.incomplete_details.reason == "max_output_tokens" and done.usage is not None and done.usage.output_tokens == 3
+
+
+def test_a_streamed_background_response_replays_to_its_key_only(stack: Stack) -> None:
+    """``retrieve(id, stream=True)`` of a background stream: the owner gets its events on any
+    gateway, another key 404 (before any event)."""
+    events = list(
+        _client(stack, KEY_A).responses.create(model="", input="later", max_output_tokens=3, background=True, stream=True)
+    )
+    assert events[-1].type == "response.incomplete"
+    with pytest.raises(openai.NotFoundError):
+        list(_client(stack, KEY_B, gateway=1).responses.retrieve(events[0].response.id, stream=True, starting_after=0))
+    again = list(_client(stack, KEY_A, gateway=1).responses.retrieve(events[0].response.id, stream=True, starting_after=0))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[1:]]

@@ -97,9 +97,7 @@ TEXTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "parser", [HERMES, LLAMA, TOOL_CALL_PARSERS["mistral"], TOOL_CALL_PARSERS["pythonic"]], ids=lambda p: p.name
-)
+@pytest.mark.parametrize("parser", list(TOOL_CALL_PARSERS.values()), ids=lambda p: p.name)
 def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> None:
     texts = [*TEXTS, '  {"name": "f", "parameters": {}}', '<|python_tag|>{"name": "f"}', "Hello {", "<|python_ta"]
     texts += ["Ok [TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{}", '[TOOL_CALLS] [{"name": "f"}]', "[TOOL_CALL", "[TOOL_CALLS]f{"]
@@ -123,11 +121,107 @@ def test_a_stream_in_any_pieces_agrees_with_the_whole_response(parser: Any) -> N
                 assert (sent + rest, calls) == (want_content, want_calls), (text, stopped)
                 if calls:  # the pieces streamed and the last ones join to the response's calls
                     assert join_pieces([*pieces, *stream.last_pieces(calls)]) == calls, (text, stopped)
+    texts += ["<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>\n</tool_call>", "<function=g>"]
+    texts += ["<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n</function>\n</tool_call>"[:-3]]
     # Content before a call goes out as it comes; a possible tag start waits for the next piece.
     stream = CallStream(HERMES)
     assert stream.feed("Let me check <tool") == "Let me check "
     assert stream.feed("box> first") == "<toolbox> first"
     assert stream.feed(" <tool_call>{") == " " and stream.finish(True) == ("<tool_call>{", None)
+
+
+# Calls streamed in pieces, by parser: whitespace, escapes, nesting, several calls, long string
+# values, what looks like a tag inside a value, and calls that finally do not parse.
+STREAMED = {
+    "hermes": [
+        "Sure. " + TWO,
+        '<tool_call>\n{"arguments": {"x": [1, 2, {"y": "a b\\" }"}]}, "name": "late"}\n</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"s": "' + "word " * 40 + '"}}</tool_call>' + TWO,
+    ],
+    "llama3_json": [
+        '{"name": "f", "parameters": {"a": "\\u00e9", "b": 1.50}} ; {"name": "g", "parameters": {}}',
+        '<|python_tag|>{"name": "f", "parameters": {"s": "' + "word " * 40 + '"}}',
+    ],
+    "mistral": [
+        'Sure.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1.50, "b": "x \\" y"}}, {"name": "sub", "arguments": {}}]',
+        '[TOOL_CALLS]add[ARGS]{"a": 1, "s": "a [TOOL_ list [x]"}[TOOL_CALLS]sub[CALL_ID]abc123def[ARGS] {}',
+        '[TOOL_CALLS] [{"arguments": {"a": [1, {"name": "n"}]}, "name": "late"}]',
+        '[TOOL_CALLS]f[ARGS]{"s": "' + "word " * 40 + '"}[TOOL_CALLS]g[ARGS]{}',
+        '[TOOL_CALLS]f[ARGS]{"a": "[TOOL_CALLS]"}',  # (a tag inside a value: no call)
+        "[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g",
+    ],
+    "pythonic": [
+        '[get_weather(city="Paris, France", days=3), add(a=1.5, b=[1, (2, 3)], c=None, d=True)]',
+        '<|python_start|>[f(s=\'it\\\'s (here)\', t="""tri\nple""", u=r"raw\\d", v="")]<|python_end|>',
+        '[f(a="x" "y", b={"k": [1, 2]}), g(), h(s="' + "word, " * 40 + '")]',
+        "[f(a=1, # a comment, (here)\n b=2)]",
+        "[f(a=1,), g(b='\\n', c=-1)]",
+        "[f(a=1, a=2)]",  # (a repeated keyword: no call)
+        "[f(a=1), g(b=h())]",  # (not a literal: no call)
+    ],
+    "qwen3_coder": [
+        "Editing.\n<tool_call>\n<function=edit>\n<parameter=path>\n007.txt\n</parameter>\n<parameter=line>\n12\n"
+        "</parameter>\n<parameter=note>\na < b </par x\n\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=read>\n<parameter=path>\n" + "word " * 40 + "\n</parameter>\n</function>\n</tool_call>",
+        "<function=edit>\n<parameter=path>\na\n<parameter=line>\n3\n<parameter=path>\nb\n</function>",
+        "<tool_call>\n<function=edit>\n<parameter=opt>\nnull\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=edit>\n<parameter=opt>\nnot null\n</parameter>\n<parameter=path>\n\n</parameter>",
+    ],
+}
+SCHEMAS = {"edit": {"properties": {"path": {"type": "string"}, "line": {"type": "integer"}, "opt": {"type": ["string", "null"]}}}}
+
+
+@pytest.mark.parametrize("name", list(TOOL_CALL_PARSERS))
+def test_every_parser_streams_arguments_that_only_grow_to_the_response_s(name: str) -> None:
+    """Under any split, each call's arguments go out in pieces before the end, and what went
+    out is a prefix of the response's arguments (nothing sent is later changed): the pieces
+    with the last ones join to the response's calls."""
+    parser, rng = TOOL_CALL_PARSERS[name], random.Random(1)
+    for text in STREAMED[name]:
+        for stopped in (True, False):
+            want = split_calls(parser, text, stopped, SCHEMAS)
+            for _ in range(30):
+                stream, sent, pieces, at = CallStream(parser, SCHEMAS), "", [], 0
+                while at < len(text):
+                    step = rng.randint(1, 8)
+                    sent += stream.feed(text[at : at + step])
+                    pieces += stream.pieces()
+                    at += step
+                streamed = join_pieces(pieces)
+                rest, calls = stream.finish(stopped)
+                assert (sent + rest, calls) == want, text
+                if calls:
+                    assert len(streamed) <= len(calls), text
+                    for (got_name, got), (want_name, arguments) in zip(streamed, calls):
+                        assert got_name == want_name and arguments.startswith(got), (text, got, arguments)
+                    assert join_pieces([*pieces, *stream.last_pieces(calls)]) == calls, text
+    # The first call of the first text is all out before the output ends (several pieces).
+    stream, pieces = CallStream(parser, SCHEMAS), []
+    for ch in STREAMED[name][0]:
+        stream.feed(ch)
+        pieces += stream.pieces()
+    calls = stream.finish(True)[1]
+    assert calls is not None and join_pieces(pieces)[0] == calls[0]
+    assert len([p for p in pieces if p[0] == 0]) > 2
+
+
+def test_streamed_values_as_the_xml_and_python_parsers_read_them() -> None:
+    """A qwen3_coder string value streams as it comes (less a tail that may be a tag, its newlines
+    at the ends); a typed one once whole; a repeated parameter keeps its first value. A pythonic
+    plain string streams up to an escape; a triple-quoted one once whole."""
+    coder, pythonic = TOOL_CALL_PARSERS["qwen3_coder"], TOOL_CALL_PARSERS["pythonic"]
+    head = "<tool_call>\n<function=edit>\n<parameter=line>\n12\n</parameter>\n<parameter=path>\n"
+    assert coder.partial(head + "a/b\n</par", SCHEMAS) == [("edit", '{"line":12,"path":"a/b')]
+    assert coder.partial(head[: head.index("12") + 1], SCHEMAS) == [("edit", '{"line":')]  # (12, or 123?)
+    assert coder.partial(head + "a</parameter><parameter=path>b", SCHEMAS) == [("edit", '{"line":12,"path":"a"')]
+    assert split_calls(coder, head + "a</parameter><parameter=path>b</function>", True, SCHEMAS)[1] == [
+        ("edit", '{"line":12,"path":"a"}')
+    ]
+    assert coder.partial(head.replace("=path", "=opt") + "text", SCHEMAS) == [("edit", '{"line":12,"opt":')]
+    assert pythonic.partial('[f(a=1, s="ab\\"c', None) == [("f", '{"a":1,"s":"ab')]
+    assert pythonic.partial('[f(s="""abc', None) == [("f", '{"s":')]
+    assert pythonic.partial('[f(a=[1, "x', None) == [("f", '{"a":')]  # (a list: once whole)
+    assert pythonic.partial("[f(a=1), g(", None) == [("f", '{"a":1}'), ("g", "{")]
 
 
 def _formatter(stream: bool, parser: str | None = "hermes", **body: Any) -> ResponseFormatter:
@@ -352,3 +446,34 @@ def test_bare_qwen3_coder_functions_and_mistral_ids_for_every_tool_choice() -> N
         [Piece('[{"name": "add"}]', finish_reason="stop")]
     )["message"]["tool_calls"]
     assert call["id"].startswith("chatcmpl-tool-")
+
+
+@pytest.mark.parametrize("name", ["mistral", "pythonic", "qwen3_coder"])
+def test_streamed_calls_through_the_formatter_replay_alike_and_join_to_the_message(name: str) -> None:
+    """Chunks in pieces (id and name in the first, arguments after), the same again from a second
+    formatter over the same outputs (a resumed stream replays its journaled ones), and their
+    arguments join to the non-streamed message's."""
+    text = STREAMED[name][0]
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+    body = {**BODY, "tools": [ADD, *tools]}
+    outputs = [Piece(text[i : i + 5]) for i in range(0, len(text), 5)] + [Piece("", finish_reason="stop")]
+    runs = []
+    for _ in range(2):
+        fmt = ResponseFormatter(parse_chat({**body, "stream": True}, ChatParsers(name)), "chatcmpl-1", "m", None, 3, None)
+        fmt.created = 1
+        runs.append([json.dumps(c) for p in outputs for c in fmt.stream_piece(p)])
+    assert runs[0] == runs[1]
+    entries = [e for c in runs[0] for e in json.loads(c)["choices"][0]["delta"].get("tool_calls", [])]
+    assert len([e for e in entries if e["index"] == 0]) > 2  # (the first call in several pieces)
+    whole = ResponseFormatter(parse_chat(body, ChatParsers(name)), "chatcmpl-1", "m", None, 3, None)
+    whole.created = 1
+    message = whole.choice([Piece(text, finish_reason="stop")])["message"]
+    joined: dict[int, dict[str, str]] = {}
+    for e in entries:
+        call = joined.setdefault(e["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += e.get("id", "")
+        call["name"] += e["function"].get("name", "")
+        call["arguments"] += e["function"]["arguments"]
+    assert [joined[i] for i in sorted(joined)] == [
+        {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]
+    ]

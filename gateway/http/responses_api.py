@@ -10,6 +10,13 @@ A background response runs as a task of the gateway that accepted it, which hold
 does not survive that gateway: once the lease lapses (`RESPONSE_LEASE_MS`), a GET on any gateway
 reports it "failed". A cancel marks it "cancelled" in the store; the running gateway sees that
 at its next lease refresh (at once if it runs here) and stops the generation.
+
+A background response created with ``stream: true`` runs as a chat stream: the running gateway
+appends its typed events to a Redis stream (`ResponseStore.append_events`) as they come, and the
+creating request, like ``GET /v1/responses/{id}?stream=true&starting_after=N`` on any gateway
+(its owner's key only: another's gets 404), replays them from there (`replay`): those after
+sequence number N, then the live ones, until the response's last event. One whose gateway died
+ends with ``response.failed``.
 """
 
 from __future__ import annotations
@@ -35,9 +42,14 @@ from gateway.output.responses import EventStreamResponse
 from gateway.responses.events import ResponseEvents, chat_chunks, typed_sse
 from gateway.responses.objects import ResponseShell, history_messages, new_response_id
 from gateway.responses.request import ResponsesRequest, parse_responses
-from gateway.responses.store import ResponseStore, StoredResponse
+from gateway.responses.store import RUNNING, ResponseStore, StoredResponse
 
 logger = logging.getLogger("conveyor.gateway")
+
+# The events that end a response's stream.
+_LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+# How long a replay waits for the next event before it looks whether the response still runs.
+_REPLAY_WAIT_MS = 1_000
 
 # ``generate(request, spec, body, response_id)``: the served model's name, and the chat body or its SSE events.
 Generate = Callable[[Request, GenerationSpec, dict[str, Any], str], Awaitable[tuple[str, dict[str, Any] | AsyncIterator[str]]]]
@@ -65,6 +77,14 @@ class _Detached:
 
     async def is_disconnected(self) -> bool:
         return False
+
+
+def _event_stream(events: AsyncIterator[str], response_id: str) -> EventStreamResponse:
+    return EventStreamResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": response_id},
+    )
 
 
 def not_found(response_id: str) -> ApiError:
@@ -111,11 +131,7 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
             if req.store:
                 await store.save(body, [*turn, *history_messages(body["output"])], owner)
             return JSONResponse(body, headers=headers)
-        return EventStreamResponse(
-            stream(shell, out, turn, owner),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
-        )
+        return _event_stream(stream(shell, out, turn, owner), response_id)
 
     async def stream(
         shell: ResponseShell, chunks: AsyncIterator[str], turn: list[dict[str, Any]], owner: str
@@ -158,6 +174,9 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
         tenant = request_tenant(request)
         await store.hold(response_id, RESPONSE_LEASE_MS)
         await store.save(queued, turn, owner)
+        events = ResponseEvents(shell) if req.stream else None
+        if events is not None:
+            await store.append_events(response_id, events.start())
 
         async def run() -> None:
             work = asyncio.create_task(generate())
@@ -188,10 +207,14 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
             try:
                 await store.save(shell.object("in_progress", []), turn, owner, unless_cancelled=True)
                 model, out = await deps.generate(cast(Request, _Detached(tenant)), spec, chat, response_id)
-                assert isinstance(out, dict)
                 shell.model = model
-                body = shell.from_chat(out)
+                if isinstance(out, dict):
+                    body, last = shell.from_chat(out), list[dict[str, Any]]()
+                else:
+                    assert events is not None
+                    body, last = await record(events, out)
                 await store.save(body, [*turn, *history_messages(body["output"])], owner, unless_cancelled=True)
+                await store.append_events(response_id, last)  # (once stored: a GET after the last event finds it)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -206,8 +229,50 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
                 with contextlib.suppress(Exception):
                     await store.save(failed, turn, owner, unless_cancelled=True)
 
+        async def record(events: ResponseEvents, chunks: AsyncIterator[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            """Append a chat stream's events as they come but the last ones; the final response
+            and those last events."""
+            try:
+                async for item in chunks:
+                    out = [e for chunk in chat_chunks(item) for e in events.feed(chunk)]
+                    if events.final is not None:  # failed
+                        return events.final, out
+                    await store.append_events(response_id, out)
+            finally:
+                with contextlib.suppress(Exception):
+                    await cast(Any, chunks).aclose()
+            last = events.finish()
+            assert events.final is not None
+            return events.final, last
+
         deps.tasks[response_id] = asyncio.create_task(run())
-        return JSONResponse(queued, headers={"X-Request-Id": response_id})
+        if events is None:
+            return JSONResponse(queued, headers={"X-Request-Id": response_id})
+        return _event_stream(replay(response_id, owner, -1), response_id)
+
+    async def replay(response_id: str, owner: str, after: int) -> AsyncIterator[str]:
+        """A background response's typed events after sequence number ``after``, as they come,
+        until its last event (or until it ended without one: a gateway that died)."""
+        cursor, sequence = b"0-0", -1
+        while True:
+            found: StoredResponse | None = None
+            entries = await store.read_events(response_id, cursor, _REPLAY_WAIT_MS)
+            running = bool(entries)
+            if not entries:
+                found = await store.load(response_id, owner)
+                running = found is not None and found.status in RUNNING
+                if not running:  # (its last events may have come meanwhile)
+                    entries = await store.read_events(response_id, cursor, None)
+            for entry_id, event in entries:
+                cursor, sequence = entry_id, event["sequence_number"]
+                if sequence > after:
+                    yield typed_sse(event)
+                if event["type"] in _LAST_EVENTS:
+                    return
+            if not running:
+                if found is not None and found.status == "failed" and sequence >= after:
+                    yield typed_sse({"type": "response.failed", "sequence_number": sequence + 1, "response": found.response})
+                return
 
     async def stored(request: Request, response_id: str) -> StoredResponse:
         found = await store.load(response_id, deps.check_key(request).id)
@@ -217,7 +282,17 @@ def add_responses_routes(app: FastAPI, deps: ResponsesDeps) -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str) -> Response:
-        return JSONResponse((await stored(request, response_id)).response)
+        found = await stored(request, response_id)
+        if request.query_params.get("stream", "false").lower() not in ("true", "1"):
+            return JSONResponse(found.response)
+        raw = request.query_params.get("starting_after", "-1")
+        try:
+            after = int(raw)
+        except ValueError:
+            raise bad(f"starting_after must be an integer, got {preview(raw)}", "starting_after") from None
+        if not await store.has_events(response_id):
+            raise bad("only a background response created with stream: true can be streamed", "stream")
+        return _event_stream(replay(response_id, deps.check_key(request).id, after), response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:

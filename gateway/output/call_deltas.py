@@ -7,7 +7,8 @@ piece. Under ``"required"`` the text is a JSON array ``[{"name": ..., "parameter
 state across pieces, so the name goes out once its string is closed and each call's arguments
 are the text of its ``parameters`` value (whitespace outside strings dropped), piece by piece.
 Under ``"auto"`` the hermes and llama3_json parsers' call objects (``{"name", "arguments"}``,
-at the top level of their region) go through the same scanner (`gateway.output.tool_parsers`).
+at the top level of their region), and mistral's array of them, go through the same scanner
+(`gateway.output.tool_parsers`).
 The non-streamed response reads its text with the same scanner, so the argument pieces of a
 stream, however its text was split, join to the response's arguments.
 """

@@ -3,9 +3,8 @@
 A reasoning parser (`gateway.output.reasoning_parsers`) takes the model's thinking out of the text, into
 ``reasoning`` (vLLM's current name) and ``reasoning_content`` (vLLM's earlier one, DeepSeek's API's),
 dropped with vLLM's ``include_reasoning: false``; a tool-call parser (`gateway.output.tool_parsers`) then
-finds the calls in what is left, the content. Streamed, both run incrementally (calls in pieces
-where the parser streams them) and the deltas
-join to the response of the same tokens.
+finds the calls in what is left, the content. Streamed, both run incrementally (calls in pieces)
+and the deltas join to the response of the same tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class ChatOutput:
         self.schemas = schemas  # the tools' parameter schemas (a parser whose values are text types them)
         self.id_length = id_length  # of call ids (`gateway.output.tool_calls.with_ids`)
         self.reasoning_stream = ReasoningStream(reasoning, phase) if reasoning is not None else None
-        self.call_stream = CallStream(tools) if tools is not None else None
+        self.call_stream = CallStream(tools, schemas) if tools is not None else None
 
     def _with_ids(self, calls: list[Call], ids: tuple[str, int, int]) -> list[dict[str, Any]]:
         return with_ids(calls, *ids, id_length=self.id_length)
@@ -75,7 +74,7 @@ class ChatOutput:
             content = self.call_stream.feed(content)
             pieces = self.call_stream.pieces()
             if finish_reason is not None:
-                rest, calls = self.call_stream.finish(finish_reason == "stop", self.schemas)
+                rest, calls = self.call_stream.finish(finish_reason == "stop")
                 content += rest
                 if calls:
                     pieces += self.call_stream.last_pieces(calls[:1] if self.one_call else calls)

@@ -12,12 +12,16 @@ calls; ``qwen3_coder`` (Qwen3-Coder) XML whose values the tools' schemas type.
 The content is the text before the first call. A response whose calls do not all parse (bad JSON,
 no name, arguments that are not an object, a call cut short by ``max_tokens``) has none: its whole
 text is the content, as in vLLM. Streamed, text before the first call goes out as it comes (minus
-what may be the start of a call's tag, held until the next piece tells). From the tag on, hermes
-and llama3_json stream each call as vLLM does: its name (and id) once known, then its arguments
-in pieces (`gateway.output.call_deltas`); their arguments are the model's JSON text with the
-whitespace between tokens dropped, in a response too, so the pieces join to the response's. The
-other parsers' calls come whole in the final chunk. A stream and a response of the same tokens
-agree, a resumed stream included.
+what may be the start of a call's tag, held until the next piece tells). From the tag on, every
+parser streams each call as vLLM does: its name (and id) once known, then its arguments in
+pieces. hermes and llama3_json read their JSON call objects incrementally
+(`gateway.output.call_deltas`); mistral, pythonic and qwen3_coder read the text from the first
+call on again as it grows (`CallStream`), each parser's ``partial`` giving the start of every
+call's arguments that no later text can change. Arguments written as JSON (hermes, llama3_json,
+mistral) are the model's text with the whitespace between tokens dropped, in a response too;
+those built from parsed values (pythonic, qwen3_coder) are the JSON of the values read. Either
+way a streamed piece is never taken back: the pieces join to the response's arguments. A stream
+and a response of the same tokens agree, a resumed stream included.
 """
 
 from __future__ import annotations
@@ -80,6 +84,52 @@ def _loads(text: str) -> Any:
         return None
 
 
+# A JSON string (maybe still open at the end) or a run of the whitespace JSON allows between tokens.
+_STRING_OR_SPACE = re.compile(r'("[^"\\]*(?:\\.[^"\\]*)*"?)|[ \t\n\r]+', re.DOTALL)
+
+
+def compact(text: str) -> str:
+    """JSON text without the whitespace between its tokens. It reads char by char, so a text's
+    prefix compacts to a prefix of the text's compaction: streamed pieces join to the whole."""
+    return _STRING_OR_SPACE.sub(lambda m: m.group(1) or "", text)
+
+
+def _item(key: str, value: Any) -> str | None:
+    """One ``"key":value`` member of a call's arguments, as `arguments_json` writes it; None: no JSON."""
+    text = arguments_json({key: value})
+    return None if text is None else text[1:-1]
+
+
+def _key(key: str) -> str:
+    """A member's ``"key":``, as `arguments_json` writes it."""
+    return json.dumps(key, ensure_ascii=False) + ":"
+
+
+def _string_prefix(text: str) -> str:
+    """The JSON of a string value that begins with ``text``, without its closing quote."""
+    return json.dumps(text, ensure_ascii=False)[:-1]
+
+
+def _scanned(text: str, depth: int, keys: tuple[str, ...], ended: bool) -> list[Call]:
+    """The (name, arguments) of the JSON call objects in ``text`` as `CallScanner` reads them so
+    far (``ended``: the text is whole, so a call without arguments has ``{}``)."""
+    scanner = CallScanner(depth, keys)
+    pieces = scanner.feed(text)
+    return join_pieces([*pieces, *scanner.finish()] if ended else pieces)
+
+
+def _as_written(calls: list[Call], scanned: list[Call]) -> list[Call]:
+    """``calls`` with the arguments as the model wrote them (``scanned``: compacted JSON text) where
+    both readings agree; an object with two argument keys, or stray JSON between calls, keeps
+    the parser's reading."""
+    if len(scanned) != len(calls):
+        return calls
+    return [
+        (name, raw) if raw_name == name and _loads(raw) == _loads(arguments) else (name, arguments)
+        for (name, arguments), (raw_name, raw) in zip(calls, scanned)
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class HermesParser:
     """Calls as JSON objects between ``<tool_call>`` and ``</tool_call>``, anywhere in the text."""
@@ -117,6 +167,11 @@ class HermesParser:
                 break
             at = close + len(self.end)
         return calls or None
+
+    def partial(self, region: str, schemas: Schemas | None = None) -> list[Call]:
+        """The calls begun in ``region`` so far: each name once known, with the start of its
+        arguments that no later text changes (a prefix of the whole call's)."""
+        return _scanned(region, 1, self.argument_keys, False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +218,9 @@ class Llama3JsonParser:
                 return None
             at += 1
 
+    def partial(self, region: str, schemas: Schemas | None = None) -> list[Call]:
+        return _scanned(region, 1, self.argument_keys, False)
+
 
 @dataclass(frozen=True, slots=True)
 class MistralParser:
@@ -174,7 +232,7 @@ class MistralParser:
     start: str = "[TOOL_CALLS]"
     args: str = "[ARGS]"
     id_length: int = 9
-    argument_keys: tuple[str, ...] = ()  # (calls come whole at the end)
+    argument_keys: tuple[str, ...] = ()  # (not one JSON object per call: streamed by `partial`)
 
     def find(self, text: str, fresh: bool) -> int:
         return text.find(self.start)
@@ -190,15 +248,39 @@ class MistralParser:
             value = _loads(body)
             if not isinstance(value, list) or not value:
                 return None
-            calls = [_call(v, ARGUMENT_KEYS) for v in value]
+            found = [_call(v, ARGUMENT_KEYS) for v in value]
         else:
-            calls = []
-            for part in region.split(self.start)[1:]:
-                name, found, arguments = part.partition(self.args)
-                name = name.partition("[CALL_ID]")[0]  # (v11 chat turns put an id there; a model may echo it)
-                value = _loads(arguments.strip())
-                calls.append(_call({"name": name.strip(), "arguments": value}, ARGUMENT_KEYS) if found and name.strip() else None)
-        return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+            found = []
+            for name, arguments in self._v11_parts(region):
+                value = _loads(arguments)
+                found.append(_call({"name": name, "arguments": value}, ARGUMENT_KEYS) if name is not None else None)
+        calls = [c for c in found if c is not None]
+        if len(calls) < len(found):
+            return None
+        # The arguments as written (compacted), which the streamed pieces join to.
+        return _as_written(calls, _scanned(body, 2, ARGUMENT_KEYS, True) if body.startswith("[") else self.partial(region))
+
+    def _v11_parts(self, region: str) -> list[tuple[str | None, str]]:
+        """Each call's name (None: none) and arguments text in v11's ``name[ARGS]{...}`` form."""
+        parts: list[tuple[str | None, str]] = []
+        for part in region.split(self.start)[1:]:
+            name, found, arguments = part.partition(self.args)
+            name = name.partition("[CALL_ID]")[0].strip()  # (v11 chat turns put an id there; a model may echo it)
+            parts.append((name if found and name else None, arguments))
+        return parts
+
+    def partial(self, region: str, schemas: Schemas | None = None) -> list[Call]:
+        """As `HermesParser.partial`; a tail that may begin ``[TOOL_CALLS]`` waits (in v11's form
+        it ends the arguments before it)."""
+        body = region[len(self.start) :].lstrip()
+        if body.startswith("["):
+            return _scanned(body, 2, ARGUMENT_KEYS, False)
+        out: list[Call] = []
+        for name, arguments in self._v11_parts(region[: len(region) - tag_prefix(region, self.start)]):
+            if name is None:
+                break
+            out.append((name, compact(arguments)))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +314,8 @@ class PythonicParser:
             for node in tree.elts:
                 if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
                     return None
-                if any(k.arg is None for k in node.keywords):  # (``**kwargs``)
+                names = [k.arg for k in node.keywords]
+                if None in names or len(set(names)) < len(names):  # (``**kwargs``; a repeated keyword)
                     return None
                 arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
                 found.append(_call({"name": node.func.id, "arguments": arguments}, ARGUMENT_KEYS))
@@ -240,10 +323,134 @@ class PythonicParser:
             return None
         return None if any(c is None for c in found) else [c for c in found if c is not None]
 
+    def partial(self, region: str, schemas: Schemas | None = None) -> list[Call]:
+        """As `HermesParser.partial`: a call's name once its ``(`` comes, then each keyword as
+        ``"key":`` once its ``=`` comes and its value once the ``,`` or ``)`` after it does (a
+        plain string value as its characters come, up to a backslash). Anything Python reads
+        otherwise (a comment, a line continuation, a value that is not a literal) stops the
+        streaming: the rest comes whole at the end."""
+        body = region.lstrip().removeprefix(self.tags[0]).lstrip()
+        if not body.startswith("["):
+            return []
+        return _PythonicReader(body).read()
+
+
+class _PythonicReader:
+    """One pass of `PythonicParser.partial` over the text of a list of calls: brackets and strings
+    are tracked (quotes, triple quotes, escapes) to find the top-level commas and parentheses."""
+
+    def __init__(self, body: str) -> None:
+        self.body = body
+        self.calls: list[tuple[str, list[str], bool]] = []  # name, "key":value members, closed
+        self.seen: set[str] = set()  # the open call's keywords
+
+    def read(self) -> list[Call]:
+        body, at, depth, start = self.body, 1, 1, 1  # (start: of the current call, or keyword)
+        open_string = -1  # where a string still open at the end begins
+        while at < len(body):
+            ch = body[at]
+            if ch in "\"'":
+                quote = ch * 3 if body.startswith(ch * 3, at) else ch
+                end = self._string_end(at + len(quote), quote)
+                if end < 0:
+                    open_string = at
+                    break
+                at = end
+                continue
+            if ch in "#\\":
+                return self._out(None)
+            if ch in "([{":
+                if depth == 1:  # (only a call opens here)
+                    name = body[start:at].strip()
+                    if ch != "(" or not name.isidentifier():
+                        return self._out(None)
+                    self.calls.append((name, [], False))
+                    self.seen = set()
+                    start = at + 1
+                depth += 1
+            elif ch in ")]}" or (ch == "," and depth <= 2):
+                if depth == 2 and ch in "),":
+                    if not self._keyword(body[start:at], ch == ")"):
+                        return self._out(None)
+                    start = at + 1
+                elif depth == 1 and ch == ",":
+                    start = at + 1
+                if ch != ",":
+                    depth -= 1
+                    if depth == 0:
+                        break
+            at += 1
+        return self._out(self._open_keyword(body[start:], open_string - start) if depth >= 2 else None)
+
+    def _string_end(self, at: int, quote: str) -> int:
+        """Where the string whose text begins at ``at`` ends (after its quote); -1: still open."""
+        while True:
+            found = [i for i in (self.body.find(quote, at), self.body.find("\\", at)) if i >= 0]
+            if not found:
+                return -1
+            at = min(found)
+            if self.body[at] == "\\":
+                at += 2
+                continue
+            return at + len(quote)
+
+    def _keyword(self, text: str, closes: bool) -> bool:
+        """One whole ``key=value`` of the open call (``closes``: its ``)`` follows); False: it is
+        none the parser would take."""
+        name, members, _ = self.calls[-1]
+        if not text.strip() and closes:  # (``f()``, or a trailing comma)
+            self.calls[-1] = (name, members, True)
+            return True
+        key, eq, value = text.partition("=")
+        key = key.strip()
+        if not (eq and key.isidentifier()) or key in self.seen:
+            return False
+        try:
+            member = _item(key, ast.literal_eval(value.strip()))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return False
+        if member is None:
+            return False
+        self.seen.add(key)
+        members.append(member)
+        self.calls[-1] = (name, members, closes)
+        return True
+
+    def _open_keyword(self, text: str, string_at: int) -> str | None:
+        """The open call's keyword being written: ``"key":`` and the start of a plain string value
+        still open at the end (``string_at``: where in ``text``; negative: none)."""
+        before, eq, value = text.partition("=")
+        key = before.strip()
+        if not (eq and key.isidentifier()) or key in self.seen:
+            return None
+        head = _key(key)
+        begins = len(before) + 1 + len(value) - len(value.lstrip())  # (where the value begins)
+        quote = value.lstrip()[:1]
+        if string_at != begins or not quote or value.lstrip().startswith(quote * 3):
+            return head
+        chars = value.lstrip()[1:]
+        for stop in ("\\", quote):  # (up to an escape; a closing quote may have a literal after it)
+            chars = chars.partition(stop)[0]
+        return head + _string_prefix(chars)
+
+    def _out(self, tail: str | None) -> list[Call]:
+        """The calls read, the open one's arguments ending with ``tail`` (its keyword being written)."""
+        out: list[Call] = []
+        for i, (name, members, closed) in enumerate(self.calls):
+            arguments = "{" + ",".join(members)
+            if closed:
+                arguments += "}"
+            elif tail is not None and i == len(self.calls) - 1:
+                arguments += ("," if members else "") + tail
+            out.append((name, arguments))
+        return out
+
 
 # (A name stops at "<" too, so a run of "<function=" is read in linear time, not quadratic.)
 _FUNCTION = re.compile(r"<function=([^>\n<]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n<]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+# What may end a value (a tail that may begin one waits while streaming).
+_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "<tool_call>", "</tool_call>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +458,7 @@ class Qwen3CoderParser:
     """Qwen3-Coder's XML calls: ``<tool_call><function=NAME><parameter=P>value</parameter>...
     </function></tool_call>``, or the functions without the ``<tool_call>`` around them (as
     vLLM's reads them too). A value is text, typed by its parameter's schema in the request's tools
-    (`_typed`)."""
+    (`_typed`); a parameter given twice keeps its first value (so what streamed of it stays)."""
 
     name: str = "qwen3_coder"
     start: str = "<tool_call>"
@@ -281,17 +488,82 @@ class Qwen3CoderParser:
                 return None
             for function in functions:
                 name = function.group(1).strip()
-                properties = ((schemas or {}).get(name) or {}).get("properties")
-                properties = properties if isinstance(properties, dict) else {}
-                arguments = {
-                    key.strip(): _typed(value.removeprefix("\n").removesuffix("\n"), properties.get(key.strip()))
-                    for key, value in _PARAMETER.findall(function.group(2))
-                }
+                properties = _properties(schemas, name)
+                arguments: dict[str, Any] = {}
+                for key, value in _PARAMETER.findall(function.group(2)):
+                    if key.strip() not in arguments:
+                        arguments[key.strip()] = _typed(value.removeprefix("\n").removesuffix("\n"), properties.get(key.strip()))
                 call = _call({"name": name, "arguments": arguments}, ARGUMENT_KEYS) if name else None
                 if call is None:
                     return None
                 calls.append(call)
         return calls or None
+
+    def partial(self, region: str, schemas: Schemas | None = None) -> list[Call]:
+        """As `HermesParser.partial`: a call's name once its ``<function=NAME>`` is whole, then
+        each parameter's ``"key":`` once its tag is, its value once it ends (a string value as
+        its characters come: one its schema types a string, or no schema types)."""
+        if region.startswith(self.start):
+            parts = [b.partition(self.end) for b in region.split(self.start)[1:]]
+            blocks = [(body, bool(closed) or i < len(parts) - 1) for i, (body, closed, _) in enumerate(parts)]
+        else:
+            blocks = [(region, False)]
+        out: list[Call] = []
+        for body, whole in blocks:
+            functions = list(_FUNCTION.finditer(body))
+            for function in functions:
+                name = function.group(1).strip()
+                if not name:
+                    return out
+                ended = whole or function.group(0).endswith("</function>")
+                out.append((name, _partial_arguments(function.group(2), ended, _properties(schemas, name))))
+            if not functions:
+                break
+        return out
+
+
+def _properties(schemas: Schemas | None, name: str) -> dict[str, Any]:
+    """The ``properties`` of function ``name``'s parameter schema ({}: none)."""
+    properties = ((schemas or {}).get(name) or {}).get("properties")
+    return properties if isinstance(properties, dict) else {}
+
+
+def _partial_arguments(text: str, ended: bool, properties: dict[str, Any]) -> str:
+    """The arguments JSON of a qwen3_coder function whose body so far is ``text`` (``ended``: all
+    of it), as far as later text cannot change it."""
+    members: list[str] = []
+    seen: set[str] = set()
+    tail = ""
+    for match in _PARAMETER.finditer(text):
+        key, value = match.group(1).strip(), match.group(2)
+        if key in seen:
+            continue
+        schema = properties.get(key)
+        if not (ended or match.end() < len(text) or match.group(0).endswith("</parameter>")):
+            tail = _open_value(key, value, schema)  # (the last parameter, still being written)
+            break
+        member = _item(key, _typed(value.removeprefix("\n").removesuffix("\n"), schema))
+        if member is None:  # (no JSON: the call will not parse)
+            break
+        seen.add(key)
+        members.append(member)
+    if ended:
+        return "{" + ",".join(members) + "}"
+    return "{" + ",".join([*members, tail] if tail else members)
+
+
+def _open_value(key: str, value: str, schema: Any) -> str:
+    """``"key":`` and the start of a value still being written, where it is a string whatever
+    comes (`_typed`): the text so far, less a tail that may begin a closing tag, its first
+    newline and a last one (the value drops one at each end)."""
+    kinds = _types(schema)
+    if "null" in kinds or (kinds and "string" not in kinds):
+        return _key(key)
+    value = value[: len(value) - max(tag_prefix(value, end) for end in _VALUE_ENDS)]
+    if not value:
+        return _key(key)
+    value = value.removeprefix("\n")
+    return _key(key) + _string_prefix(value[:-1] if value.endswith("\n") else value)
 
 
 def _types(schema: Any) -> list[str]:
@@ -361,43 +633,60 @@ def parse_region(parser: ToolCallParser, region: str, stopped: bool, schemas: Sc
     calls = parser.parse(region, stopped, schemas)
     if not calls or not parser.argument_keys:
         return calls
-    scanner = CallScanner(1, parser.argument_keys)
-    scanned = join_pieces([*scanner.feed(region), *scanner.finish()])
-    if len(scanned) != len(calls):
-        return calls
-    # (the scanner takes the first argument key it meets, the parser its own first: an object
-    # with both, or stray JSON between calls, keeps the parser's reading)
-    return [
-        (name, raw) if raw_name == name and _loads(raw) == _loads(arguments) else (name, arguments)
-        for (name, arguments), (raw_name, raw) in zip(calls, scanned)
-    ]
+    # (the scanner takes the first argument key it meets, the parser its own first)
+    return _as_written(calls, _scanned(region, 1, parser.argument_keys, True))
+
+
+# A parser without a scanner re-reads its calls' text once it has grown by this fraction of itself
+# since it last did (or more): the reading of a long call costs a constant factor of its length.
+REREAD_GROWTH = 8
 
 
 class CallStream:
     """One streamed choice's text through a parser: `feed` returns the content that can go out now,
-    `pieces` the call pieces it completed (a parser with ``argument_keys``); `finish` the rest
-    of the content and the calls once the output has ended, and `last_pieces` what of them is
-    still to go out."""
+    `pieces` the call pieces it completed; `finish` the rest of the content and the calls once
+    the output has ended, and `last_pieces` what of them is still to go out. A parser whose
+    calls are JSON objects (``argument_keys``) has them read incrementally (`CallScanner`); the
+    others' `partial` reads the text from the first call on again as it grows, and what it
+    reads beyond what was sent goes out."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, schemas: Schemas | None = None) -> None:
         self.parser = parser
+        self.schemas = schemas
         self.held = ""  # text not sent: an undecided tail
         self.calls: list[str] = []  # everything from the first call on (joined once at the end: joining per piece is quadratic)
         self.in_calls = False
         self.fresh = True  # no content sent yet
         self.scanner = CallScanner(1, parser.argument_keys) if parser.argument_keys else None
         self.new: list[CallPiece] = []  # pieces not yet taken
-        self.sent: dict[int, str] = {}  # call index -> its arguments sent (its name went out)
+        self.sent: dict[int, str] = {}  # call index -> its arguments sent or to be (its name went out)
+        self.size = 0  # of the text from the first call on
+        self.read_at = 0  # its size when `partial` last read it
 
     def _scan(self, text: str) -> None:
+        self.size += len(text)
         if self.scanner is not None:
-            self.new += self.scanner.feed(text)
+            self._queue(self.scanner.feed(text))
+        elif (self.size - self.read_at) * REREAD_GROWTH >= self.size:
+            self.read_at = self.size
+            self.calls[:] = ["".join(self.calls)]
+            pieces: list[CallPiece] = []
+            for index, (name, arguments) in enumerate(self.parser.partial(self.calls[0], self.schemas)):
+                sent = self.sent.get(index)
+                if sent is None:
+                    pieces.append((index, name, arguments))
+                elif len(arguments) > len(sent) and arguments.startswith(sent):
+                    pieces.append((index, None, arguments[len(sent) :]))
+            self._queue(pieces)
+
+    def _queue(self, pieces: list[CallPiece]) -> None:
+        self.new += pieces
+        for index, _name, arguments in pieces:
+            self.sent[index] = self.sent.get(index, "") + arguments
 
     def pieces(self) -> list[CallPiece]:
-        """The call pieces completed since the last call (each noted as sent)."""
+        """The call pieces completed since the last call."""
         out, self.new = self.new, []
-        for index, _name, arguments in out:
-            self.sent[index] = self.sent.get(index, "") + arguments
         return out
 
     def last_pieces(self, calls: list[Call]) -> list[CallPiece]:
@@ -429,9 +718,9 @@ class CallStream:
         self.fresh = self.fresh and not out
         return out
 
-    def finish(self, stopped: bool, schemas: Schemas | None = None) -> tuple[str, list[Call] | None]:
+    def finish(self, stopped: bool) -> tuple[str, list[Call] | None]:
         """What is left to send as content, and the calls (None: none; the held text is content)."""
         held, self.held = self.held + "".join(self.calls), ""
         self.calls.clear()
-        calls = parse_region(self.parser, held, stopped, schemas) if self.in_calls else None
+        calls = parse_region(self.parser, held, stopped, self.schemas) if self.in_calls else None
         return ("", calls) if calls else (held, None)

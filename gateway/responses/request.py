@@ -79,8 +79,6 @@ def parse_responses(body: Any) -> ResponsesRequest:
     background = get_bool(body, "background", False)
     if background and not store:
         raise bad("'background' requires 'store' to be true", "background")
-    if background and stream:
-        raise bad("'background' with 'stream' is not supported by this server: poll GET /v1/responses/{id}", "stream")
     previous = get_field(body, "previous_response_id", lambda v: isinstance(v, str) and v != "", "a response id", None)
     metadata = get_field(body, "metadata", lambda v: isinstance(v, dict), "an object", None)
     tools = get_field(body, "tools", lambda v: isinstance(v, list), "an array", [])

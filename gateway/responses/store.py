@@ -7,7 +7,10 @@ response past ``MAX_STORED_RESPONSE_BYTES`` is not kept at all.
 
 A background response is run by the gateway that accepted it, which holds its lease
 (`Names.response_lease`, `RESPONSE_LEASE_MS`) while it runs: a response still queued or in
-progress whose lease has lapsed belongs to a gateway that died, and reads as "failed".
+progress whose lease has lapsed belongs to a gateway that died, and reads as "failed". One
+created with ``stream: true`` also appends its typed events to a Redis stream
+(`Names.response_events`, capped at ``RESPONSE_EVENTS_MAXLEN``, with the response's TTL), which any
+gateway replays to the response's owner (`gateway.http.responses_api`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from common.protocol import MAX_STORED_RESPONSE_BYTES, Names
+from common.protocol import MAX_STORED_RESPONSE_BYTES, RESPONSE_EVENTS_MAXLEN, Names
 from common.transport import Transport
 
 logger = logging.getLogger("conveyor.gateway")
@@ -31,6 +34,7 @@ return 1
 """
 RUNNING = ("queued", "in_progress")
 DEADLINE_S = 5.0
+_EVENT_FIELD = b"e"
 
 
 @dataclass(slots=True)
@@ -89,7 +93,11 @@ class ResponseStore:
             return False
         r = self.transport.redis
         await self.transport.call(
-            r.delete, self.names.response(response_id), self.names.response_lease(response_id), deadline_s=DEADLINE_S
+            r.delete,
+            self.names.response(response_id),
+            self.names.response_lease(response_id),
+            self.names.response_events(response_id),
+            deadline_s=DEADLINE_S,
         )
         return True
 
@@ -99,6 +107,34 @@ class ResponseStore:
         await self.transport.call(r.set, self.names.response_lease(response_id), "1", px=lease_ms, deadline_s=DEADLINE_S)
         status = await self.transport.call(r.hget, self.names.response(response_id), "status", deadline_s=DEADLINE_S)
         return status.decode() if status is not None else None
+
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> None:
+        """Append a background response's typed events to its event stream (one round trip)."""
+        if not events:
+            return
+        key = self.names.response_events(response_id)
+
+        def attempt() -> Any:  # a new pipeline per try
+            pipe: Any = self.transport.redis.pipeline(transaction=False)
+            for event in events:
+                data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+                pipe.xadd(key, {_EVENT_FIELD: data}, maxlen=RESPONSE_EVENTS_MAXLEN, approximate=False)
+            pipe.pexpire(key, self.ttl_ms)
+            return pipe.execute()
+
+        await self.transport.call(attempt, deadline_s=DEADLINE_S)
+
+    async def has_events(self, response_id: str) -> bool:
+        r = self.transport.redis
+        return bool(await self.transport.call(r.exists, self.names.response_events(response_id), deadline_s=DEADLINE_S))
+
+    async def read_events(self, response_id: str, after: bytes, block_ms: int | None) -> list[tuple[bytes, dict[str, Any]]]:
+        """The events after stream entry ``after`` (``b"0-0"``: all), waiting up to ``block_ms``
+        for one (None: not at all)."""
+        r = self.transport.redis
+        key = self.names.response_events(response_id)
+        reply = await self.transport.call(r.xread, {key: after}, count=1024, block=block_ms, deadline_s=DEADLINE_S)
+        return [(entry_id, json.loads(fields[_EVENT_FIELD])) for _, entries in reply or [] for entry_id, fields in entries]
 
     async def release(self, response_id: str) -> None:
         r = self.transport.redis

@@ -28,8 +28,8 @@ from typing import Any
 from bench.prefix_overhead import NullExecutor
 from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
-from scheduler.cache_manager import cache_manager_for
 from scheduler.engine_core import EngineCore, InlineExecutor
+from scheduler.kv_groups import cache_manager_for
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 from common.config import ExecutorInfo, SchedulerConfig
 from common.protocol import ExecutorOutput, SchedulerOutput
-from scheduler.cache_manager import CacheManager
 from scheduler.displacement import plan_room
+from scheduler.kv_groups import KVCacheManager
 from scheduler.request import Request, RequestStatus, StepOutput
 from scheduler.request_queue import WaitingQueue, pick_victim
 from scheduler.step_bytes import check_fits, new_request_bytes, prompt_logprob_bytes, sampling_bytes
@@ -77,7 +77,7 @@ class Scheduler:
     table has; when the cache manager nulls more, the whole table is resent.
     """
 
-    def __init__(self, config: SchedulerConfig, cache_manager: CacheManager, info: ExecutorInfo) -> None:
+    def __init__(self, config: SchedulerConfig, cache_manager: KVCacheManager, info: ExecutorInfo) -> None:
         self.config = config
         self.cache = cache_manager
         self.info = info
@@ -438,7 +438,7 @@ class Scheduler:
         return outputs
 
     # -- executor faults (see the module's docstring, "Faults") -----------------------------
-    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> dict[str, str]:
+    def reset_executor(self, info: ExecutorInfo, cache_manager: KVCacheManager) -> dict[str, str]:
         """Carry on with another executor and KV pool: running requests are preempted (recompute).
         Those it cannot serve (a shorter ``max_model_len``, a smaller vocabulary) are failed, and
         returned with why (kept, one would preempt itself forever or fail its steps)."""

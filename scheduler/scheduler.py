@@ -81,6 +81,7 @@ class Scheduler:
         self.config = config
         self.cache = cache_manager
         self.info = info
+        self.num_kv_groups = max(1, len(info.kv_group_windows))  # entries per block of a table
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -116,7 +117,7 @@ class Scheduler:
         if request.priority and not self.waiting.by_priority:
             raise ValueError(f"priority {request.priority} needs the priority scheduling policy (this engine's is fcfs)")
         request.sampling_bytes = sampling_bytes(request)
-        check_fits(request, self.cache.block_size, self.max_model_len, self.max_step_bytes)
+        check_fits(request, self.cache.block_size, self.max_model_len, self.max_step_bytes, self.num_kv_groups)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -235,7 +236,7 @@ class Scheduler:
             by_priority = self.waiting.by_priority
             if len(self.running) >= self.config.max_num_seqs and not by_priority:
                 break
-            cost = new_request_bytes(request, self.cache.block_size)
+            cost = new_request_bytes(request, self.cache.block_size, self.num_kv_groups)
             per = prompt_logprob_bytes(request) if request.needs_prompt_logprobs else 0
             if cost + per > wire and wire < self.max_step_bytes:  # the step is full: it goes next (FCFS)
                 break
@@ -448,6 +449,7 @@ class Scheduler:
             request.block_hashes.clear()  # they depend on the block size, which may change
         self.info = info
         self.cache = cache_manager
+        self.num_kv_groups = max(1, len(info.kv_group_windows))
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
         unfit: dict[str, str] = {}

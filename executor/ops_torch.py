@@ -323,16 +323,16 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         x2.copy_(r2)
 
 
-# Memo entries kept per step: one per KV-cache group (a step's first unseen key of a full memo
-# starts it afresh, so a model with more groups only recomputes, never errs).
-_MEMO_SIZE = 8
+# More entries than any model has KV-cache groups: a bound for callers whose steps share buffers.
+_MEMO_LIMIT = 64
 
 
-def _remember(memo: list, key: object, value: object) -> None:
-    """Add ``(key, value)`` to ``memo``, dropping every entry first when it is full."""
-    if len(memo) >= _MEMO_SIZE:
+def _remember(memo: list, step: object, key: object, value: object) -> None:
+    """Add ``(step, key, value)`` to ``memo``, first dropping entries of another step (what the
+    step's tensors share: a step memoises one entry per KV-cache group)."""
+    if memo and (memo[0][0] is not step or len(memo) >= _MEMO_LIMIT):
         memo.clear()
-    memo.append((key, value))
+    memo.append((step, key, value))
 
 
 class TorchOpsState:
@@ -351,9 +351,9 @@ class TorchOpsState:
     def __init__(self) -> None:
         # (metadata, its plan) and (slot mapping, its kept slots) of the step: one each, or one
         # per KV-cache group of a hybrid model (each group has its own tables and slots).
-        self._plans: list[tuple[AttentionMetadata, _Plan]] = []
+        self._plans: list[tuple[torch.Tensor, AttentionMetadata, _Plan]] = []
         self._workspace: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
-        self._keeps: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._keeps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._rope_key: torch.Tensor | None = None
         # (table, cos, sin) of each cos/sin table used with the step's positions (layer types
         # with their own rotary, such as Gemma 3's local and global layers, have one each).
@@ -372,10 +372,10 @@ class TorchOpsState:
     ) -> torch.Tensor:
         """`paged_attention`, with the step's plan (and its masks) built once and gathers into
         reused buffers."""
-        plan = next((p for m, p in self._plans if m is meta), None)
+        plan = next((p for _, m, p in self._plans if m is meta), None)
         if plan is None:
             plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
-            _remember(self._plans, meta, plan)
+            _remember(self._plans, meta.query_start_loc, meta, plan)  # the groups' metadata share it
         return _attend(q, k_cache, v_cache, plan, scale, self._workspace, sliding_window, sinks, softcap)
 
     def write_kv(
@@ -387,10 +387,11 @@ class TorchOpsState:
         slot_mapping: torch.Tensor,
     ) -> None:
         """`write_kv`, with the step's kept slots found once."""
-        found = [kept for slots, kept in self._keeps if slots is slot_mapping]
+        found = [kept for _, slots, kept in self._keeps if slots is slot_mapping]
         keep = found[0] if found else _kept_slots(slot_mapping)
-        if not found:
-            _remember(self._keeps, slot_mapping, keep)
+        if not found:  # the groups' slot mappings are rows of one tensor
+            base = slot_mapping._base
+            _remember(self._keeps, slot_mapping if base is None else base, slot_mapping, keep)
         _write_kv(key, value, k_cache, v_cache, slot_mapping, keep)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

@@ -3,6 +3,8 @@
     python -m bench.window_kv --num-requests 24 --max-tokens 128 --max-num-batched-tokens 1024 --num-blocks 300
     python -m bench.window_kv --executor null --prompt-len 8192 --max-model-len 8800 --num-blocks 1100 \
         --num-requests 160 --max-tokens 512 --max-num-batched-tokens 2048       # or: conveyor bench window-kv ...
+    python -m bench.window_kv --arch gemma3 --window 128 ...                    # a hybrid checkpoint
+    python -m bench.window_kv --executor null --pattern 5:1 ...                 # Gemma 3's layer mix
 
 A Mistral checkpoint whose every layer has a sliding window far shorter than the prompts (a tiny
 random one made here, `executor.make_model`), ``--num-requests`` prompts submitted together to one
@@ -14,6 +16,11 @@ and wall time, and checks that both modes produced the same tokens.
 ``--executor null`` swaps the model for one that samples token 1 at once (the scheduler and its
 block tables are the real ones): the schedule does not depend on token values here (``ignore_eos``),
 so its concurrency equals the model's, and it reaches 8k-token prompts that a CPU computes slowly.
+
+Hybrid models (some layers full attention: ``--arch gemma2``/``gemma3``/``gpt_oss``, or
+``--pattern R:1`` for the null executor, R window layers per full one) run KV-cache groups
+(`scheduler.kv_groups`): ``--num-blocks`` is then the budget in blocks of every layer, as the
+executor's ``num_blocks`` means, and the pool holds that memory in blocks of one layer slot.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from typing import Any
 from bench.prefix_overhead import NullExecutor
 from common.config import SchedulerConfig
 from common.sampling_params import SamplingParams
-from scheduler.cache_manager import cache_manager_for
+from executor.input_batch import PersistentBatch
 from scheduler.engine_core import EngineCore, InlineExecutor
+from scheduler.kv_groups import cache_manager_for
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
@@ -69,8 +77,14 @@ def run_mode(free: bool, prompts: list[list[int]], args: argparse.Namespace, mod
         args.max_num_batched_tokens, args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching, free_window_blocks=free
     )
     if model is None:
-        executor: Any = NullExecutor(args.num_blocks, args.block_size, args.max_model_len)
-        executor.info.sliding_window = args.window
+        ratio = None if args.pattern == "all" else int(args.pattern.split(":")[0])
+        groups = 1 if ratio is None else ratio + 1  # one full group, R window groups, one layer slot
+        executor: Any = NullExecutor(args.num_blocks * groups, args.block_size, args.max_model_len)
+        if ratio is None:
+            executor.info.sliding_window = args.window
+        else:
+            executor.info.kv_group_windows = [0] + [args.window] * ratio
+            executor.state = PersistentBatch(args.block_size, None, groups)
         sched = Scheduler(config, cache_manager_for(executor.info, config), executor.info)
         return drive(EngineCore(sched, InlineExecutor(executor)), sched, prompts, args.max_tokens)
     from gateway.llm import LLM
@@ -88,7 +102,8 @@ def run_mode(free: bool, prompts: list[list[int]], args: argparse.Namespace, mod
         free_window_blocks=free,
     )
     try:
-        assert llm.executor.info.sliding_window == args.window
+        info = llm.executor.info
+        assert info.sliding_window == args.window or args.window in info.kv_group_windows
         return drive(llm.engine_core, llm.scheduler, prompts, args.max_tokens)
     finally:
         llm.shutdown()
@@ -97,7 +112,9 @@ def run_mode(free: bool, prompts: list[list[int]], args: argparse.Namespace, mod
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--executor", choices=("model", "null"), default="model")
-    ap.add_argument("--window", type=int, default=128, help="the checkpoint's sliding window (every layer)")
+    ap.add_argument("--arch", choices=("mistral", "gemma2", "gemma3"), default="mistral", help="the checkpoint (model executor)")
+    ap.add_argument("--pattern", default="all", help="null executor: 'all' layers windowed, or 'R:1' window to full layers")
+    ap.add_argument("--window", type=int, default=128, help="the checkpoint's sliding window (its window layers)")
     ap.add_argument("--prompt-len", type=int, default=1900)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=16)
@@ -120,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.executor == "model":
             from executor.make_model import make_model
 
-            model = str(make_model("mistral", "tiny", args.seed, tmp, sliding_window=args.window))
+            model = str(make_model(args.arch, "tiny", args.seed, tmp, sliding_window=args.window))
         results = {free: run_mode(free, prompts, args, model) for free in (False, True)}
     print(
-        f"{args.executor} executor: {args.num_requests} requests of {args.prompt_len} prompt + {args.max_tokens} output "
+        f"{args.executor} executor ({args.arch if args.executor == 'model' else 'layers ' + args.pattern}): "
+        f"{args.num_requests} requests of {args.prompt_len} prompt + {args.max_tokens} output "
         f"tokens, window {args.window}, {args.num_blocks} blocks of {args.block_size} "
         f"({args.num_blocks * args.block_size} tokens), chunk {args.max_num_batched_tokens}, "
         f"prefix caching {'off' if args.no_prefix_caching else 'on'}"

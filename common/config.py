@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Limits of the integer options: the engine stores token counts and block ids as int32.
 _INT32_MAX = 2**31 - 1
@@ -171,6 +171,9 @@ class ExecutorInfo:
     ``sliding_window``: the window every attention layer shares (None: some layer attends to the
     whole sequence), so the scheduler may free blocks behind it; the executor's KV tensors then
     hold one block past the pool (id ``num_blocks``), zero and never written: the null block.
+    ``kv_group_windows``: a hybrid model's KV-cache groups, each group's window (0: full
+    attention); its blocks are one layer slot's, its tables per group (`scheduler.kv_groups`),
+    and it has the null block too. Empty: one group, every layer's block together.
     """
 
     model_name: str
@@ -180,6 +183,7 @@ class ExecutorInfo:
     eos_token_ids: list[int]
     vocab_size: int
     sliding_window: int | None = None
+    kv_group_windows: list[int] = field(default_factory=list)
 
 
 class ServiceDefaults:

@@ -231,6 +231,7 @@ class ExecutorHello:
     vocab_size: int
     eos_token_ids: list[int] = packed("i")
     sliding_window: int = 0  # `ExecutorInfo.sliding_window`; 0: none
+    kv_group_windows: list[int] = packed("i")  # `ExecutorInfo.kv_group_windows`
 
 
 @dataclass(slots=True)

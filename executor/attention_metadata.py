@@ -15,6 +15,9 @@ class AttentionMetadata:
     Sequence ``i`` attends causally over its first ``seq_lens[i]`` cached positions; its new
     tokens are the last ``query_lens[i]`` of those, so token ``j`` of the chunk sits at position
     ``seq_lens[i] - query_lens[i] + j``.
+
+    KV-cache groups (a hybrid model): ``per_layer[i]`` is layer i's group's metadata (its own
+    ``block_tables`` and ``slot_mapping``, the rest shared); None: every layer uses this one.
     """
 
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1] (cu_seqlens_q)
@@ -26,6 +29,7 @@ class AttentionMetadata:
     # Host copies, so CPU paths can loop without device syncs.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    per_layer: list[AttentionMetadata] | None = None
 
     @property
     def num_seqs(self) -> int:

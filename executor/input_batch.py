@@ -56,6 +56,10 @@ class Batch:
     ``prompt_lp``: per sequence with ``prompt_logprobs`` whose step computes prompt positions that
     predict a prompt token, ``(sequence index, how many: from its first new token, top-k)``;
     ``prompt_lp_targets``: those predicted prompt tokens, concatenated.
+
+    KV-cache groups (a hybrid model, ``num_groups`` G > 1, see `executor.kv_groups`): each
+    ``block_tables`` entry is the groups' tables interleaved (entry ``i * G + g``: group g's block
+    i), and ``slot_mapping`` holds G rows of ``num_tokens``, group by group.
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -71,6 +75,7 @@ class Batch:
     token_counts: TokenCountStep | None = None
     prompt_lp: list[tuple[int, int, int]] = field(default_factory=list)
     prompt_lp_targets: list[int] = field(default_factory=list)
+    num_groups: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -85,7 +90,8 @@ class Batch:
         n = self.num_seqs
         assert len(self.query_lens) == len(self.seq_lens) == len(self.block_tables) == n
         assert len(self.sample) == len(self.output_lens) == len(self.sampling_params) == n
-        assert sum(self.query_lens) == self.num_tokens == len(self.positions) == len(self.slot_mapping)
+        assert sum(self.query_lens) == self.num_tokens == len(self.positions)
+        assert len(self.slot_mapping) == self.num_tokens * self.num_groups
         assert all(q >= 1 and s >= q for q, s in zip(self.query_lens, self.seq_lens))
         assert self.token_counts is None or len(self.token_counts.slots) == n
 
@@ -108,9 +114,10 @@ class CachedRequestState:
 class PersistentBatch:
     """Per-request state that outlives steps; builds each step's `Batch` (see the module doc)."""
 
-    def __init__(self, block_size: int, vocab_size: int | None = None) -> None:
+    def __init__(self, block_size: int, vocab_size: int | None = None, num_groups: int = 1) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.num_groups = num_groups  # KV-cache groups: tables interleave them (see `Batch`)
         self.requests: dict[str, CachedRequestState] = {}
         # Token-count pool rows: freed ones for reuse, and the next never used (the pool's size).
         self.free_slots: list[int] = []
@@ -152,14 +159,15 @@ class PersistentBatch:
         n = output.num_seqs
         if not len(output.num_scheduled_tokens) == len(output.num_computed_tokens) == n:
             raise ValueError("scheduled-request columns differ in length")
-        bs = self.block_size
-        batch = Batch()
+        bs, groups = self.block_size, self.num_groups
+        batch = Batch(num_groups=groups)
+        group_slots: list[list[int]] = [[] for _ in range(groups if groups > 1 else 0)]
         for i, request_id in enumerate(output.scheduled_req_ids):
             state = self._state(request_id)
             q, start = output.num_scheduled_tokens[i], output.num_computed_tokens[i]
             end = start + q
             tokens, table = state.token_ids, state.block_ids
-            if q < 1 or start < 0 or end > len(tokens) or -(-end // bs) > len(table):
+            if q < 1 or start < 0 or end > len(tokens) or -(-end // bs) * groups > len(table):
                 raise ValueError(
                     f"request {request_id!r}: positions [{start}, {end}) but {len(tokens)} tokens "
                     f"and {len(table)} blocks are known"
@@ -167,7 +175,11 @@ class PersistentBatch:
             batch.request_ids.append(request_id)
             batch.input_ids.extend(tokens[start:end])
             batch.positions.extend(range(start, end))
-            batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if groups == 1:
+                batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            else:
+                for g, slots in enumerate(group_slots):
+                    slots.extend(table[p // bs * groups + g] * bs + p % bs for p in range(start, end))
             batch.query_lens.append(q)
             batch.seq_lens.append(end)
             batch.block_tables.append(list(table))  # the batch must not change with later steps
@@ -185,6 +197,8 @@ class PersistentBatch:
                 batch.token_counts.slots.append(self._count(state, batch.token_counts))
             elif batch.token_counts is not None:
                 batch.token_counts.slots.append(-1)
+        for slots in group_slots:
+            batch.slot_mapping.extend(slots)
         return batch
 
     def _count(self, state: CachedRequestState, step: TokenCountStep) -> int:

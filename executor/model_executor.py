@@ -20,6 +20,7 @@ from executor.backends import get_ops
 from executor.cuda_graphs import CudaGraphRunner
 from executor.grammar import GrammarMask, StructuredDecoding
 from executor.input_batch import Batch, PersistentBatch
+from executor.kv_groups import kv_group_layout
 from executor.loader import load_weights
 from executor.model_config import HFModelConfig, load_config
 from executor.models.registry import family_of
@@ -51,10 +52,11 @@ def resolve_device_dtype(model_config: ModelConfig) -> tuple[torch.device, torch
     return device, dtype
 
 
-def kv_block_bytes(cfg: HFModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
+def kv_block_bytes(cfg: HFModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes of one KV block (K and V) across ``num_layers`` layers (default: all of them)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 class ModelExecutor:
@@ -114,19 +116,23 @@ class ModelExecutor:
         del weights
 
         self.block_size = cache_config.block_size
+        # A hybrid model's KV-cache groups (`executor.kv_groups`): a block is one layer slot's.
+        self.kv_groups = kv_group_layout(cfg)
         # The budget is per rank (each holds its KV heads); all ranks take the smallest pool.
         self.num_blocks = self._num_blocks(local)
         if tp is not None:
             self.num_blocks = tp.min_int(self.num_blocks)
-        # With one window for all layers, one block more than the pool: the scheduler's null block
-        # (id ``num_blocks``), which stands for blocks out of every window and is never written.
-        null = 0 if cfg.kv_window is None else 1
+        # With a window, one block more than the pool: the scheduler's null block (id
+        # ``num_blocks``), which stands for blocks out of the window and is never written.
+        null = 0 if cfg.kv_window is None and self.kv_groups is None else 1
         shape = (self.num_blocks + null, self.block_size, local.num_kv_heads, cfg.head_dim)
         # Zero-filled: masked-out keys/values must be finite (0 x NaN would poison attention).
-        self.kv_caches = [
+        slots = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
+            for _ in range(cfg.num_layers if self.kv_groups is None else self.kv_groups.num_slots)
         ]
+        # Per layer, its K/V tensors: its own, or its slot's, shared with the other groups.
+        self.kv_caches = slots if self.kv_groups is None else [slots[j] for j in self.kv_groups.layer_slot]
         self.sampler = Sampler(self.device, seed=model_config.seed)
         self.token_counts = TokenCountPool(cfg.vocab_size, self.device)  # penalties' statistics
         self.info = ExecutorInfo(
@@ -137,15 +143,19 @@ class ModelExecutor:
             eos_token_ids=list(cfg.eos_token_ids),
             vocab_size=cfg.vocab_size,
             sliding_window=cfg.kv_window,
+            kv_group_windows=[] if self.kv_groups is None else [w or 0 for w in self.kv_groups.windows],
         )
         self.backend = backend
-        self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size)
+        num_groups = 1 if self.kv_groups is None else self.kv_groups.num_groups
+        self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size, num_groups)
         self.structured = StructuredDecoding(model_dir, cfg.vocab_size, list(cfg.eos_token_ids), self.device)
         self.graphs: CudaGraphRunner | None = None
         # Graphs need kernels that read every size from device tensors: the Triton backend's. Not
         # with tensor parallelism yet: ranks would capture NCCL all-reduces in lockstep, a path no
         # multi-GPU machine has run (docs/parallelism.md).
-        if self.device.type == "cuda" and backend == "triton" and not model_config.enforce_eager and world == 1:
+        # Nor with KV-cache groups yet: the graphs' static buffers hold one table per sequence.
+        graphable = world == 1 and self.kv_groups is None
+        if self.device.type == "cuda" and backend == "triton" and not model_config.enforce_eager and graphable:
             self.graphs = CudaGraphRunner(
                 lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_caches, meta),
                 max_num_seqs,
@@ -166,10 +176,16 @@ class ModelExecutor:
         )
 
     def _num_blocks(self, cfg: HFModelConfig) -> int:
-        block_bytes = kv_block_bytes(cfg, self.block_size, self.dtype)
+        """The pool's size in blocks. With KV-cache groups a block holds one layer slot's K/V
+        (a group's layers), and ``num_blocks`` in the config still means that many blocks of
+        every layer's memory; a full-length sequence needs a table in every group."""
+        groups = self.kv_groups
+        block_bytes = kv_block_bytes(cfg, self.block_size, self.dtype, None if groups is None else groups.num_slots)
+        per_seq = 1 if groups is None else groups.num_groups
         cc = self.cache_config
         if cc.num_blocks is not None:
-            num_blocks, budget, what = cc.num_blocks, cc.num_blocks * block_bytes, "num_blocks"
+            budget, what = cc.num_blocks * kv_block_bytes(cfg, self.block_size, self.dtype), "num_blocks"
+            num_blocks = budget // block_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # What this process may still use under the utilisation cap, less headroom for
@@ -179,9 +195,9 @@ class ModelExecutor:
         else:
             budget = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
             num_blocks, what = budget // block_bytes, "kv_cache_memory"
-        holds = num_blocks * self.block_size
+        holds = num_blocks // per_seq * self.block_size
         if holds < self.max_model_len:
-            need = -(-self.max_model_len // self.block_size)
+            need = -(-self.max_model_len // self.block_size) * per_seq
             raise ValueError(
                 f"KV cache too small: {num_blocks} blocks x {self.block_size} tokens hold {holds} tokens, "
                 f"fewer than max_model_len={self.max_model_len} (one full-length sequence). The pool "
@@ -197,19 +213,45 @@ class ModelExecutor:
         qsl = [0]
         for ql in batch.query_lens:
             qsl.append(qsl[-1] + ql)
-        width = max(len(bt) for bt in batch.block_tables) if batch.block_tables else 0
+        groups = self.kv_groups
+        num_groups = 1 if groups is None else groups.num_groups
+        width = max(len(bt) for bt in batch.block_tables) // num_groups if batch.block_tables else 0
         width = max(width, 1)
-        tables = [bt + [0] * (width - len(bt)) for bt in batch.block_tables]
+        if groups is None:
+            tables = [bt + [0] * (width - len(bt)) for bt in batch.block_tables]
+        else:  # [group][sequence][block] from the interleaved tables
+            tables_g = [[bt[g::num_groups] for bt in batch.block_tables] for g in range(num_groups)]
+            tables = [[t + [0] * (width - len(t)) for t in tg] for tg in tables_g]  # type: ignore[misc]
+        block_tables = torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True)
+        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(dev, non_blocking=True)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
             seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64).to(dev, non_blocking=True),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
             max_query_len=max(batch.query_lens),
             max_seq_len=max(batch.seq_lens),
             query_lens_list=list(batch.query_lens),
             seq_lens_list=list(batch.seq_lens),
         )
+        if groups is not None:
+            # One metadata per group (its tables and slots; the rest shared), each layer its group's.
+            slots = slot_mapping.view(num_groups, -1)
+            per_group = [
+                AttentionMetadata(
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                    block_tables[g],
+                    slots[g],
+                    meta.max_query_len,
+                    meta.max_seq_len,
+                    meta.query_lens_list,
+                    meta.seq_lens_list,
+                )
+                for g in range(num_groups)
+            ]
+            meta = per_group[0]
+            meta.per_layer = [per_group[g] for g in groups.layer_group]
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         positions = torch.tensor(batch.positions, dtype=torch.int64).to(dev, non_blocking=True)
         sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(batch.sample) if s]

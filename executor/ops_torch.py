@@ -321,6 +321,18 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         x2.copy_(r2)
 
 
+# More entries than any model has KV-cache groups: a bound for callers whose steps share buffers.
+_MEMO_LIMIT = 64
+
+
+def _remember(memo: list, step: object, key: object, value: object) -> None:
+    """Add ``(step, key, value)`` to ``memo``, first dropping entries of another step (what the
+    step's tensors share: a step memoises one entry per KV-cache group)."""
+    if memo and (memo[0][0] is not step or len(memo) >= _MEMO_LIMIT):
+        memo.clear()
+    memo.append((step, key, value))
+
+
 class TorchOpsState:
     """The torch ops of one executor, with their per-step memos and reusable buffers.
 
@@ -332,14 +344,14 @@ class TorchOpsState:
     step at a time, and each executor has its own state.
     """
 
-    __slots__ = ("_plan_key", "_plan", "_workspace", "_slots_key", "_keep", "_rope_key", "_rope")
+    __slots__ = ("_plans", "_workspace", "_keeps", "_rope_key", "_rope")
 
     def __init__(self) -> None:
-        self._plan_key: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
+        # (metadata, its plan) and (slot mapping, its kept slots) of the step: one each, or one
+        # per KV-cache group of a hybrid model (each group has its own tables and slots).
+        self._plans: list[tuple[torch.Tensor, AttentionMetadata, _Plan]] = []
         self._workspace: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
-        self._slots_key: torch.Tensor | None = None
-        self._keep: torch.Tensor | None = None
+        self._keeps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._rope_key: torch.Tensor | None = None
         # (table, cos, sin) of each cos/sin table used with the step's positions (layer types
         # with their own rotary, such as Gemma 3's local and global layers, have one each).
@@ -358,10 +370,11 @@ class TorchOpsState:
     ) -> torch.Tensor:
         """`paged_attention`, with the step's plan (and its masks) built once and gathers into
         reused buffers."""
-        if self._plan_key is not meta or self._plan is None:
-            self._plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
-            self._plan_key = meta
-        return _attend(q, k_cache, v_cache, self._plan, scale, self._workspace, sliding_window, sinks, softcap)
+        plan = next((p for _, m, p in self._plans if m is meta), None)
+        if plan is None:
+            plan = _build_plan(meta, k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3], q.device)
+            _remember(self._plans, meta.query_start_loc, meta, plan)  # the groups' metadata share it
+        return _attend(q, k_cache, v_cache, plan, scale, self._workspace, sliding_window, sinks, softcap)
 
     def write_kv(
         self,
@@ -372,10 +385,12 @@ class TorchOpsState:
         slot_mapping: torch.Tensor,
     ) -> None:
         """`write_kv`, with the step's kept slots found once."""
-        if self._slots_key is not slot_mapping:
-            self._keep = _kept_slots(slot_mapping)
-            self._slots_key = slot_mapping
-        _write_kv(key, value, k_cache, v_cache, slot_mapping, self._keep)
+        found = [kept for _, slots, kept in self._keeps if slots is slot_mapping]
+        keep = found[0] if found else _kept_slots(slot_mapping)
+        if not found:  # the groups' slot mappings are rows of one tensor
+            base = slot_mapping._base
+            _remember(self._keeps, slot_mapping if base is None else base, slot_mapping, keep)
+        _write_kv(key, value, k_cache, v_cache, slot_mapping, keep)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
         """`rotary`, with the step's cos/sin rows gathered once per table."""

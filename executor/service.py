@@ -104,6 +104,7 @@ class ExecutorService:
             i.vocab_size,
             list(i.eos_token_ids),
             i.sliding_window or 0,
+            list(i.kv_group_windows),
         )
 
     def run(self) -> None:

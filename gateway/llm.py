@@ -22,8 +22,8 @@ from common.parallel_sampling import child_params, cumulative_logprob, num_child
 from common.sampling_params import SamplingParams
 from common.structured_outputs import grammar_tokenizer
 from gateway.output.processor import OutputDelta, OutputProcessor
-from scheduler.cache_manager import cache_manager_for
 from scheduler.engine_core import EngineCore, InlineExecutor
+from scheduler.kv_groups import cache_manager_for
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 

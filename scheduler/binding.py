@@ -187,6 +187,7 @@ class ExecutorBinding:
             hello.eos_token_ids,
             hello.vocab_size,
             hello.sliding_window or None,
+            list(hello.kv_group_windows),
         )
         logger.info(
             "bound executor %s (epoch %d): %s, %d blocks of %d",

@@ -25,6 +25,10 @@ which the executor keeps zero (never allocated, never written, so its K/V stay f
 attention reads only where the window masks it. A prefix hit then needs only its last
 cdiv(W - 1, block_size) blocks cached; the earlier ones come back as null blocks
 (`get_computed_blocks`). Without a window nothing changes.
+
+Hybrid models (some layers windowed, some full) run one `CacheManager` per KV-cache group over
+one shared pool (``pool``), each keying its cache entries with its ``group_key``: see
+`scheduler.kv_groups`.
 """
 
 from __future__ import annotations
@@ -35,8 +39,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
-
-from common.config import ExecutorInfo, SchedulerConfig
 
 if TYPE_CHECKING:
     from scheduler.request import Request
@@ -141,7 +143,14 @@ class CacheManager:
     """
 
     def __init__(
-        self, total_blocks: int, block_size: int, sliding_window: int | None = None, wait_for_cache: bool = False
+        self,
+        total_blocks: int,
+        block_size: int,
+        sliding_window: int | None = None,
+        wait_for_cache: bool = False,
+        *,
+        pool: CacheManager | None = None,
+        group_key: bytes = b"",
     ) -> None:
         assert total_blocks > 0 and block_size > 0
         assert sliding_window is None or sliding_window > 0
@@ -149,16 +158,25 @@ class CacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.wait_for_cache = wait_for_cache
-        self.null_block = -1 if sliding_window is None else total_blocks  # -1: no table names it
-        self.blocks = [KVBlock(i) for i in range(total_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # A KV-cache group (`scheduler.kv_groups`) shares ``pool``'s blocks, free queue and prefix
+        # cache, keys its entries with ``group_key``, and may name the null block in any group.
+        self.group_key = group_key
+        grouped = pool is not None or bool(group_key)
+        self.null_block = total_blocks if sliding_window is not None or grouped else -1  # -1: no table names it
+        if pool is None:
+            self.blocks = [KVBlock(i) for i in range(total_blocks)]
+            self.free_queue = FreeBlockQueue(self.blocks)
+            # Prefix cache: content hash -> the block holding it (one block per hash: when two
+            # requests computed the same block side by side, the first registered wins and the
+            # other copy stays private).
+            self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        else:
+            assert pool.total_blocks == total_blocks and pool.block_size == block_size
+            self.blocks, self.free_queue, self.cached_blocks = pool.blocks, pool.free_queue, pool.cached_blocks
         self.block_tables: dict[str, list[int]] = {}
         # Per request, how many leading entries of its table are the null block (window only).
         self.num_skipped_blocks: dict[str, int] = {}
-        # Prefix cache: content hash -> the block holding it (one block per hash: when two
-        # requests computed the same block side by side, the first registered wins and the other
-        # copy stays private), and per request how many of its leading blocks are registered.
-        self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        # Per request, how many of its leading blocks are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.num_evictions = 0
 
@@ -251,6 +269,14 @@ class CacheManager:
         if self.blocks_short(num_tokens, computed_blocks) > 0:
             return False
         # Take the hit before allocating: allocating could otherwise evict one of its blocks.
+        self.take_hit(request_id, computed_blocks)
+        self.remove_skipped_blocks(request_id, len(computed_blocks) * self.block_size)
+        if need > 0:
+            self.block_tables[request_id].extend(self.allocate_blocks(need))
+        return True
+
+    def take_hit(self, request_id: str, computed_blocks: Sequence[int]) -> None:
+        """Start ``request_id``'s table with its prefix-cache hit, shared (they count as registered)."""
         skipped = 0
         for block_id in computed_blocks:
             if block_id == self.null_block:
@@ -260,14 +286,10 @@ class CacheManager:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
-        table = self.block_tables[request_id] = list(computed_blocks)
+        self.block_tables[request_id] = list(computed_blocks)
         self.num_cached_blocks[request_id] = len(computed_blocks)
         if skipped:
             self.num_skipped_blocks[request_id] = skipped
-        self.remove_skipped_blocks(request_id, len(computed_blocks) * self.block_size)
-        if need > 0:
-            table.extend(self.allocate_blocks(need))
-        return True
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """With a window: free ``request_id``'s blocks wholly before ``num_computed_tokens - W + 1``
@@ -332,16 +354,26 @@ class CacheManager:
         """
         limit = request.num_tokens - 1
         hashes = self.block_hashes(request, limit)[: limit // self.block_size]
+        hit = self.hit_blocks(self.keys(hashes))
+        return hit, len(hit) * self.block_size
+
+    def keys(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """This group's prefix-cache keys of ``hashes`` (the hashes themselves with one group)."""
+        key = self.group_key
+        return [h + key for h in hashes] if key else hashes
+
+    def hit_blocks(self, keys: list[BlockHash]) -> list[int]:
+        """The longest hit of a prefix whose blocks have the cache keys ``keys`` (see
+        `get_computed_blocks`): from the start, or under the window from the right."""
         if self.sliding_window is not None:
-            hit = self._window_hit(hashes)
-            return hit, len(hit) * self.block_size
+            return self._window_hit(keys)
         out: list[int] = []
-        for h in hashes:
+        for h in keys:
             block = self.cached_blocks.get(h)
             if block is None:
                 break
             out.append(block.block_id)
-        return out, len(out) * self.block_size
+        return out
 
     def _window_hit(self, hashes: list[BlockHash]) -> list[int]:
         """The longest hit under the window: the furthest run of ``cdiv(W - 1, block_size)``
@@ -371,7 +403,7 @@ class CacheManager:
         n = min(num_computed_tokens // self.block_size, len(table))
         if n <= done:
             return
-        hashes = self.block_hashes(request, n * self.block_size)
+        hashes = self.keys(self.block_hashes(request, n * self.block_size))
         for i in range(done, n):
             if table[i] == self.null_block:  # out of the window before its step answered: nothing to keep
                 continue
@@ -397,6 +429,11 @@ class CacheManager:
     def check_invariants(self) -> None:
         """Assert the module invariant; with no live tables, every block must be free."""
         refs = [0] * self.total_blocks
+        self.count_table_refs(refs)
+        self.check_pool(refs, bool(self.block_tables))
+
+    def count_table_refs(self, refs: list[int]) -> None:
+        """Check this manager's tables and add one to ``refs[b]`` per table naming block ``b``."""
         for request_id, table in self.block_tables.items():
             skipped = self.num_skipped_blocks.get(request_id, 0)
             assert all(b == self.null_block for b in table[:skipped]), f"{request_id}: a skipped block is not null"
@@ -405,6 +442,11 @@ class CacheManager:
                 if block_id != self.null_block:
                     refs[block_id] += 1
         assert set(self.num_skipped_blocks) <= set(self.block_tables), "skipped counts of a request with no table"
+        for request_id, n in self.num_cached_blocks.items():
+            assert n <= len(self.block_tables.get(request_id, ())), f"{request_id}: registered past its table"
+
+    def check_pool(self, refs: list[int], live: bool) -> None:
+        """Check the pool against ``refs`` (every table's references; ``live``: some table exists)."""
         free_ids = self.free_queue.block_ids()
         assert len(free_ids) == self.free_queue.num_free == len(set(free_ids))
         free_set = set(free_ids)
@@ -413,18 +455,10 @@ class CacheManager:
             in_free = block.block_id in free_set
             assert in_free == block.in_free_queue
             assert in_free == (block.ref_cnt == 0), f"block {block.block_id} both free and in use"
-        if not self.block_tables:
+        if not live:
             assert self.free_queue.num_free == self.total_blocks, "blocks leaked with no live request"
         # Prefix cache: the map and the blocks' hashes agree, one block per hash.
         hashed = [b for b in self.blocks if b.block_hash is not None]
         assert len(hashed) == len(self.cached_blocks), "cache map and block hashes disagree"
         for block in hashed:
             assert self.cached_blocks.get(block.block_hash) is block  # type: ignore[arg-type]
-        for request_id, n in self.num_cached_blocks.items():
-            assert n <= len(self.block_tables.get(request_id, ())), f"{request_id}: registered past its table"
-
-
-def cache_manager_for(info: ExecutorInfo, config: SchedulerConfig) -> CacheManager:
-    """The block pool of ``info``'s executor; window-aware when its model and ``config`` allow."""
-    window = info.sliding_window if config.free_window_blocks else None
-    return CacheManager(info.num_blocks, info.block_size, window, config.enable_prefix_caching)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler.cache_manager import CacheManager
+from scheduler.kv_groups import KVCacheManager
 from scheduler.request import Request
 from scheduler.request_queue import admission_key
 
@@ -24,7 +24,7 @@ def plan_room(
     request: Request,
     running: Sequence[Request],
     max_num_seqs: int,
-    cache: CacheManager,
+    cache: KVCacheManager,
     num_tokens: int,
     hit_blocks: Sequence[int],
 ) -> list[Request] | None:

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 from common.config import ExecutorInfo, SchedulerConfig
 from common.protocol import ExecutorOutput, SchedulerOutput
-from scheduler.cache_manager import CacheManager
 from scheduler.displacement import plan_room
+from scheduler.kv_groups import KVCacheManager
 from scheduler.request import Request, RequestStatus, StepOutput
 from scheduler.request_queue import WaitingQueue, pick_victim
 from scheduler.step_bytes import check_fits, new_request_bytes, prompt_logprob_bytes, sampling_bytes
@@ -77,10 +77,11 @@ class Scheduler:
     table has; when the cache manager nulls more, the whole table is resent.
     """
 
-    def __init__(self, config: SchedulerConfig, cache_manager: CacheManager, info: ExecutorInfo) -> None:
+    def __init__(self, config: SchedulerConfig, cache_manager: KVCacheManager, info: ExecutorInfo) -> None:
         self.config = config
         self.cache = cache_manager
         self.info = info
+        self.num_kv_groups = max(1, len(info.kv_group_windows))  # entries per block of a table
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -116,7 +117,7 @@ class Scheduler:
         if request.priority and not self.waiting.by_priority:
             raise ValueError(f"priority {request.priority} needs the priority scheduling policy (this engine's is fcfs)")
         request.sampling_bytes = sampling_bytes(request)
-        check_fits(request, self.cache.block_size, self.max_model_len, self.max_step_bytes)
+        check_fits(request, self.cache.block_size, self.max_model_len, self.max_step_bytes, self.num_kv_groups)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -235,7 +236,7 @@ class Scheduler:
             by_priority = self.waiting.by_priority
             if len(self.running) >= self.config.max_num_seqs and not by_priority:
                 break
-            cost = new_request_bytes(request, self.cache.block_size)
+            cost = new_request_bytes(request, self.cache.block_size, self.num_kv_groups)
             per = prompt_logprob_bytes(request) if request.needs_prompt_logprobs else 0
             if cost + per > wire and wire < self.max_step_bytes:  # the step is full: it goes next (FCFS)
                 break
@@ -438,7 +439,7 @@ class Scheduler:
         return outputs
 
     # -- executor faults (see the module's docstring, "Faults") -----------------------------
-    def reset_executor(self, info: ExecutorInfo, cache_manager: CacheManager) -> dict[str, str]:
+    def reset_executor(self, info: ExecutorInfo, cache_manager: KVCacheManager) -> dict[str, str]:
         """Carry on with another executor and KV pool: running requests are preempted (recompute).
         Those it cannot serve (a shorter ``max_model_len``, a smaller vocabulary) are failed, and
         returned with why (kept, one would preempt itself forever or fail its steps)."""
@@ -448,6 +449,7 @@ class Scheduler:
             request.block_hashes.clear()  # they depend on the block size, which may change
         self.info = info
         self.cache = cache_manager
+        self.num_kv_groups = max(1, len(info.kv_group_windows))
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids)
         unfit: dict[str, str] = {}

@@ -38,9 +38,9 @@ from common.service_cli import AUTO, record_process_id
 from common.transport import Outgoing, SyncTransport
 from common.watchdog import Watchdog
 from scheduler.binding import ExecutorBinding
-from scheduler.cache_manager import cache_manager_for
 from scheduler.engine_core import EngineCore
 from scheduler.engine_status import EngineBeat, engine_status
+from scheduler.kv_groups import cache_manager_for
 from scheduler.outputs import OutputRouter
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler

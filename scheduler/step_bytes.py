@@ -26,9 +26,10 @@ def sampling_bytes(request: Request) -> int:
     return wire_size(request.sampling_params)
 
 
-def new_request_bytes(request: Request, block_size: int) -> int:
-    """About what ``request`` adds to the step that sends it to an executor (it grows with its outputs)."""
-    blocks = -(-request.num_tokens // block_size)
+def new_request_bytes(request: Request, block_size: int, num_kv_groups: int = 1) -> int:
+    """About what ``request`` adds to the step that sends it to an executor (it grows with its
+    outputs); a hybrid model's table has one entry per KV-cache group and block."""
+    blocks = -(-request.num_tokens // block_size) * num_kv_groups
     return REQUEST_OVERHEAD_BYTES + INT_BYTES * (request.num_tokens + blocks) + request.sampling_bytes
 
 
@@ -38,9 +39,9 @@ def prompt_logprob_bytes(request: Request) -> int:
     return 0 if k is None else INT_BYTES + LOGPROB_ENTRY_BYTES * (k + 1)
 
 
-def check_fits(request: Request, block_size: int, max_model_len: int, max_step_bytes: int) -> None:
+def check_fits(request: Request, block_size: int, max_model_len: int, max_step_bytes: int, num_kv_groups: int = 1) -> None:
     """``ValueError`` for a request no step or output message could carry, even alone."""
-    whole = new_request_bytes(request, block_size) + INT_BYTES * (max_model_len - request.num_tokens)
+    whole = new_request_bytes(request, block_size, num_kv_groups) + INT_BYTES * (max_model_len - request.num_tokens)
     if whole > max_step_bytes:
         raise ValueError(
             f"request too large to send in one step ({whole} bytes with its tokens and sampling "

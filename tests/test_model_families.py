@@ -64,7 +64,8 @@ def test_greedy_parity_with_transformers(tiny_model, arch: str, window: int | No
     llm = LLM(path, num_blocks=11, max_model_len=176, **ENGINE)
     vocab = llm.executor.info.vocab_size
     ps = prompts(vocab)
-    if llm.cache_manager.sliding_window is not None:  # freeing blocks behind the window: more load to preempt
+    info = llm.executor.info
+    if info.sliding_window is not None or info.kv_group_windows:  # blocks behind a window freed: more load to preempt
         ps += prompts(vocab, seed=1) + prompts(vocab, seed=2)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outs = llm.generate(ps, params)

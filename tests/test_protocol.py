@@ -92,6 +92,7 @@ def test_round_trip_every_type() -> None:
         AbortRequests(["a", "b"], "client"),
         SyncRequest("r1~2", "g2", 5),
         ExecutorHello("e1", "tiny", "/m", 100, 16, 2048, 1024, [1, 2]),
+        ExecutorHello("e2", "gemma3", "/g", 200, 16, 2048, 1024, [1], 0, [0, 512]),
         BindExecutor("e1", "s0", 42),
         StepResult(3, 7, [5, -1], [2, -1], [5, 6], [-0.5, -1.25], None, 0.01),
         StepResult(3, 8, error="boom"),

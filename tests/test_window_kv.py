@@ -15,8 +15,9 @@ import pytest
 from common.config import ExecutorInfo, SchedulerConfig
 from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
-from scheduler.cache_manager import CacheManager, cache_manager_for
+from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
+from scheduler.kv_groups import cache_manager_for
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from tests.test_scheduler import EOS, VOCAB, ScriptedExecutor, expected_output, step

@@ -49,3 +49,34 @@ def test_freeing_window_blocks_fits_more_and_keeps_parity(tiny_model, free: bool
     assert again.token_ids == alone.token_ids == outs[1].token_ids
     llm.cache_manager.check_invariants()
     assert llm.cache_manager.get_num_free_blocks() == 12
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("free", [True, False], ids=["freeing", "keeping"])
+def test_hybrid_models_free_window_groups_and_keep_parity(tiny_model, arch: str, free: bool) -> None:
+    """Gemma's alternating window and full layers run as two KV-cache groups of one pool: the
+    window group frees what its window left, the full group keeps every block. A budget of 20
+    blocks of every layer (40 of one layer slot) is smaller than four requests' tables, so
+    requests wait or preempt each other; every output is transformers', and a repeated prompt
+    resumes from a hit that both groups serve."""
+    path = tiny_model(arch, sliding_window=WINDOW)
+    llm = LLM(path, num_blocks=20, free_window_blocks=free, **ENGINE)
+    info = llm.executor.info
+    assert info.sliding_window is None and info.kv_group_windows == [0, WINDOW] and info.num_blocks == 40
+    rng = random.Random(11)
+    vocab = info.vocab_size
+    ps = [[rng.randrange(3, vocab) for _ in range(n)] for n in (70, 75, 80, 62)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.generate(ps, params)
+    llm.reset_prefix_cache()  # alone, every block it computes is registered (none is a duplicate)
+    alone = llm.generate([ps[2]], params)[0]
+    hits = llm.scheduler.prefix_cache_hits
+    again = llm.generate([ps[2]], params)[0]  # a hit both groups serve: every full block, the window's tail
+    assert llm.scheduler.prefix_cache_hits - hits == (len(ps[2]) - 1) // 8 * 8
+    hf = hf_model(path)
+    for prompt, out in zip(ps, outs):
+        want, ref = hf_greedy(hf, prompt, MAX_TOKENS)
+        assert_greedy_matches(out.token_ids, out.logprobs, want, ref)
+    assert again.token_ids == alone.token_ids == outs[2].token_ids
+    llm.cache_manager.check_invariants()
+    assert llm.cache_manager.get_num_free_blocks() == 40

@@ -120,8 +120,9 @@ class CausalLM:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, kv, meta)
+        per_layer = meta.per_layer
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer(h, residual, positions, kv, meta if per_layer is None else per_layer[i])
         assert residual is not None
         return h + residual
 

@@ -103,9 +103,19 @@ REDIS_NOW_MS_LUA = "local t = redis.call('time') local now = t[1] * 1000 + math.
 # -- names ---------------------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Names:
-    """Every stream and key name, under one namespace prefix."""
+    """Every stream and key name, under one namespace prefix.
+
+    Laid out for Redis Cluster: the keys of one owner (an engine's streams and status, a gateway's
+    outputs and heartbeat, a request's journal, a stored response and its events and lease) carry
+    one hash tag, ``{<namespace>:<owner id>}``, so they share a slot, and every script and multi-key
+    read touches one owner's keys only. On a single Redis the braces are just characters.
+    """
 
     namespace: str = "conveyor"
+
+    def _owned(self, kind: str, owner: str) -> str:
+        """``kind``'s key of ``owner``, under the owner's hash tag."""
+        return f"{self.namespace}:{kind}:{{{self.namespace}:{owner}}}"
 
     @property
     def dead_letter(self) -> str:
@@ -116,50 +126,54 @@ class Names:
         return f"{self.namespace}:engines"
 
     def requests(self, scheduler_id: str) -> str:
-        return f"{self.namespace}:requests:{scheduler_id}"
+        return self._owned("requests", scheduler_id)
 
     def engine(self, scheduler_id: str) -> str:
-        return f"{self.namespace}:engine:{scheduler_id}"
+        return self._owned("engine", scheduler_id)
 
     def steps(self, scheduler_id: str) -> str:
-        return f"{self.namespace}:steps:{scheduler_id}"
+        return self._owned("steps", scheduler_id)
 
     def results(self, scheduler_id: str) -> str:
-        return f"{self.namespace}:results:{scheduler_id}"
+        return self._owned("results", scheduler_id)
 
     def outputs(self, gateway_id: str) -> str:
-        return f"{self.namespace}:outputs:{gateway_id}"
+        return self._owned("outputs", gateway_id)
 
     def journal(self, response_id: str) -> str:
         """A resumable stream's journal. Never trimmed: a resume needs its first entries (the
         header and the routes). Bounded by its request (at most ``SamplingParams.MAX_N`` choices of
         at most the model's context each, a route per move) and by its TTL, the resume window."""
-        return f"{self.namespace}:journal:{response_id}"
+        return self._owned("journal", response_id)
+
+    def is_journal(self, stream: str) -> bool:
+        """Whether ``stream`` is a `journal` (not a gateway's `outputs`)."""
+        return stream.startswith(f"{self.namespace}:journal:")
 
     def response(self, response_id: str) -> str:
         """A stored Responses API response (a hash: its status, owner, body and chat history),
         bounded by ``MAX_STORED_RESPONSE_BYTES`` and by its TTL (`GatewayConfig.response_ttl_s`)."""
-        return f"{self.namespace}:response:{response_id}"
+        return self._owned("response", response_id)
 
     def response_events(self, response_id: str) -> str:
         """A streamed background response's typed events as JSON, in order (``RESPONSE_EVENTS_MAXLEN``,
         the stored response's TTL); served only to the owner of `response` ``response_id``."""
-        return f"{self.namespace}:response-events:{response_id}"
+        return self._owned("response-events", response_id)
 
     def response_lease(self, response_id: str) -> str:
         """Held (with a short TTL, refreshed) by the gateway running a background response: when it
         lapses before the response ends, that gateway is gone and the response has failed."""
-        return f"{self.namespace}:response-lease:{response_id}"
+        return self._owned("response-lease", response_id)
 
     def heartbeat(self, kind: str, process_id: str) -> str:
-        return f"{self.namespace}:hb:{kind}:{process_id}"
+        return self._owned(f"hb:{kind}", process_id)
 
     @property
     def unpaired_executors(self) -> str:
         return f"{self.namespace}:executors:unpaired"
 
     def claim(self, executor_id: str) -> str:
-        return f"{self.namespace}:claim:{executor_id}"
+        return self._owned("claim", executor_id)
 
 
 # -- message types -------------------------------------------------------------------------------

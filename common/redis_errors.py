@@ -13,7 +13,7 @@ import logging
 import time
 
 import redis
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisClusterException, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -21,15 +21,27 @@ from common.redis_url import PASSWORD_ENV
 
 logger = logging.getLogger(__name__)
 
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# A cluster's slots not all served (a master lost, its replica not yet promoted) is an outage too.
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, SlotNotCoveredError)
 # Redis could not do what was asked: out of reach or refusing writes (TRANSIENT_ERRORS, retried
 # until a deadline), or another error of Redis's. A caller that cannot go on without Redis answers
 # these as 503, never as its own fault.
 REDIS_FAILURES = (redis.RedisError, ConnectionError, OSError)
 # Refusals that say what state the server is in (out of memory, a read-only replica, a failing
 # disk, a master lost): they pass, as an outage does (`WritesRefused`).
-_REFUSAL_ERRORS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
-_REFUSAL_CODES = ("MISCONF", "BUSY", "NOREPLICAS")
+# A cluster that is failing over (CLUSTERDOWN, TRYAGAIN) or has moved a slot (MOVED, ASK, to a
+# client whose slot map is stale) passes too.
+_REFUSAL_ERRORS = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.AskError,
+)
+# What redis-py's cluster client raises when no node it knows answers (not a RedisError).
+_CLUSTER_UNREACHABLE = "Redis Cluster cannot be connected"
+_REFUSAL_CODES = ("MISCONF", "BUSY", "NOREPLICAS", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK")
 
 
 class WritesRefused(RedisConnectionError):
@@ -40,6 +52,8 @@ class WritesRefused(RedisConnectionError):
 def refuses_writes(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis refusing writes in a state that passes (see `WritesRefused`)."""
     if isinstance(exc, _REFUSAL_ERRORS):
+        return True
+    if isinstance(exc, RedisClusterException) and str(exc).startswith(_CLUSTER_UNREACHABLE):
         return True
     # A pipeline's error names its command first: "Command # 1 (...) of pipeline caused error: MISCONF ...",
     # or (redis-py's async pipeline) the error's args: "... caused error: ('MISCONF ...',)".
@@ -53,7 +67,7 @@ def as_transient(exc: BaseException) -> BaseException:
 
 
 # What a call catches to hand to `Backoff.wait_s`, which retries the transient ones and re-raises the rest.
-RETRIED_ERRORS = (*TRANSIENT_ERRORS, redis.ResponseError)
+RETRIED_ERRORS = (*TRANSIENT_ERRORS, redis.ResponseError, redis.exceptions.ClusterError, RedisClusterException)
 
 
 class RedisAuthFailed(RuntimeError):

@@ -64,8 +64,8 @@ SENTINEL_TIMEOUT_S = 2.0
 URL_HELP = (
     "redis://[[user]:password@]host[:port][/db], rediss://... (TLS), unix:///path, or "
     "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db] for a master found by "
-    f"Redis Sentinel, or redis+cluster://[[user]:password@]host[:port][,host[:port]...] for a Redis Cluster. "
-    "The password may come from ${PASSWORD_ENV} or the file ${PASSWORD_FILE_ENV} instead"
+    "Redis Sentinel, or redis+cluster://[[user]:password@]host[:port][,host[:port]...] for a Redis Cluster. "
+    f"The password may come from ${PASSWORD_ENV} or the file ${PASSWORD_FILE_ENV} instead"
 )
 
 

@@ -20,14 +20,18 @@ Why the settings below:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster as cluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import RedisClusterException
 
 from common.append_script import APPEND_SCRIPT, script_arguments
 from common.protocol import (
@@ -78,18 +82,44 @@ class Outgoing(NamedTuple):
     ttl_ms: int | None = None
 
 
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` is a Redis Cluster client (sync or asyncio)."""
+    return isinstance(client, (cluster.RedisCluster, aiocluster.RedisCluster))
+
+
+def _info_target(client: Any) -> dict[str, Any]:
+    """Where ``INFO`` goes: every master of a cluster (those hold the data), else the one server."""
+    return {"target_nodes": cluster.RedisCluster.PRIMARIES} if is_cluster(client) else {}
+
+
 def parse_run_id(info: dict[str, Any]) -> str:
-    """The ``run_id`` in a reply to ``INFO server``; "" if it has none."""
-    return str(info.get("run_id", ""))
+    """The ``run_id`` in a reply to ``INFO server``; "" if it has none. A cluster's reply (one per
+    master, by node) gives a digest of its masters' run_ids: it changes when any master restarts or
+    a replica takes over from one, as a single server's run_id does when it restarts."""
+    if "run_id" in info or not info or not all(isinstance(v, dict) for v in info.values()):
+        return str(info.get("run_id", ""))
+    run_ids = sorted(str(v.get("run_id", "")) for v in info.values())
+    return hashlib.sha1(",".join(run_ids).encode()).hexdigest()
 
 
 def server_run_id(client: redis.Redis) -> str:
-    """The server's ``run_id``: it changes when Redis restarts (or fails over), which is how
-    services learn that what they wrote may be gone. "" where the server has no INFO (fakeredis)."""
+    """The server's ``run_id`` (`parse_run_id`): it changes when Redis restarts (or fails over), which
+    is how services learn that what they wrote may be gone. "" where the server has no INFO (fakeredis)."""
     try:
-        return parse_run_id(client.info("server"))
+        return parse_run_id(client.info("server", **_info_target(client)))
     except redis.ResponseError:
         return ""
+
+
+def by_slot(client: Any, sends: list[Outgoing]) -> list[list[Outgoing]]:
+    """``sends`` in groups that one script call may take: all of them on a single Redis, one group
+    per hash slot (in order within each) on a cluster, where a script's keys must share a slot."""
+    if not is_cluster(client) or len(sends) < 2:
+        return [sends]
+    groups: dict[int, list[Outgoing]] = {}
+    for out in sends:
+        groups.setdefault(client.keyslot(out.stream), []).append(out)
+    return list(groups.values())
 
 
 class TransportCore(Generic[Client]):
@@ -180,10 +210,11 @@ class TransportCore(Generic[Client]):
         """The newest id in a reply to ``XREVRANGE stream COUNT 1``; "0-0" for an empty stream."""
         return reply[0][0] if reply else b"0-0"
 
-    def _pipeline(self, sends: list[Outgoing], trim: Cursors | None, read: dict[str, Any] | None) -> Any:
-        """A non-transactional pipeline: the XADDs (and PEXPIREs) of ``sends``, XTRIMs of
-        ``trim`` streams before their ids, then one XREAD with ``read`` arguments (see `_xread`)."""
-        pipe: Any = self.redis.pipeline(transaction=False)  # queues commands, even on the async client
+    def _pipeline(self, sends: list[Outgoing], trim: Cursors | None, read: dict[str, Any] | None, client: Any = None) -> Any:
+        """A non-transactional pipeline (on ``client``, else this transport's): the XADDs (and
+        PEXPIREs) of ``sends``, XTRIMs of ``trim`` streams before their ids, then one XREAD with
+        ``read`` arguments (see `_xread`)."""
+        pipe: Any = (client or self.redis).pipeline(transaction=False)  # queues commands, even on the async client
         for out in sends:
             pipe.xadd(**self._xadd(out.stream, out.data, out.maxlen))
             if out.ttl_ms is not None:
@@ -232,7 +263,18 @@ class Transport(TransportCore[aioredis.Redis]):
 
     async def send_many(self, sends: list[Outgoing], deadline_s: float | None = None) -> None:
         """XADD every message (and refresh TTLs) in one round trip: one script call where the
-        server runs scripts (`common.append_script`), else a pipeline."""
+        server runs scripts (`common.append_script`), else a pipeline. On a cluster, one call per
+        hash slot, all at once; every one of them has ended (sent or failed) before any error is raised."""
+        groups = by_slot(self.redis, sends)
+        if len(groups) == 1:
+            return await self._send_slot(sends, deadline_s)
+        outcomes = await asyncio.gather(*(self._send_slot(group, deadline_s) for group in groups), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _send_slot(self, sends: list[Outgoing], deadline_s: float | None) -> None:
+        """`send_many` of appends whose streams share a slot (any, on a single Redis)."""
         if len(sends) > 1 and self._append_script is not False:
             if self._append_script is None:  # first use: can this server run it?
                 try:
@@ -297,9 +339,17 @@ class Transport(TransportCore[aioredis.Redis]):
     async def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""
         try:
-            return parse_run_id(await self.call(self.redis.info, "server", deadline_s=deadline_s))
+            return parse_run_id(await self.call(self.redis.info, "server", **_info_target(self.redis), deadline_s=deadline_s))
         except redis.ResponseError:
             return ""
+
+    async def get_many(self, keys: list[str], deadline_s: float | None = None) -> list[bytes | None]:
+        """The values of ``keys`` (None for a missing one), in one round trip per server: MGET, or
+        on a cluster one per slot, since keys of different owners lie in different slots."""
+        if not keys:
+            return []
+        mget = self.redis.mget_nonatomic if is_cluster(self.redis) else self.redis.mget  # type: ignore[attr-defined]
+        return list(await self.call(mget, keys, deadline_s=deadline_s))
 
     async def read(
         self, cursors: Cursors, *, count: int = 256, block_ms: int | None = 1000, expected: tuple[type, ...] | None = None
@@ -399,6 +449,24 @@ class SyncTransport(TransportCore[redis.Redis]):
     def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""
         return str(self.call(server_run_id, self.redis, deadline_s=deadline_s))
+
+    def direct(self, key: str) -> redis.Redis:
+        """A plain client of the server that holds ``key``: this transport's own on a single Redis;
+        on a cluster, the client of the master that holds ``key``'s slot now (for callers that
+        handle connections themselves, `executor.overlap`; after a failure they `reroute`)."""
+        if not is_cluster(self.redis):
+            return self.redis
+        node: Any = self.redis.get_node_from_key(key)  # type: ignore[attr-defined]
+        return cast(redis.Redis, node.redis_connection)
+
+    def reroute(self) -> None:
+        """After a failure on a `direct` client: re-read a cluster's slot map (a replica may have
+        taken over from the master that held the slot). Nothing on a single Redis."""
+        if is_cluster(self.redis):
+            try:
+                self.redis.nodes_manager.initialize()  # type: ignore[attr-defined]
+            except (*TRANSIENT_ERRORS, RedisClusterException) as exc:  # no node answers yet: the next failure retries
+                logger.warning("%s: could not re-read the cluster's slot map: %s", self.owner, exc)
 
     def last_id(self, stream: str) -> bytes:
         """The id of the newest entry of ``stream`` ("0-0" if empty): a cursor for new entries."""

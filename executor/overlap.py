@@ -7,10 +7,12 @@ that connection, by when it is in): a step the scheduler sent while the current 
 socket when it ends. With Redis a network hop away, this and more steps in flight
 (`SchedulerConfig.steps_in_flight`) are what keep the executor busy (docs/performance.md).
 
-Each holds one pooled connection while in use. A failure surfaces as the transient error it is;
-the caller then repeats the operation with the transport's retrying calls (`WriteBehind.redo`, a
-new `PendingRead`), so an entry may be appended twice, which every reader of these streams
-tolerates (steps and results carry a step number).
+Each holds one pooled connection while in use, to the server holding its streams
+(`SyncTransport.direct`: on a cluster, the master of the engine's hash slot). A failure surfaces as
+the transient error it is, and the slot map is read again (`SyncTransport.reroute`); the caller
+then repeats the operation with the transport's retrying calls (`WriteBehind.redo`, a new
+`PendingRead`), so an entry may be appended twice, which every reader of these streams tolerates
+(steps and results carry a step number).
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ def _send(conn: Any, pipe: Any) -> None:
     conn.send_packed_command(conn.pack_commands([args for args, _ in pipe.command_stack]))
 
 
-def _release(transport: SyncTransport, conn: Any, *, broken: bool) -> None:
+def _release(client: redis.Redis, conn: Any, *, broken: bool) -> None:
     if broken:
         conn.disconnect()  # answers unread, or a dead socket: nobody may read this connection again
-    transport.redis.connection_pool.release(conn)
+    client.connection_pool.release(conn)
+
+
+def _failed(transport: SyncTransport, exc: BaseException) -> BaseException:
+    """``exc`` as the caller handles it (a cluster's redirection is transient), the slot map re-read."""
+    transport.reroute()
+    return as_transient(exc)
 
 
 class PendingRead:
@@ -45,13 +53,15 @@ class PendingRead:
         self.cursors = cursors
         self.expected = expected
         # redis-py spells and parses the command; only the connection is handled here.
-        self.pipe: Any = transport._pipeline([], None, transport._xread(cursors, count, block_ms))
-        self.conn: Any = transport.redis.connection_pool.get_connection()
+        self.client = transport.direct(next(iter(cursors)))
+        self.pipe: Any = transport._pipeline([], None, transport._xread(cursors, count, block_ms), self.client)
+        self.conn: Any = None
         try:
+            self.conn = self.client.connection_pool.get_connection()
             _send(self.conn, self.pipe)
-        except BaseException:
+        except BaseException as exc:
             self.close()
-            raise
+            raise _failed(transport, exc) from None
 
     def ready(self) -> bool:
         """Whether the answer (or a broken connection, which `take` then raises) is in."""
@@ -62,11 +72,11 @@ class PendingRead:
         args, options = self.pipe.command_stack[0]
         try:
             reply = self.pipe.parse_response(self.conn, args[0], **options)
-        except BaseException:
+        except BaseException as exc:
             self.close()
-            raise
+            raise _failed(self.transport, exc) from None
         conn, self.conn = self.conn, None
-        _release(self.transport, conn, broken=False)
+        _release(self.client, conn, broken=False)
         received, rejected = self.transport._collect(reply, self.cursors, self.expected)
         for bad in rejected:
             self.transport.dead_letter(*bad)
@@ -76,7 +86,7 @@ class PendingRead:
         """Give the connection back unanswered: it is dropped, since a blocked XREAD cannot be recalled."""
         if self.conn is not None:
             conn, self.conn = self.conn, None
-            _release(self.transport, conn, broken=True)
+            _release(self.client, conn, broken=True)
 
 
 class WriteBehind:
@@ -88,6 +98,7 @@ class WriteBehind:
     def __init__(self, transport: SyncTransport) -> None:
         self.transport = transport
         self.conn: Any = None
+        self.client: Any = None  # whose connection ``conn`` is
         self.pipe: Any = None
         self.unconfirmed: tuple[list[Outgoing], Cursors | None] | None = None
 
@@ -103,15 +114,18 @@ class WriteBehind:
             raise
         if not sends and not trim:
             return
-        self.pipe = self.transport._pipeline(sends, trim, None)
-        self.unconfirmed = (sends, dict(trim) if trim else None)
-        if self.conn is None:
-            self.conn = self.transport.redis.connection_pool.get_connection()
-        try:
-            _send(self.conn, self.pipe)
-        except BaseException:
+        client = self.transport.direct(sends[0].stream if sends else next(iter(trim or {})))
+        if client is not self.client:  # a cluster's slot moved to another master
             self.close()
-            raise
+        self.pipe = self.transport._pipeline(sends, trim, None, client)
+        self.unconfirmed = (sends, dict(trim) if trim else None)
+        try:
+            if self.conn is None:
+                self.client, self.conn = client, client.connection_pool.get_connection()
+            _send(self.conn, self.pipe)
+        except BaseException as exc:
+            self.close()
+            raise _failed(self.transport, exc) from None
 
     def settle(self) -> None:
         """Read the answers of the last send; a command Redis refused raises, as in a pipeline."""
@@ -124,9 +138,9 @@ class WriteBehind:
                     self.pipe.parse_response(self.conn, args[0], **options)
                 except redis.ResponseError as exc:
                     errors.append(exc)
-        except BaseException:
+        except BaseException as exc:
             self.close()
-            raise
+            raise _failed(self.transport, exc) from None
         if any(refuses_writes(e) for e in errors):  # kept for `redo`: Redis takes writes again soon
             raise as_transient(next(e for e in errors if refuses_writes(e)))
         self.unconfirmed = None
@@ -146,4 +160,4 @@ class WriteBehind:
         for `redo`."""
         if self.conn is not None:
             conn, self.conn = self.conn, None
-            _release(self.transport, conn, broken=self.unconfirmed is not None)
+            _release(self.client, conn, broken=self.unconfirmed is not None)

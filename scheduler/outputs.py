@@ -64,7 +64,7 @@ class OutputRouter:
         return Outgoing(stream, encode(msg.sealed(), self.max_message_bytes), maxlen, ttl_ms)
 
     def _is_journal(self, stream: str) -> bool:
-        return stream.startswith(self.names.journal(""))
+        return self.names.is_journal(stream)
 
     # -- outputs --------------------------------------------------------------------------------
     def route(self, outputs: list[StepOutput]) -> list[Outgoing]:

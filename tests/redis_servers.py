@@ -1,10 +1,13 @@
 """Real Redis deployments for tests, on free ports under a test's tmp dir: a TLS server with a
-throwaway CA (made with ``openssl``), and a master + replica watched by three sentinels; and a
-namespace of its own on the test Redis (`private_namespace`)."""
+throwaway CA (made with ``openssl``), a master + replica watched by three sentinels, and a Redis
+Cluster of three masters with a replica each; and a namespace of its own on the test Redis
+(`private_namespace`)."""
 
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -179,6 +182,105 @@ class SentinelCluster:
         for name in self.procs:
             tail = (self.workdir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {name} ---\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        stop_all(list(self.procs.values()))
+
+
+CLUSTER_PORTS = range(7100, 7200)  # a node's bus listens 10000 above its port: ephemeral ports would not fit
+
+
+def free_cluster_port(taken: set[int]) -> int:
+    """A port of `CLUSTER_PORTS` that is free, its cluster bus port (10000 above) too."""
+    for port in random.sample(CLUSTER_PORTS, len(CLUSTER_PORTS)):
+        if port in taken:
+            continue
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port pair in {CLUSTER_PORTS}")
+
+
+@dataclass
+class ClusterServers:
+    """A Redis Cluster on localhost: three masters with one replica each (``redis-cli --cluster
+    create``), a short ``cluster-node-timeout`` so that a dead master's replica takes over in seconds."""
+
+    workdir: Path
+    node_timeout_ms: int = 1000
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, num_nodes: int = 6) -> ClusterServers:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.skip("redis-cli is not installed")
+        for _ in range(num_nodes):
+            port = free_cluster_port(set(self.procs))
+            argv = _server_args(self.workdir, port, None)
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+            argv += ["--cluster-node-timeout", str(self.node_timeout_ms), "--dbfilename", f"dump-{port}.rdb"]
+            self.procs[port] = _start(argv, port, self.workdir / f"node-{port}.log")
+        nodes = [f"127.0.0.1:{port}" for port in self.procs]
+        create = [cli, "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"]
+        subprocess.run(create, check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+        return self
+
+    @property
+    def url(self) -> str:
+        """The cluster form of the URL, naming two of the nodes (either finds the rest)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in list(self.procs)[:2])
+
+    def client(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port)
+
+    def live_ports(self) -> list[int]:
+        return [port for port, proc in self.procs.items() if proc.poll() is None]
+
+    def wait_ok(self, timeout_s: float = 30) -> None:
+        """Until every live node says ``cluster_state:ok`` and agrees on three masters."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            infos = [self.client(port).cluster("info") for port in self.live_ports()]
+            if all(info["cluster_state"] == "ok" and int(info["cluster_size"]) == 3 for info in infos):
+                if len({self.masters_seen_by(port) for port in self.live_ports()}) == 1:
+                    return
+            assert time.monotonic() < deadline, f"the cluster never became ok: {infos}"
+            time.sleep(0.1)
+
+    def masters_seen_by(self, port: int) -> frozenset[int]:
+        """The ports of the masters (not failed) that node ``port`` knows."""
+        nodes = self.client(port).cluster("nodes")
+        return frozenset(
+            int(addr.split("@")[0].rpartition(":")[2])
+            for addr, node in nodes.items()
+            if "master" in node["flags"] and "fail" not in node["flags"] and node["slots"]
+        )
+
+    def master_of(self, key: str) -> int:
+        """The port of the master that holds ``key``'s slot now."""
+        port = self.live_ports()[0]
+        slot = int(self.client(port).cluster("keyslot", key))
+        for row in self.client(port).execute_command("CLUSTER", "SLOTS"):
+            if int(row[0]) <= slot <= int(row[1]):
+                return int(row[2][1])
+        raise AssertionError(f"no master holds slot {slot}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (no shutdown: whatever was not yet replicated is lost)."""
+        self.procs[port].kill()
+        self.procs[port].wait()
+
+    def logs(self, lines: int = 15) -> str:
+        out = []
+        for port in self.procs:
+            tail = (self.workdir / f"node-{port}.log").read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- node {port} ---\n" + "\n".join(tail))
         return "\n".join(out)
 
     def stop(self) -> None:

@@ -57,7 +57,7 @@ class EngineWatch:
             c.settle_until, c.resync_why = time.monotonic() + c.heartbeat_ttl_ms / 1000, "Redis restarted"
         c.run_id = run_id
         ids = [sid.decode() for sid in await t.call(t.redis.zrange, c.names.engines, 0, -1, deadline_s=2)]
-        values = await t.call(t.redis.mget, [c.names.engine(sid) for sid in ids], deadline_s=2) if ids else []
+        values = await t.get_many([c.names.engine(sid) for sid in ids], deadline_s=2)
         engines: dict[str, EngineStatus] = {}
         for sid, value in zip(ids, values):
             status = t.decode_value(c.names.engine(sid), value, (EngineStatus,)) if value is not None else None

@@ -253,6 +253,10 @@ class ClusterServers:
             assert time.monotonic() < deadline, f"the cluster never became ok: {infos}"
             time.sleep(0.1)
 
+    def serving(self) -> bool:
+        """Whether every live node says ``cluster_state:ok`` (each slot has a master that answers)."""
+        return all(self.client(port).cluster("info")["cluster_state"] == "ok" for port in self.live_ports())
+
     def masters_seen_by(self, port: int) -> frozenset[int]:
         """The ports of the masters (not failed) that node ``port`` knows."""
         nodes = self.client(port).cluster("nodes")

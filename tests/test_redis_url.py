@@ -7,13 +7,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
+import redis.asyncio.cluster
 import redis.asyncio.sentinel as aiosentinel
+import redis.cluster
 import redis.sentinel as sentinel
+from redis.connection import parse_url
 
 from common.redact import redact_url
 from common.redis_url import (
+    CLUSTER_PORT,
     PASSWORD_ENV,
     PASSWORD_FILE_ENV,
     SENTINEL_PORT,
@@ -59,6 +65,37 @@ def test_sentinel_form_defaults() -> None:
     assert "password" not in parsed.sentinel_options and "ssl" not in parsed.sentinel_options
 
 
+def test_cluster_form() -> None:
+    url = f"rediss+cluster://app:{SECRET}@n1,n2:7001,[::1]:7002/0?ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem&ssl_keyfile=/k.pem"
+    parsed = parse_redis_url(url)
+    assert parsed.cluster_nodes == (("n1", CLUSTER_PORT), ("n2", 7001), ("::1", 7002)) and parsed.sentinels == ()
+    options = parse_url(parsed.node_url)  # every node's connections: the login and TLS of the URL
+    assert options["host"] == "n1" and options["port"] == CLUSTER_PORT
+    assert options["username"] == "app" and options["password"] == SECRET
+    assert options["ssl_ca_certs"] == "/ca.pem" and options["ssl_certfile"] == "/c.pem" and options["ssl_keyfile"] == "/k.pem"
+    assert parse_redis_url("redis+cluster://10.0.0.1:7000").node_url == "redis://10.0.0.1:7000"
+
+
+def test_cluster_clients_are_made_as_the_url_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clients a cluster URL gives (no cluster runs: the constructors are recorded)."""
+    made: list[tuple[str, str, dict[str, Any]]] = []
+
+    def fake(face: str) -> Any:
+        return classmethod(lambda cls, url, **kw: made.append((face, url, kw)) or "client")
+
+    monkeypatch.setattr(redis.cluster.RedisCluster, "from_url", fake("sync"))
+    monkeypatch.setattr(redis.asyncio.cluster.RedisCluster, "from_url", fake("async"))
+    env = {PASSWORD_ENV: "from-env"}
+    assert sync_client("redis+cluster://n1:7000,n2:7001", environ=env, pool_timeout_s=3.0, socket_timeout=2) == "client"
+    assert async_client(f"rediss+cluster://:{SECRET}@n1:7000", environ=env, pool_timeout_s=3.0) == "client"
+    (face, url, kw), (aface, aurl, akw) = made
+    assert face == "sync" and url == "redis://n1:7000" and kw["password"] == "from-env" and kw["socket_timeout"] == 2
+    assert [(n.host, n.port) for n in kw["startup_nodes"]] == [("n2", 7001)]
+    assert kw["connection_pool_class"] is redis.BlockingConnectionPool and kw["timeout"] == 3.0  # waits for a connection
+    assert aface == "async" and aurl == f"rediss://:{SECRET}@n1:7000" and "timeout" not in akw
+    assert akw["startup_nodes"] == [] and akw["password"] == "from-env"  # the URL's password wins all the same (parsed later)
+
+
 @pytest.mark.parametrize(
     "url, why",
     [
@@ -66,6 +103,10 @@ def test_sentinel_form_defaults() -> None:
         (f"redis+sentinel://:{SECRET}@host:26379", "needs host"),
         (f"redis+sentinel://:{SECRET}@host:port/mymaster", "not host[:port]"),
         (f"redis+sentinel://:{SECRET}@h1,,h2/mymaster", "not host[:port]"),
+        (f"redis+cluster://:{SECRET}@", "needs host"),
+        (f"redis+cluster://:{SECRET}@h1:7000/2", "no database"),
+        (f"rediss+cluster://:{SECRET}@h1:70x0,h2", "not host[:port]"),
+        (f"redis+cluster://:{SECRET}@h1?db=3", "only database 0"),
     ],
 )
 def test_bad_urls_say_why_without_the_password(url: str, why: str) -> None:
@@ -111,7 +152,6 @@ def test_clients_take_the_environment_password_unless_the_url_has_one() -> None:
 def test_new_connections_do_not_read_the_package_metadata(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """redis-py >= 7.2 reads its version from the package metadata for each new connection (a
     gateway's first burst opens dozens) unless the client gives it: ours give it once."""
-    import redis
     import redis.utils
 
     url, proc = find_redis(tmp_path)

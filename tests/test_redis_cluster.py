@@ -129,7 +129,7 @@ def test_stack_serves_on_a_cluster(shared_cluster: ClusterServers, tiny_model: A
         stack.stop()
 
 
-def test_master_of_an_engine_killed_under_load_loses_nothing(own_cluster: ClusterServers, tiny_model: Any, tmp_path: Path) -> None:
+def test_engine_master_killed_under_load_loses_nothing(own_cluster: ClusterServers, tiny_model: Any, tmp_path: Path) -> None:
     stack = Stack(tiny_model(), tmp_path, redis_url=own_cluster.url, scheduler_args=("--recovery-timeout", "60"))
     stack.start()
     old_run_id = SyncTransport(own_cluster.url, stack.names, owner="test").run_id()

@@ -58,7 +58,12 @@ class Workload:
     n: int
 
 
-WORKLOADS = (Workload("stream n=1", True, 1), Workload("stream n=4", True, 4), Workload("plain n=1", False, 1), Workload("plain n=4", False, 4))
+WORKLOADS = (
+    Workload("stream n=1", True, 1),
+    Workload("stream n=4", True, 4),
+    Workload("plain n=1", False, 1),
+    Workload("plain n=4", False, 4),
+)
 
 
 @dataclass(slots=True)
@@ -263,7 +268,10 @@ def checkout(rev: str, into: Path) -> Path:
     return into
 
 
-HEADER = f"{'variant':<16} {'workload':<11} {'tok':>5} {'cmd/tok':>8} {'cmd/req':>8} {'B in/tok':>9} {'B out/tok':>9} {'cpu us/tok':>10}  top commands per token"
+HEADER = (
+    f"{'variant':<16} {'workload':<11} {'tok':>5} {'cmd/tok':>8} {'cmd/req':>8} {'B in/tok':>9} {'B out/tok':>9} "
+    f"{'cpu us/tok':>10}  top commands per token"
+)
 
 
 def format_row(s: dict[str, Any]) -> str:

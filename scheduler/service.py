@@ -204,6 +204,7 @@ class SchedulerService:
         return engine_status(self)
 
     def _on_redis_restart(self) -> None:
+        self.transport.forget_renewals()  # the streams written since are new keys: they need their TTLs
         self.settle_until = time.monotonic() + self.config.heartbeat_ttl_ms / 1000
         self.redis_restarted.set()
         self.wakeup.set()

@@ -4,8 +4,8 @@
     python -m bench.broker --baseline main --stream-interval-ms 0 --stream-interval-ms 50
     python -m bench.broker --model DIR --requests 16 --max-tokens 128 --json out.json
 
-Starts a stack (one engine, one gateway) on a private ``redis-server`` of its own, so that nothing
-else counts, and sends four workloads over HTTP: streaming and not, ``n`` = 1 and 4, each a burst
+Starts a stack (one engine, one gateway) per variant, each on a private ``redis-server`` of its
+own, so that nothing else counts, and sends four workloads over HTTP: streaming and not, ``n`` = 1 and 4, each a burst
 of ``--requests`` completions of ``--max-tokens`` tokens (``ignore_eos``). Around each workload it
 reads Redis's ``INFO`` (commandstats, ``total_net_input_bytes`` / ``total_net_output_bytes``,
 ``used_cpu_user + used_cpu_sys``) and every stream's ``entries-added`` (XINFO STREAM), and reports
@@ -16,10 +16,11 @@ reads timing out) is measured over ``--idle-s`` first and subtracted at its rate
 Commands count every command Redis ran, those a script (EVALSHA) runs included: the work Redis
 does, not the round trips clients make.
 
-``--baseline REV`` runs the same workloads first on a stack whose services run that git revision
-(``git archive``: the benchmark's own code stays this checkout's), so a change is measured against
-what it replaces in the same run. Each ``--stream-interval-ms`` value is one more stack of this
-checkout, its gateway started with that flag (none given: one stack without the flag).
+``--baseline REV`` adds a stack whose services run that git revision (``git archive``: the
+benchmark's own code stays this checkout's), so a change is measured against what it replaces in
+the same run. Each ``--stream-interval-ms`` value is one more stack of this checkout, its gateway
+started with that flag (none given: one stack without the flag). The stacks run side by side and
+take each workload in turn, so a shared machine's load falls on every variant alike.
 """
 
 from __future__ import annotations
@@ -222,8 +223,8 @@ class Variant:
     gateway_args: tuple[str, ...] = ()
 
 
-def measure(variant: Variant, model: str, workloads: list[Workload], args: argparse.Namespace) -> list[Result]:
-    """Start ``variant``'s stack on a private Redis, measure it idle, then each workload."""
+def start(variant: Variant, model: str) -> Stack:
+    """``variant``'s stack, on a private Redis of its own."""
     workdir = Path(tempfile.mkdtemp(prefix="bench-broker-"))
     stack = Stack(
         model,
@@ -233,30 +234,44 @@ def measure(variant: Variant, model: str, workloads: list[Workload], args: argpa
         gateway_args=variant.gateway_args,
         heartbeat_ttl_ms=ServiceDefaults.heartbeat_ttl_ms,
     )
-    stack.start()
+    return stack.start()
+
+
+def measure(variants: list[Variant], model: str, workloads: list[Workload], args: argparse.Namespace) -> list[Result]:
+    """Start every variant's stack, measure each idle, then each workload on each stack in turn
+    (a shared machine's load then falls on every variant alike)."""
+    stacks: list[Stack] = []
     results = []
     try:
-        base_url, client = stack.urls[0], stack.redis
-        name = served_name(base_url)
-        asyncio.run(send_burst(base_url, name, Workload("warm-up", True, 1), 2, 4))
+        for variant in variants:
+            stacks.append(start(variant, model))
+        names, idles = [], []
+        for stack in stacks:
+            names.append(served_name(stack.urls[0]))
+            asyncio.run(send_burst(stack.urls[0], names[-1], Workload("warm-up", True, 1), 2, 4))
         time.sleep(0.5)
-        first = read_counters(client, stack.namespace)
-        time.sleep(args.idle_s)
-        idle = read_counters(client, stack.namespace).minus(first)
+        for stack in stacks:
+            first = read_counters(stack.redis, stack.namespace)
+            time.sleep(args.idle_s)
+            idles.append(read_counters(stack.redis, stack.namespace).minus(first))
         for workload in workloads:
-            before = read_counters(client, stack.namespace)
-            t0 = time.monotonic()
-            tokens = asyncio.run(send_burst(base_url, name, workload, args.requests, args.max_tokens))
-            seconds = time.monotonic() - t0
-            cost = read_counters(client, stack.namespace).minus(before).less_idle(idle)
-            ok = [t for t in tokens if t >= 0]
-            results.append(Result(variant.label, workload.name, len(ok), sum(ok), seconds, cost, failed=len(tokens) - len(ok)))
-            print(format_row(results[-1].summary()), file=sys.stderr, flush=True)
+            for variant, stack, name, idle in zip(variants, stacks, names, idles, strict=True):
+                before = read_counters(stack.redis, stack.namespace)
+                t0 = time.monotonic()
+                tokens = asyncio.run(send_burst(stack.urls[0], name, workload, args.requests, args.max_tokens))
+                seconds = time.monotonic() - t0
+                cost = read_counters(stack.redis, stack.namespace).minus(before).less_idle(idle)
+                ok = [t for t in tokens if t >= 0]
+                result = Result(variant.label, workload.name, len(ok), sum(ok), seconds, cost, failed=len(tokens) - len(ok))
+                results.append(result)
+                print(format_row(result.summary()), file=sys.stderr, flush=True)
     except BaseException:
-        print(stack.logs(), file=sys.stderr)
+        for stack in stacks:
+            print(stack.logs(), file=sys.stderr)
         raise
     finally:
-        stack.stop()
+        for stack in stacks:
+            stack.stop()
     return results
 
 
@@ -329,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             variants.append(Variant(f"this {interval}ms", REPO, ("--stream-interval-ms", str(interval))))
     print(HEADER, file=sys.stderr)
-    summaries = [r.summary() for v in variants for r in measure(v, model, workloads, args)]
+    results = measure(variants, model, workloads, args)
+    summaries = [r.summary() for v in variants for r in results if r.variant == v.label]
     print(format_report(summaries))
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "results": summaries}, indent=1))

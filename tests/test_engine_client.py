@@ -259,6 +259,26 @@ async def test_steps_read_together_become_one_event_and_one_journal_entry() -> N
 
 
 @async_test
+async def test_the_choices_of_a_response_read_together_are_one_journal_entry() -> None:
+    """The choices of one response share its journal: what one read brings for them is one entry
+    (a row per choice), and each choice's replay takes its own rows from it."""
+    client = make_client()
+    await publish(client, engine("s0"))
+    header = JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1], None)
+    c0 = await client.submit("c0", [1], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
+    c1 = await client.submit("c1", [1], SAMPLING, "resp")
+    await dispatch_steps(client, outputs(("c0", 0, [5]), ("c1", 0, [7])), outputs(("c0", 1, [6]), ("c1", 1, [8], True, "length")))
+    assert (tokens_of(drain(c0)), tokens_of(drain(c1))) == ([5, 6], [7, 8])
+    entries = [m for m in await journal(client, "resp") if isinstance(m, StepOutputs)]
+    assert [(m.request_ids, m.token_index, m.token_ids, m.finished) for m in entries] == [
+        (["c0", "c1"], [0, 0], [5, 6, 7, 8], [False, True])
+    ]
+    for request_id, tokens, finished in (("c0", [5, 6], False), ("c1", [7, 8], True)):
+        [event] = replay(RequestHandle(request_id, [1], SAMPLING), entries)
+        assert event.token_ids == tokens and event.finished == finished
+
+
+@async_test
 async def test_dispatch_gap_asks_for_one_resend() -> None:
     client = make_client()
     await publish(client, engine("s0"))

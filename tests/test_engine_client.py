@@ -279,6 +279,31 @@ async def test_the_choices_of_a_response_read_together_are_one_journal_entry() -
 
 
 @async_test
+async def test_a_stream_interval_delivers_the_steps_meanwhile_as_one_event() -> None:
+    """With ``stream_interval_ms`` the outputs reader delivers what a read brings at once, then waits
+    out the interval: the steps that arrive meanwhile become one event (and one journal entry)."""
+    client = make_client(stream_interval_ms=300)
+    await publish(client, engine("s0"))
+    h = await client.submit("r", [1], SAMPLING)
+    r, stream = client.transport.redis, client.outputs_stream
+    reader = asyncio.create_task(client._read_outputs())
+    try:
+        await asyncio.sleep(0.05)  # the reader is waiting for the first output
+        await r.xadd(stream, {ENTRY_FIELD: encode(outputs(("r", 0, [5])))})
+        first = await asyncio.wait_for(h.events.get(), 1)
+        assert first.token_ids == [5]  # not held back: nothing was delivered within the interval
+        for index, token in ((1, 6), (2, 7)):
+            await r.xadd(stream, {ENTRY_FIELD: encode(outputs(("r", index, [token])))})
+            await asyncio.sleep(0.02)
+        assert h.events.empty()  # within the interval
+        second = await asyncio.wait_for(h.events.get(), 1)
+        assert second.token_ids == [6, 7] and second.num_steps == 2
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
+@async_test
 async def test_dispatch_gap_asks_for_one_resend() -> None:
     client = make_client()
     await publish(client, engine("s0"))

@@ -164,6 +164,8 @@ class Result:
             "bytes_per_request": round((c.net_in + c.net_out) / r),
             "cpu_us_per_token": round(1e6 * c.cpu_s / t, 2),
             "cpu_ms_per_request": round(1e3 * c.cpu_s / r, 3),
+            # Per engine step (an entry of the steps stream): what does not grow with the batch.
+            "commands_per_step": round(commands / max(1, c.entries.get("steps", 0)), 2),
             "by_command_per_token": {
                 k: round(v / t, 3) for k, v in sorted(c.calls.items(), key=lambda kv: -kv[1]) if k not in OWN_COMMANDS
             },
@@ -254,7 +256,7 @@ def measure(variants: list[Variant], model: str, workloads: list[Workload], args
             first = read_counters(stack.redis, stack.namespace)
             time.sleep(args.idle_s)
             idles.append(read_counters(stack.redis, stack.namespace).minus(first))
-        for workload in workloads:
+        for workload in [w for _ in range(args.repeat) for w in workloads]:
             for variant, stack, name, idle in zip(variants, stacks, names, idles, strict=True):
                 before = read_counters(stack.redis, stack.namespace)
                 t0 = time.monotonic()
@@ -310,8 +312,9 @@ def format_report(summaries: list[dict[str, Any]]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.broker", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random llama)")
-    p.add_argument("--requests", type=int, default=8, help="requests per workload, sent at once")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--requests", type=int, default=16, help="requests per workload, sent at once")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=1, help="run every workload this many times (a row each)")
     p.add_argument("--idle-s", type=float, default=2.0, help="seconds the idle stack is measured for")
     p.add_argument("--baseline", default=None, metavar="REV", help="also measure this git revision first (e.g. main)")
     p.add_argument(

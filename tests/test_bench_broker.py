@@ -24,12 +24,14 @@ def test_idle_is_subtracted_at_its_rate() -> None:
     assert broker.stream_kind("test-ab:journal:resp-1", "test-ab") == "journal"
 
 
-def test_the_bench_measures_a_streamed_workload(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+def test_the_bench_measures_a_streamed_workload_with_a_stream_interval(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     out = tmp_path / "broker.json"
     argv = ["--model", str(tiny_model()), "--requests", "2", "--max-tokens", "6", "--idle-s", "0.3"]
-    assert broker.main([*argv, "--workload", "stream n=4", "--json", str(out)]) == 0
+    # The gateway's --stream-interval-ms end to end (the variant's flag).
+    assert broker.main([*argv, "--workload", "stream n=4", "--stream-interval-ms", "20", "--json", str(out)]) == 0
     [result] = json.loads(out.read_text())["results"]
-    assert (result["workload"], result["requests"], result["tokens"], result["failed"]) == ("stream n=4", 2, 48, 0)
+    assert (result["variant"], result["workload"]) == ("this 20ms", "stream n=4")
+    assert (result["requests"], result["tokens"], result["failed"]) == (2, 48, 0)
     assert result["commands_per_token"] > 0 and result["bytes_in_per_token"] > 0
     assert "xadd" in result["by_command_per_token"]
     # Every stream kind the request path writes is seen; the choices of a response share a journal.

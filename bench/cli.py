@@ -12,11 +12,12 @@ BENCHES = {
     "cpu-threads": "bench.cpu_threads",
     "moe-layer": "bench.moe_layer",
     "window-kv": "bench.window_kv",
+    "broker": "bench.broker",
 }
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer,window-kv} [options]``."""
+    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer,window-kv,broker} [options]``."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

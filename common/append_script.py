@@ -1,10 +1,11 @@
 """Many stream appends as one Redis command: a server-side script instead of a pipeline.
 
-A gateway journals every event of every stream it serves (one XADD and one PEXPIRE per request
-per step). Pipelined, redis-py builds and parses two commands per event in Python; as one
-EVALSHA, Redis does that work instead (docs/performance.md has the numbers). Where the server
-refuses scripts (an ACL without ``EVAL``, a Redis stand-in without Lua) the caller falls back to
-the pipeline: same effect, one round trip either way.
+A gateway journals every event of every stream it serves (one XADD per response per read, a
+PEXPIRE where the journal's TTL is due: `common.transport`). Pipelined, redis-py builds and
+parses those commands in Python; as one EVALSHA, Redis does that work instead
+(docs/performance.md has the numbers). Where the server refuses scripts (an ACL without
+``EVAL``, a Redis stand-in without Lua) the caller falls back to the pipeline: same effect, one
+round trip either way.
 """
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ return #KEYS
 """
 
 
-def script_arguments(sends: Sequence[tuple[str, bytes, int | None, int | None]]) -> tuple[list[str], list[bytes]]:
-    """KEYS and ARGV of `APPEND_SCRIPT` for ``(stream, data, maxlen, ttl_ms)`` appends, in order."""
+def script_arguments(
+    sends: Sequence[tuple[str, bytes, int | None, int | None]], ttls: Sequence[int | None]
+) -> tuple[list[str], list[bytes]]:
+    """KEYS and ARGV of `APPEND_SCRIPT` for ``(stream, data, maxlen, _)`` appends, in order, each
+    with the TTL of ``ttls`` (None: none set; `TransportCore.ttls_due`)."""
     keys = [stream for stream, _, _, _ in sends]
-    entries = [[data, -1 if maxlen is None else maxlen, -1 if ttl_ms is None else ttl_ms] for _, data, maxlen, ttl_ms in sends]
+    entries = [
+        [data, -1 if maxlen is None else maxlen, -1 if ttl_ms is None else ttl_ms]
+        for (_, data, maxlen, _), ttl_ms in zip(sends, ttls, strict=True)
+    ]
     return keys, [ENTRY_FIELD, msgpack.packb(entries, use_bin_type=False)]

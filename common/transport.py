@@ -12,6 +12,11 @@ Why the settings below:
   5 s would turn a long blocking read into a TimeoutError after internal retries).
 - Connection errors are retried with exponential backoff (capped), forever for readers and
   writers of long-lived services; a Redis restart costs a pause, not a crashed service.
+- A key's TTL (`Outgoing.ttl_ms`) is renewed at most once per `TTL_RENEW_FRACTION` of it, to that
+  TTL plus the fraction: the key still lives at least its TTL past every write, for one PEXPIRE
+  per fraction of the TTL instead of one per write (a streamed token's journal entry would carry
+  one). What was renewed is forgotten on any retried error and when Redis's ``run_id`` changes,
+  so a key that Redis lost and a write recreated gets its TTL with that write's retry or the next.
 - A message that fails `protocol.decode` is logged, copied to the dead-letter stream with the
   reason, and skipped: one bad producer cannot wedge a consumer. What counts as transient, and
   the retry policy: `common.redis_errors`.
@@ -65,6 +70,8 @@ CLIENT_OPTIONS: dict[str, Any] = dict(
 # default pool would fail it at once with "Too many connections", a burst of requests would
 # retry with backoff, and every stream would stall.
 POOL_WAIT_S = 20.0
+TTL_RENEW_FRACTION = 8
+RENEWALS_PRUNE_SIZE = 1024  # keys remembered as renewed before the lapsed ones are dropped
 
 Received = tuple[str, bytes, Any]  # (stream, entry id, message) of one entry read
 Rejected = tuple[str, bytes, dict[bytes, bytes], str]  # (stream, entry id, entry, reason): one to dead-letter
@@ -90,6 +97,11 @@ def is_cluster(client: Any) -> bool:
 def _info_target(client: Any) -> dict[str, Any]:
     """Where ``INFO`` goes: every master of a cluster (those hold the data), else the one server."""
     return {"target_nodes": cluster.RedisCluster.PRIMARIES} if is_cluster(client) else {}
+
+
+def renewed_ttl_ms(ttl_ms: int) -> int:
+    """The TTL a renewal gives a key whose writes ask for ``ttl_ms`` (see the module docstring)."""
+    return ttl_ms + ttl_ms // TTL_RENEW_FRACTION
 
 
 def parse_run_id(info: dict[str, Any]) -> str:
@@ -135,9 +147,43 @@ class TransportCore(Generic[Client]):
         self.owner = owner
         self.num_dead_letters = 0
         self.redis: Client = self._connect(url)
+        self._renew_at: dict[str, float] = {}  # key -> when (monotonic) its TTL is next renewed
+        self._prune_at = RENEWALS_PRUNE_SIZE
+        self._run_id: str | None = None
 
     def _connect(self, url: str) -> Client:
         raise NotImplementedError  # each face makes its own client, sync or async
+
+    # -- TTL renewals --------------------------------------------------------------------------
+    def ttls_due(self, sends: list[Outgoing]) -> list[int | None]:
+        """The PEXPIRE each of ``sends`` carries: the renewed TTL where its key is due for one, else
+        None (no TTL asked for, renewed recently, or earlier in ``sends``). Counts them as done: a
+        call that fails forgets every renewal (`forget_renewals`), so its retry renews again."""
+        now = time.monotonic()
+        out: list[int | None] = []
+        for send in sends:
+            if send.ttl_ms is None or self._renew_at.get(send.stream, 0.0) > now:
+                out.append(None)
+                continue
+            self._renew_at[send.stream] = now + send.ttl_ms / 1000 / TTL_RENEW_FRACTION
+            out.append(renewed_ttl_ms(send.ttl_ms))
+        if len(self._renew_at) > self._prune_at:
+            for key, due in list(self._renew_at.items()):  # a copy: other threads may renew meanwhile
+                if due <= now:
+                    self._renew_at.pop(key, None)
+            self._prune_at = max(RENEWALS_PRUNE_SIZE, 2 * len(self._renew_at))
+        return out
+
+    def forget_renewals(self) -> None:
+        """Renew every key's TTL at its next write: Redis may have lost them (an error, a restart)."""
+        self._renew_at.clear()
+
+    def _seen_run_id(self, run_id: str) -> str:
+        """``run_id`` read from the server; a new one (Redis restarted, or failed over) forgets renewals."""
+        if run_id != self._run_id:
+            self.forget_renewals()
+            self._run_id = run_id
+        return run_id
 
     # -- messages ------------------------------------------------------------------------------
     def encode(self, msg: Any) -> bytes:
@@ -215,10 +261,10 @@ class TransportCore(Generic[Client]):
         PEXPIREs) of ``sends``, XTRIMs of ``trim`` streams before their ids, then one XREAD with
         ``read`` arguments (see `_xread`)."""
         pipe: Any = (client or self.redis).pipeline(transaction=False)  # queues commands, even on the async client
-        for out in sends:
+        for out, ttl_ms in zip(sends, self.ttls_due(sends), strict=True):
             pipe.xadd(**self._xadd(out.stream, out.data, out.maxlen))
-            if out.ttl_ms is not None:
-                pipe.pexpire(out.stream, out.ttl_ms)
+            if ttl_ms is not None:
+                pipe.pexpire(out.stream, ttl_ms)
         for stream, entry_id in (trim or {}).items():
             pipe.xtrim(**self._xtrim_through(stream, entry_id))
         if read is not None:
@@ -248,6 +294,7 @@ class Transport(TransportCore[aioredis.Redis]):
             try:
                 return await fn(*args, **kwargs)
             except RETRIED_ERRORS as exc:
+                self.forget_renewals()
                 await asyncio.sleep(backoff.wait_s(exc))
 
     async def ping(self, deadline_s: float | None = None) -> None:
@@ -283,10 +330,14 @@ class Transport(TransportCore[aioredis.Redis]):
                 except redis.ResponseError as exc:
                     logger.info("%s: Redis runs no scripts (%s); appends go pipelined", self.owner, exc)
                     self._append_script = False
-            if self._append_script:  # reloaded by redis-py if the server lost it (restart, failover)
-                keys, args = script_arguments(sends)
+            if isinstance(script := self._append_script, AsyncScript):  # reloaded by redis-py if the server lost it
+
+                def run() -> Any:  # the arguments per try: a retry renews the TTLs again
+                    keys, args = script_arguments(sends, self.ttls_due(sends))
+                    return script(keys=keys, args=args)
+
                 try:
-                    await self.call(self._append_script, keys=keys, args=args, deadline_s=deadline_s)
+                    await self.call(run, deadline_s=deadline_s)
                     return
                 except redis.ResponseError as exc:  # e.g. a stand-in without Lua's cmsgpack: it fails before any append
                     logger.warning("%s: the append script failed (%s); appends go pipelined", self.owner, exc)
@@ -339,7 +390,8 @@ class Transport(TransportCore[aioredis.Redis]):
     async def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""
         try:
-            return parse_run_id(await self.call(self.redis.info, "server", **_info_target(self.redis), deadline_s=deadline_s))
+            info = await self.call(self.redis.info, "server", **_info_target(self.redis), deadline_s=deadline_s)
+            return self._seen_run_id(parse_run_id(info))
         except redis.ResponseError:
             return ""
 
@@ -402,6 +454,7 @@ class SyncTransport(TransportCore[redis.Redis]):
             try:
                 return fn(*args, **kwargs)
             except RETRIED_ERRORS as exc:
+                self.forget_renewals()
                 time.sleep(backoff.wait_s(exc))
 
     def ping(self, deadline_s: float | None = None) -> None:
@@ -448,7 +501,7 @@ class SyncTransport(TransportCore[redis.Redis]):
 
     def run_id(self, deadline_s: float | None = None) -> str:
         """See `server_run_id`."""
-        return str(self.call(server_run_id, self.redis, deadline_s=deadline_s))
+        return self._seen_run_id(str(self.call(server_run_id, self.redis, deadline_s=deadline_s)))
 
     def direct(self, key: str) -> redis.Redis:
         """A plain client of the server that holds ``key``: this transport's own on a single Redis;

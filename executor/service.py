@@ -216,6 +216,7 @@ class ExecutorService:
                             writes.settle()  # about to wait: a result that did not land is redone first
                         got, read = [(entry_id, msg) for _, entry_id, msg in read.take()], None
                 except TRANSIENT_ERRORS as exc:
+                    t.forget_renewals()  # Redis may have restarted: the streams written next need their TTLs
                     if read is not None:
                         read.close()
                         read = None

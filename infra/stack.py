@@ -62,8 +62,10 @@ class Stack:
         auto_pairing: bool = False,
         cpu_placement: bool = False,
         module: str = "infra.cli",
+        repo: Path = REPO,
     ) -> None:
         self.model = str(model)
+        self.repo = repo  # whose code the processes run: this checkout, or another revision's (a benchmark's baseline)
         self.module = module  # run as every process: `infra.cli`, or a test's wrapper around it
         self.workdir = workdir
         self.namespace = f"test-{uuid.uuid4().hex[:10]}"
@@ -115,7 +117,7 @@ class Stack:
             "CONVEYOR_NAMESPACE": self.namespace,
             "CONVEYOR_MODEL": self.model,
             "CONVEYOR_HEARTBEAT_TTL_MS": str(self.heartbeat_ttl_ms),
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": str(self.repo),
             "TOKENIZERS_PARALLELISM": "false",
             "CONVEYOR_RUN_DIR": str(self.workdir),  # where `conveyor health` finds the ids
         }
@@ -128,7 +130,7 @@ class Stack:
             index = name.removeprefix("executor")
             env.update(self.placement.env((int(index) if index.isdigit() else 0) if name.startswith("executor") else None))
         proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", self.module, *args], env=env, cwd=self.repo, stdout=log, stderr=subprocess.STDOUT
         )
         self.procs[name] = proc
         return proc

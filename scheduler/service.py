@@ -204,6 +204,7 @@ class SchedulerService:
         return engine_status(self)
 
     def _on_redis_restart(self) -> None:
+        self.transport.forget_renewals()  # the streams written since are new keys: they need their TTLs
         self.settle_until = time.monotonic() + self.config.heartbeat_ttl_ms / 1000
         self.redis_restarted.set()
         self.wakeup.set()
@@ -359,6 +360,9 @@ class SchedulerService:
         now = time.monotonic()
         while self.dead_gateways:
             gateway_id = self.dead_gateways.popleft()
+            # A stopping gateway deletes its outputs stream: one that comes back under the same id
+            # makes it anew, and it needs its TTL at the first write.
+            self.transport.forget_renewals()
             doomed = self.router.gateway_died(gateway_id, now)
             logger.warning("gateway %s is gone: %d requests aborted, the resumable ones kept", gateway_id, len(doomed))
             aborted.extend(doomed)

@@ -28,7 +28,7 @@ from common.protocol import (
     encode,
 )
 from common.sampling_params import SamplingParams
-from common.transport import Outgoing
+from common.transport import Outgoing, renewed_ttl_ms
 from gateway.engine.client import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 from gateway.engine.journal import read_journal
 from gateway.engine.outputs import replay
@@ -259,6 +259,51 @@ async def test_steps_read_together_become_one_event_and_one_journal_entry() -> N
 
 
 @async_test
+async def test_the_choices_of_a_response_read_together_are_one_journal_entry() -> None:
+    """The choices of one response share its journal: what one read brings for them is one entry
+    (a row per choice), and each choice's replay takes its own rows from it."""
+    client = make_client()
+    await publish(client, engine("s0"))
+    header = JournalHeader("resp", "completion", "{}", "tiny", 1, 10, [1], None)
+    c0 = await client.submit("c0", [1], SAMPLING, "resp", journal=[Outgoing(NAMES.journal("resp"), encode(header))])
+    c1 = await client.submit("c1", [1], SAMPLING, "resp")
+    await dispatch_steps(client, outputs(("c0", 0, [5]), ("c1", 0, [7])), outputs(("c0", 1, [6]), ("c1", 1, [8], True, "length")))
+    assert (tokens_of(drain(c0)), tokens_of(drain(c1))) == ([5, 6], [7, 8])
+    entries = [m for m in await journal(client, "resp") if isinstance(m, StepOutputs)]
+    assert [(m.request_ids, m.token_index, m.token_ids, m.finished) for m in entries] == [
+        (["c0", "c1"], [0, 0], [5, 6, 7, 8], [False, True])
+    ]
+    for request_id, tokens, finished in (("c0", [5, 6], False), ("c1", [7, 8], True)):
+        [event] = replay(RequestHandle(request_id, [1], SAMPLING), entries)
+        assert event.token_ids == tokens and event.finished == finished
+
+
+@async_test
+async def test_a_stream_interval_delivers_the_steps_meanwhile_as_one_event() -> None:
+    """With ``stream_interval_ms`` the outputs reader delivers what a read brings at once, then waits
+    out the interval: the steps that arrive meanwhile become one event (and one journal entry)."""
+    client = make_client(stream_interval_ms=300)
+    await publish(client, engine("s0"))
+    h = await client.submit("r", [1], SAMPLING)
+    r, stream = client.transport.redis, client.outputs_stream
+    reader = asyncio.create_task(client._read_outputs())
+    try:
+        await asyncio.sleep(0.05)  # the reader is waiting for the first output
+        await r.xadd(stream, {ENTRY_FIELD: encode(outputs(("r", 0, [5])))})
+        first = await asyncio.wait_for(h.events.get(), 1)
+        assert first.token_ids == [5]  # not held back: nothing was delivered within the interval
+        for index, token in ((1, 6), (2, 7)):
+            await r.xadd(stream, {ENTRY_FIELD: encode(outputs(("r", index, [token])))})
+            await asyncio.sleep(0.02)
+        assert h.events.empty()  # within the interval
+        second = await asyncio.wait_for(h.events.get(), 1)
+        assert second.token_ids == [6, 7] and second.num_steps == 2
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
+@async_test
 async def test_dispatch_gap_asks_for_one_resend() -> None:
     client = make_client()
     await publish(client, engine("s0"))
@@ -327,7 +372,7 @@ async def test_dispatch_journals_resumable_events_before_delivering_them() -> No
         {5: -0.5},
         {6: -0.25, 1: -3.0},
     ]
-    assert 0 < await client.transport.redis.pttl(NAMES.journal("resp")) <= 30_000
+    assert 30_000 < await client.transport.redis.pttl(NAMES.journal("resp")) <= renewed_ttl_ms(30_000)
     assert tokens_of(drain(plain)) == [7, 9]  # not journaled: only resp's stream exists
     assert await client.transport.redis.exists(NAMES.journal("plain")) == 0
 
@@ -356,7 +401,7 @@ async def test_a_claimed_stream_id_is_one_streams_on_every_gateway() -> None:
     h = await g1.submit("mine-0a1b2c3d", [1], SAMPLING, "mine", claim=first)
     assert h.journal_id == "mine" and h.engine_request_id == "mine-0a1b2c3d"
     assert await journal(g1, "mine") == [header, Route("mine-0a1b2c3d", "s0")]
-    assert 0 < await g1.transport.redis.pttl(NAMES.journal("mine")) <= g1.journal_ttl_ms
+    assert 0 < await g1.transport.redis.pttl(NAMES.journal("mine")) <= renewed_ttl_ms(g1.journal_ttl_ms)
     await g1.transport.redis.pexpire(NAMES.journal("mine"), 5_000)  # as if its owner had died a while ago
     for gateway in (g1, g2):
         with pytest.raises(RequestIdInUse):

@@ -58,9 +58,13 @@ from gateway.engine.routing import AFFINITY_SLACK, choose_engine
 from gateway.engine.send_batch import SendBatch
 from gateway.engine.watch import EngineWatch
 
+# Outputs reach clients at most this often by default (`EngineClient`'s ``stream_interval_ms``): 0, as read.
+DEFAULT_STREAM_INTERVAL_MS = 0
+
 __all__ = ["AFFINITY_SLACK", "EngineClient", "EngineEvent", "EngineUnavailable", "RequestHandle", "RequestIdInUse"]
 
 logger = logging.getLogger("conveyor.gateway")
+OUTPUTS_READ_COUNT = 64  # steps' outputs taken per read of this gateway's stream
 
 
 class EngineClient:
@@ -77,8 +81,13 @@ class EngineClient:
         recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s,
         resume_window_s: float = ServiceDefaults.resume_window_s,
         stall_timeout_s: float = ServiceDefaults.stall_timeout_s,
+        stream_interval_ms: int = DEFAULT_STREAM_INTERVAL_MS,
     ) -> None:
         self.names = names
+        # After delivering what one read brought, the outputs reader waits out the rest of this
+        # interval: the steps meanwhile arrive as one read, one event per request (one journal entry
+        # per response, one SSE chunk per choice) instead of one per step (vLLM's --stream-interval).
+        self.stream_interval_s = stream_interval_ms / 1000
         self.gateway_id = gateway_id
         self.transport = Transport(redis_url, names, owner=f"gateway {gateway_id}")
         self.heartbeat_ttl_ms = heartbeat_ttl_ms
@@ -364,9 +373,12 @@ class EngineClient:
         self._outputs_cursors = cursors  # `EngineWatch.run` trims what was read
         while True:
             try:
-                received = await self.transport.read(cursors, count=64, block_ms=1000, expected=(StepOutputs,))
+                received = await self.transport.read(cursors, count=OUTPUTS_READ_COUNT, block_ms=1000, expected=(StepOutputs,))
+                read_at = time.monotonic()
                 if received:
                     await self._dispatch([msg for _, _, msg in received])
+                if self.stream_interval_s and 0 < len(received) < OUTPUTS_READ_COUNT:  # a full read: more are waiting
+                    await asyncio.sleep(max(0.0, read_at + self.stream_interval_s - time.monotonic()))
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -5,7 +5,8 @@ many streams), one read returns several steps; each request's tokens from all of
 `EngineEvent`, hence one journal entry and one SSE chunk, as vLLM's output collector merges the
 outputs a slow consumer has not taken yet. The work per event (journal write, detokenization, JSON,
 a socket write on each side) is then paid once per read instead of once per step, so the cost of
-streaming falls exactly when the CPU is short. A journal replay (`replay`) delivers the same
+streaming falls exactly when the CPU is short. The events of one response (its ``n`` choices) read
+together go to its journal as one entry. A journal replay (`replay`) delivers the same
 events again, so resumed streams number their SSE events as the first gateway did.
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from common.codec import INT_BYTES, LOGPROB_ENTRY_BYTES, unpack_logprobs
-from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, encode
+from common.protocol import MAX_MESSAGE_BYTES, TAKEN_OVER, Names, StepOutputs, encode, row_bytes
 from common.redis_errors import REDIS_FAILURES
 from common.sampling_params import SamplingParams
 from common.transport import Outgoing, Transport
@@ -109,9 +110,10 @@ def route_outputs(msgs: list[StepOutputs], attempts: Mapping[str, RequestHandle]
     return routed
 
 
-def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> StepOutputs:
-    """The journal's copy of one delivered event (what `replay` delivers again)."""
-    entry = StepOutputs()
+def journal_entry(engine_request_id: str, start: int, event: EngineEvent, entry: StepOutputs | None = None) -> StepOutputs:
+    """The journal's copy of one delivered event (what `replay` delivers again): a row added to
+    ``entry`` (a new one if None)."""
+    entry = StepOutputs() if entry is None else entry
     entry.add(
         engine_request_id,
         start,
@@ -123,13 +125,36 @@ def journal_entry(engine_request_id: str, start: int, event: EngineEvent) -> Ste
         stop_reason=event.stop_reason,
         prompt_logprobs=event.prompt_logprobs,
     )
-    return entry.sealed()
+    return entry
 
 
 def journal_write(names: Names, handle: RequestHandle, event: EngineEvent, start: int, ttl_ms: int) -> Outgoing:
     """The append of ``event`` (its first token at output index ``start``) to ``handle``'s journal."""
-    entry = encode(journal_entry(handle.engine_request_id, start, event))
+    entry = encode(journal_entry(handle.engine_request_id, start, event).sealed())
     return Outgoing(names.journal(handle.journal_id), entry, None, ttl_ms)  # never trimmed (`Names.journal`)
+
+
+def journal_writes(names: Names, events: list[tuple[RequestHandle, EngineEvent, int]], ttl_ms: int) -> list[Outgoing]:
+    """The appends of the events of resumable streams: one entry per journal, a row per event (the
+    choices of one response share its journal), in order; a further entry where the rows would
+    pass half the message limit (prompt logprobs, a long resend)."""
+    entries: dict[str, list[StepOutputs]] = {}
+    sizes: dict[str, int] = {}
+    for handle, event, start in events:
+        if not handle.journal_id:
+            continue
+        row = row_bytes(event.token_ids, event.logprobs, event.prompt_logprobs)
+        pieces = entries.setdefault(handle.journal_id, [StepOutputs()])
+        if sizes.get(handle.journal_id, 0) + row > MAX_MESSAGE_BYTES // 2 and pieces[-1].request_ids:
+            pieces.append(StepOutputs())
+            sizes[handle.journal_id] = 0
+        sizes[handle.journal_id] = sizes.get(handle.journal_id, 0) + row
+        journal_entry(handle.engine_request_id, start, event, pieces[-1])
+    return [
+        Outgoing(names.journal(journal_id), encode(piece.sealed()), None, ttl_ms)  # never trimmed (`Names.journal`)
+        for journal_id, pieces in entries.items()
+        for piece in pieces
+    ]
 
 
 async def write_ahead(
@@ -139,7 +164,7 @@ async def write_ahead(
     event another gateway could not replay); the events to deliver. When the write fails, the read
     that brought them has moved on: the journaled ones are taken back and owed a resend (the
     watcher asks, `EngineWatch.resend_owed`), as outputs lost on the way are; the rest go on."""
-    journal = [journal_write(names, h, event, start, ttl_ms) for h, event, start in events if h.journal_id]
+    journal = journal_writes(names, events, ttl_ms)
     if not journal:
         return events
     writing = [h for h, _, _ in events if h.journal_id]

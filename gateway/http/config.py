@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
+from gateway.engine.client import DEFAULT_STREAM_INTERVAL_MS
 from gateway.openai.schema import ChatParsers
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
@@ -29,6 +30,8 @@ class GatewayConfig:
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
+    # Outputs reach clients (and journals) at most this often: fewer, larger SSE chunks and Redis writes.
+    stream_interval_ms: int = DEFAULT_STREAM_INTERVAL_MS
     response_ttl_s: float = DEFAULT_RESPONSE_TTL_S  # how long a stored Responses API response is kept (`gateway.responses.store`)
     # Each key is a tenant (`gateway.http.tenants`); none: one anonymous tenant, no key required.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -50,6 +53,8 @@ class GatewayConfig:
         if self.generation_config not in GENERATION_CONFIG_MODES:
             modes = ", ".join(GENERATION_CONFIG_MODES)
             raise ValueError(f"generation_config must be one of {modes}, got {self.generation_config!r}")
+        if self.stream_interval_ms < 0:
+            raise ValueError(f"--stream-interval-ms must be 0 or more, got {self.stream_interval_ms}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

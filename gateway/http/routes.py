@@ -82,6 +82,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         recovery_timeout_s=config.recovery_timeout_s,
         resume_window_s=config.resume_window_s,
         stall_timeout_s=config.stall_timeout_s,
+        stream_interval_ms=config.stream_interval_ms,
     )
     tokenizers = Tokenizers(config.model, config.generation_config)
     workers = InputWorkers()

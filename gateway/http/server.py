@@ -14,6 +14,7 @@ from common.redact import redact_url
 from common.redis_errors import REDIS_FAILURES, RedisAuthFailed
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from common.transport import SyncTransport
+from gateway.engine.client import DEFAULT_STREAM_INTERVAL_MS
 from gateway.http.config import DEFAULT_RESPONSE_TTL_S, GatewayConfig
 from gateway.http.tenants import read_key_file, split_keys
 from gateway.output.reasoning_parsers import REASONING_PARSERS
@@ -45,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "seconds a request waits for a live engine before failing",
         "seconds a stream's journal is kept for resuming it on another gateway",
+    )
+    p.add_argument(
+        "--stream-interval-ms",
+        type=int,
+        default=int(env("CONVEYOR_STREAM_INTERVAL_MS") or DEFAULT_STREAM_INTERVAL_MS),
+        help="deliver each request's new tokens at most this often (one SSE chunk and one journal entry per "
+        "interval instead of per engine step: less Redis and CPU per token, coarser streaming); 0: as they come",
     )
     p.add_argument(
         "--api-key",
@@ -148,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             resume_window_s=args.resume_window,
             response_ttl_s=args.response_ttl,
             stall_timeout_s=args.stall_timeout,
+            stream_interval_ms=args.stream_interval_ms,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,

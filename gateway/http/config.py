@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
+from gateway.engine.routing import DEFAULT_OVERLAP_WEIGHT, DEFAULT_ROUTING, ROUTING_POLICIES
 from gateway.openai.schema import ChatParsers
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
@@ -29,6 +30,8 @@ class GatewayConfig:
     recovery_timeout_s: float = ServiceDefaults.recovery_timeout_s
     resume_window_s: float = ServiceDefaults.resume_window_s
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
+    routing: str = DEFAULT_ROUTING  # which engine a request goes to (`gateway.engine.routing`)
+    routing_overlap_weight: float = DEFAULT_OVERLAP_WEIGHT  # cache_aware: a block to prefill against one in use
     response_ttl_s: float = DEFAULT_RESPONSE_TTL_S  # how long a stored Responses API response is kept (`gateway.responses.store`)
     # Each key is a tenant (`gateway.http.tenants`); none: one anonymous tenant, no key required.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -50,6 +53,10 @@ class GatewayConfig:
         if self.generation_config not in GENERATION_CONFIG_MODES:
             modes = ", ".join(GENERATION_CONFIG_MODES)
             raise ValueError(f"generation_config must be one of {modes}, got {self.generation_config!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if not self.routing_overlap_weight >= 0:
+            raise ValueError(f"routing_overlap_weight must be >= 0, got {self.routing_overlap_weight}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

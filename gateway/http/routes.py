@@ -82,6 +82,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         recovery_timeout_s=config.recovery_timeout_s,
         resume_window_s=config.resume_window_s,
         stall_timeout_s=config.stall_timeout_s,
+        routing=config.routing,
+        routing_overlap_weight=config.routing_overlap_weight,
     )
     tokenizers = Tokenizers(config.model, config.generation_config)
     workers = InputWorkers()

@@ -93,6 +93,7 @@ def make_conversations(args: argparse.Namespace, rng: random.Random) -> list[Con
 def run(policy: str, weight: float, engines_n: int, num_blocks: int, args: argparse.Namespace) -> dict[str, float]:
     """Serve the workload over ``engines_n`` engines of ``num_blocks`` blocks each, routed by ``policy``."""
     rng = random.Random(args.seed)
+    random.seed(args.seed)  # the router breaks ties at random: the same run, the same choices
     convs = make_conversations(args, rng)
     client = EngineClient("redis://unused", Names("bench-routing"), "g", routing=policy, routing_overlap_weight=weight)
     config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, enable_prefix_caching=True)

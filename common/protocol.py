@@ -614,6 +614,9 @@ class EngineStatus:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     scheduling_policy: str = "fcfs"  # `SchedulerConfig.scheduling_policy`: whether it takes priorities
+    # What the prefix cache holds, for routing by it: the most recently used entries' keys
+    # (`common.prefix_hash.summary_key`), packed, newest first; bounded (`scheduler.prefix_summary`).
+    cached_prefixes: bytes = b""
 
     @property
     def load(self) -> int:

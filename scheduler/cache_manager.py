@@ -33,43 +33,16 @@ one shared pool (``pool``), each keying its cache entries with its ``group_key``
 
 from __future__ import annotations
 
-import hashlib
-import struct
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from common.prefix_hash import ROOT_HASH, BlockHash, extra_keys, hash_block, summary_key
+from scheduler.prefix_summary import PrefixSummary
 
 if TYPE_CHECKING:
     from scheduler.request import Request
-
-BlockHash = bytes
-
-# Parent of a request's first block. Hashes are blake2b-128 over a fixed-width encoding, so they
-# are stable across processes and a collision (two prefixes sharing KV) is out of reach.
-ROOT_HASH: BlockHash = hashlib.blake2b(b"conveyor prefix cache v1", digest_size=16).digest()
-
-
-@lru_cache(maxsize=8)
-def _packer(n: int) -> struct.Struct:
-    return struct.Struct(f"<{n}q")
-
-
-def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """``hash((parent, tokens, extra))``: one full block, chained to the block before it.
-
-    The parent (16 bytes) and the tokens (8 bytes each, a block's fixed count) have fixed widths,
-    so the encoding is unambiguous. ``extra`` carries keys that must keep otherwise equal prefixes
-    apart (a request's ``cache_salt``); it is given for the first block only, and the chain
-    carries it on. A cryptographic hash on purpose: with a weak one (Python's ``hash``) a client
-    could craft a prompt whose block collides with another's prefix and poison its cache.
-    """
-    return hashlib.blake2b(parent + _packer(len(tokens)).pack(*tokens) + extra, digest_size=16).digest()
-
-
-def extra_keys(cache_salt: str | None) -> bytes:
-    """The first block's extra keys, tagged so that no salt and an empty salt hash apart."""
-    return b"" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
 
 
 @dataclass(slots=True)
@@ -170,9 +143,11 @@ class CacheManager:
             # requests computed the same block side by side, the first registered wins and the
             # other copy stays private).
             self.cached_blocks: dict[BlockHash, KVBlock] = {}
+            self.summary = PrefixSummary()  # what gateways are told the cache holds
         else:
             assert pool.total_blocks == total_blocks and pool.block_size == block_size
             self.blocks, self.free_queue, self.cached_blocks = pool.blocks, pool.free_queue, pool.cached_blocks
+            self.summary = pool.summary
         self.block_tables: dict[str, list[int]] = {}
         # Per request, how many leading entries of its table are the null block (window only).
         self.num_skipped_blocks: dict[str, int] = {}
@@ -192,12 +167,19 @@ class CacheManager:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict the least recently used cache entry
-                del self.cached_blocks[block.block_hash]
-                block.block_hash = None
+                self.drop_entry(block.block_id)
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block.block_id)
         return out
+
+    def drop_entry(self, block_id: int) -> None:
+        """Drop block ``block_id``'s prefix-cache entry, if it has one (its K/V is no longer a hit)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached_blocks[block.block_hash]
+            self.summary.removed(block.block_hash)
+            block.block_hash = None
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks reaching zero go back to the free queue.
@@ -286,6 +268,8 @@ class CacheManager:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+        hit = (self.blocks[b].block_hash for b in reversed(computed_blocks) if b != self.null_block)
+        self.summary.used(h for h in hit if h is not None)
         self.block_tables[request_id] = list(computed_blocks)
         self.num_cached_blocks[request_id] = len(computed_blocks)
         if skipped:
@@ -411,6 +395,7 @@ class CacheManager:
             if block.block_hash is None and hashes[i] not in self.cached_blocks:
                 block.block_hash = hashes[i]
                 self.cached_blocks[hashes[i]] = block
+                self.summary.added(hashes[i])
         self.num_cached_blocks[request_id] = n
 
     def reset_prefix_cache(self) -> None:
@@ -418,6 +403,7 @@ class CacheManager:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.summary.clear()
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -462,3 +448,4 @@ class CacheManager:
         assert len(hashed) == len(self.cached_blocks), "cache map and block hashes disagree"
         for block in hashed:
             assert self.cached_blocks.get(block.block_hash) is block  # type: ignore[arg-type]
+        assert self.summary.counts() == Counter(summary_key(h) for h in self.cached_blocks), "summary and cache disagree"

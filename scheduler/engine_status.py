@@ -101,4 +101,5 @@ def engine_status(service: SchedulerService) -> EngineStatus:
         prefix_cache_queries=engine.prefix_cache_queries if engine else 0,
         prefix_cache_hits=engine.prefix_cache_hits if engine else 0,
         scheduling_policy=service.config.scheduling_policy,
+        cached_prefixes=engine.cache.summary.encode() if engine else b"",
     )

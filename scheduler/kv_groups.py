@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from common.config import ExecutorInfo, SchedulerConfig
 from scheduler.cache_manager import CacheManager
+from scheduler.prefix_summary import PrefixSummary
 
 if TYPE_CHECKING:
     from scheduler.request import Request
@@ -80,6 +81,11 @@ class HybridCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()  # the map is shared by every group
+
+    @property
+    def summary(self) -> PrefixSummary:
+        """What the shared prefix cache holds (every group's entries: `scheduler.prefix_summary`)."""
+        return self.pool.summary
 
     # -- request level ----------------------------------------------------------------------
     def _split(self, blocks: Sequence[int]) -> list[Sequence[int]]:

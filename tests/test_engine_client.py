@@ -184,8 +184,8 @@ async def test_concurrent_submissions_spread_over_engines() -> None:
 
 
 @async_test
-async def test_prompts_sharing_a_prefix_meet_on_one_engine_unless_it_is_too_busy() -> None:
-    gateways = [make_client("g1"), make_client("g2")]
+async def test_first_block_prompts_sharing_a_prefix_meet_on_one_engine_unless_it_is_too_busy() -> None:
+    gateways = [make_client("g1", routing="first_block"), make_client("g2", routing="first_block")]
     for client in gateways:
         await publish(client, *(engine(sid) for sid in "abcd"))
     system = list(range(100, 100 + 16))  # one full block (block_size 16) shared by every prompt

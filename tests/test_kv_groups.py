@@ -93,9 +93,7 @@ def test_a_hit_is_the_longest_prefix_every_group_serves() -> None:
     assert hit[1::2] == [null] * 5 + [a_table[11]]  # the window group: what its window needs
     # The window group loses its block 5 (evicted): its hit moves to block 4 and so must the full group's.
     cm.free("a")
-    window_block5 = cm.groups[1].blocks[a_table[11]]
-    cm.groups[1].cached_blocks.pop(window_block5.block_hash)  # type: ignore[arg-type]
-    window_block5.block_hash = None
+    cm.groups[1].drop_entry(a_table[11])
     hit, tokens = cm.get_computed_blocks(b)
     assert tokens == 10 and hit[0::2] == a_table[0:10:2] and hit[1::2] == [null] * 4 + [a_table[9]]
     assert cm.allocate_slots("b", 14, hit)

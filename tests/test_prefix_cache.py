@@ -18,10 +18,11 @@ import random
 import pytest
 
 from common.config import ExecutorInfo, SchedulerConfig
+from common.prefix_hash import ROOT_HASH, extra_keys, hash_block
 from common.protocol import EngineStatus, ExecutorOutput, SchedulerOutput, decode, encode
 from common.sampling_params import SamplingParams
 from executor.input_batch import Batch
-from scheduler.cache_manager import ROOT_HASH, CacheManager, extra_keys, hash_block
+from scheduler.cache_manager import CacheManager
 from scheduler.engine_core import EngineCore, InlineExecutor
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler

@@ -81,15 +81,13 @@ def test_a_window_hit_needs_a_contiguous_tail() -> None:
     cm.cache_full_blocks(a, 12)
     table = cm.get_block_table("a")
     # Drop the cache entry of block 4: the furthest run of 2 cached blocks is then blocks 2-3.
-    del cm.cached_blocks[cm.blocks[table[4]].block_hash]  # type: ignore[arg-type]
-    cm.blocks[table[4]].block_hash = None
+    cm.drop_entry(table[4])
     hit, tokens = cm.get_computed_blocks(req("b", list(range(1, 14))))
     assert tokens == 8 and hit == [cm.null_block] * 2 + table[2:4]
     for gone, want in ((2, table[:2]), (1, table[:1])):
         # Without block 2, the only run of 2 is blocks 0-1; without block 1 too, block 0 alone:
         # a hit from the start, shorter than the window.
-        del cm.cached_blocks[cm.blocks[table[gone]].block_hash]  # type: ignore[arg-type]
-        cm.blocks[table[gone]].block_hash = None
+        cm.drop_entry(table[gone])
         hit, tokens = cm.get_computed_blocks(req("c", list(range(1, 14))))
         assert hit == want and tokens == 2 * len(want)
 

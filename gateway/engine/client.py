@@ -1,9 +1,10 @@
 """The gateway's side of the streams: route requests to engines, route outputs back, recover.
 
-Engines (scheduler + executor pairs) publish `EngineStatus` keys; every 0.5 s this gateway reads
-them and sends each new request to the engine whose prefix cache most likely holds its prompt's
-start, unless that engine is much busier than the least-loaded one (`EngineClient.pick_engine`;
-load: 4 x waiting + running, plus what this gateway sent it since; a burst leaves in one call: `SendBatch`).
+Engines (scheduler + executor pairs) publish `EngineStatus` keys, with a summary of what their
+prefix caches hold; every 0.5 s this gateway reads them and sends each new request to the engine
+whose cached prefix of its prompt outweighs its load best (`EngineClient.pick_engine`, by the
+``routing`` policy of `gateway.engine.routing`; what this gateway sent an engine since counts
+as load, and as cached there: `PrefixIndex`; a burst leaves in one call: `SendBatch`).
 Each gateway has its own outputs stream with a single reader, so outputs of other gateways never reach it;
 the token index in every output lets it drop duplicates and ask for a resend (`SyncRequest`) when some were lost.
 
@@ -37,6 +38,7 @@ from typing import Any
 
 from common.config import ServiceDefaults
 from common.heartbeat import Heartbeat
+from common.prefix_hash import iter_block_hashes
 from common.protocol import (
     ENGINE_STREAMS_TTL_MS,
     TAKEN_OVER,
@@ -54,7 +56,8 @@ from common.watchdog import Watchdog
 from gateway.engine.aborts import AbortQueue
 from gateway.engine.handle import EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse, attempt_of, base_request_id
 from gateway.engine.outputs import journal_write, replay, route_outputs, write_ahead
-from gateway.engine.routing import AFFINITY_SLACK, choose_engine
+from gateway.engine.prefix_index import PrefixIndex
+from gateway.engine.routing import AFFINITY_SLACK, DEFAULT_OVERLAP_WEIGHT, DEFAULT_ROUTING, choose_engine
 from gateway.engine.send_batch import SendBatch
 from gateway.engine.watch import EngineWatch
 
@@ -82,6 +85,8 @@ class EngineClient:
         resume_window_s: float = ServiceDefaults.resume_window_s,
         stall_timeout_s: float = ServiceDefaults.stall_timeout_s,
         stream_interval_ms: int = DEFAULT_STREAM_INTERVAL_MS,
+        routing: str = DEFAULT_ROUTING,
+        routing_overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
     ) -> None:
         self.names = names
         # After delivering what one read brought, the outputs reader waits out the rest of this
@@ -98,6 +103,9 @@ class EngineClient:
         self.attempts: dict[str, RequestHandle] = {}  # by engine request id
         self.engines: dict[str, EngineStatus] = {}  # live engines with a model
         self.sent_since_refresh: dict[str, int] = {}
+        self.sent_blocks_since_refresh: dict[str, int] = {}  # prompt blocks (cache-aware routing's load)
+        self.routing, self.routing_overlap_weight = routing, routing_overlap_weight
+        self.prefixes = PrefixIndex()  # what each engine's prefix cache holds
         self.model_info: EngineStatus | None = None
         self.down_reason: str | None = "no engine has registered yet"
         self.run_id: str | None = None
@@ -236,19 +244,57 @@ class EngineClient:
     def load_of(self, status: EngineStatus) -> int:
         return status.load + self.sent_since_refresh.get(status.scheduler_id, 0)
 
-    def pick_engine(self, prompt_token_ids: Sequence[int] = (), priority: int = 0) -> EngineStatus | None:
-        """Where a request should run (`gateway.engine.routing.choose_engine`); one with a priority
-        only where the priority scheduling policy takes it (an fcfs engine would refuse it)."""
+    def prompt_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> list[bytes]:
+        """The block hashes of a prompt as the engines' prefix caches key it (empty unless routing
+        is cache-aware). Engines of one model share a block size: the first known one is used."""
+        block = next((e.block_size for e in self.engines.values() if e.block_size > 0), 0)
+        if self.routing != "cache_aware" or block < 1:
+            return []
+        return list(iter_block_hashes(prompt_token_ids, block, cache_salt or None))
+
+    def pick_engine(
+        self, prompt_token_ids: Sequence[int] = (), priority: int = 0, hashes: Sequence[bytes] | None = None
+    ) -> EngineStatus | None:
+        """Where a request should run (`gateway.engine.routing.choose_engine`, by ``hashes``: the
+        prompt's `prompt_hashes`); one with a priority only where the priority scheduling policy
+        takes it (an fcfs engine would refuse it)."""
         engines = list(self.engines.values())
         if priority:
             engines = [e for e in engines if e.scheduling_policy == "priority"]
-        return choose_engine(engines, self.load_of, prompt_token_ids)
+        keys = self.prompt_hashes(prompt_token_ids) if hashes is None else hashes
+        return choose_engine(
+            engines,
+            self.load_of,
+            prompt_token_ids,
+            policy=self.routing,
+            overlap_of=lambda e: self.prefixes.overlap(e.scheduler_id, keys),
+            sent_blocks_of=lambda e: self.sent_blocks_since_refresh.get(e.scheduler_id, 0),
+            overlap_weight=self.routing_overlap_weight,
+        )
+
+    def set_engines(self, engines: dict[str, EngineStatus]) -> None:
+        """Take a fresh read of the live engines' statuses (what was counted since the last is in them)."""
+        self.engines, self.sent_since_refresh, self.sent_blocks_since_refresh = engines, {}, {}
+        self.prefixes.update(engines)
+
+    def count_routed(self, engine: EngineStatus, prompt_token_ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """A request with this prompt (block hashes ``hashes``, `prompt_hashes`) went to ``engine``:
+        until its status is read again, it counts as load there, its new blocks as blocks in use,
+        and (a while longer) its blocks as cached there."""
+        sid = engine.scheduler_id
+        self.sent_since_refresh[sid] = self.sent_since_refresh.get(sid, 0) + 1
+        if engine.block_size > 0:
+            new = len(prompt_token_ids) // engine.block_size - self.prefixes.overlap(sid, hashes)
+            self.sent_blocks_since_refresh[sid] = self.sent_blocks_since_refresh.get(sid, 0) + max(0, new)
+        self.prefixes.remember(sid, hashes)
 
     async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
         """Submit ``handle``'s next attempt to the best engine; False if none is live."""
         engine = self.engines.get(handle.prefer_engine) if handle.attempts == 0 else None  # a sibling's
+        hashes: list[bytes] = []
         if engine is None or not engine.executor_id:
-            engine = self.pick_engine(handle.prompt_token_ids, handle.priority)
+            hashes = self.prompt_hashes(handle.prompt_token_ids, handle.cache_salt)
+            engine = self.pick_engine(handle.prompt_token_ids, handle.priority, hashes)
         if engine is None:
             return False
         self.attempts.pop(handle.engine_request_id, None)
@@ -277,7 +323,7 @@ class EngineClient:
             sends.append(Outgoing(self.names.journal(handle.journal_id), encode(route), None, self.journal_ttl_ms))
         sends.append(self._to_engine(engine.scheduler_id, msg))
         # Counted before the await: requests routed concurrently must see each other's choice.
-        self.sent_since_refresh[engine.scheduler_id] = self.sent_since_refresh.get(engine.scheduler_id, 0) + 1
+        self.count_routed(engine, handle.prompt_token_ids, hashes)
         try:
             await self.submits.send(sends)
         except BaseException:

@@ -63,7 +63,7 @@ class EngineWatch:
             status = t.decode_value(c.names.engine(sid), value, (EngineStatus,)) if value is not None else None
             if status is not None and status.model_name:
                 engines[sid] = status
-        c.engines, c.sent_since_refresh = engines, {}
+        c.set_engines(engines)
         now = time.monotonic()
         c.unbound_since = {sid: c.unbound_since.get(sid, now) for sid, e in engines.items() if not e.executor_id}
         if engines:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from common.config import ServiceDefaults
 from common.generation_config import GENERATION_CONFIG_MODES
 from gateway.engine.client import DEFAULT_STREAM_INTERVAL_MS
+from gateway.engine.routing import DEFAULT_OVERLAP_WEIGHT, DEFAULT_ROUTING, ROUTING_POLICIES
 from gateway.openai.schema import ChatParsers
 from gateway.output.reasoning_parsers import REASONING_PARSERS
 from gateway.output.tool_parsers import TOOL_CALL_PARSERS
@@ -32,6 +33,8 @@ class GatewayConfig:
     stall_timeout_s: float = ServiceDefaults.stall_timeout_s
     # Outputs reach clients (and journals) at most this often: fewer, larger SSE chunks and Redis writes.
     stream_interval_ms: int = DEFAULT_STREAM_INTERVAL_MS
+    routing: str = DEFAULT_ROUTING  # which engine a request goes to (`gateway.engine.routing`)
+    routing_overlap_weight: float = DEFAULT_OVERLAP_WEIGHT  # cache_aware: a block to prefill against one in use
     response_ttl_s: float = DEFAULT_RESPONSE_TTL_S  # how long a stored Responses API response is kept (`gateway.responses.store`)
     # Each key is a tenant (`gateway.http.tenants`); none: one anonymous tenant, no key required.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -55,6 +58,10 @@ class GatewayConfig:
             raise ValueError(f"generation_config must be one of {modes}, got {self.generation_config!r}")
         if self.stream_interval_ms < 0:
             raise ValueError(f"--stream-interval-ms must be 0 or more, got {self.stream_interval_ms}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if not self.routing_overlap_weight >= 0:
+            raise ValueError(f"routing_overlap_weight must be >= 0, got {self.routing_overlap_weight}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

@@ -83,6 +83,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         resume_window_s=config.resume_window_s,
         stall_timeout_s=config.stall_timeout_s,
         stream_interval_ms=config.stream_interval_ms,
+        routing=config.routing,
+        routing_overlap_weight=config.routing_overlap_weight,
     )
     tokenizers = Tokenizers(config.model, config.generation_config)
     workers = InputWorkers()

@@ -15,6 +15,7 @@ from common.redis_errors import REDIS_FAILURES, RedisAuthFailed
 from common.service_cli import add_recovery_flags, env_flag, service_parser, setup_logging
 from common.transport import SyncTransport
 from gateway.engine.client import DEFAULT_STREAM_INTERVAL_MS
+from gateway.engine.routing import DEFAULT_OVERLAP_WEIGHT, DEFAULT_ROUTING, ROUTING_POLICIES
 from gateway.http.config import DEFAULT_RESPONSE_TTL_S, GatewayConfig
 from gateway.http.tenants import read_key_file, split_keys
 from gateway.output.reasoning_parsers import REASONING_PARSERS
@@ -41,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(env("CONVEYOR_MIGRATION_LIMIT", ServiceDefaults.migration_limit)),
         help="times one request may move to another engine when its engine dies",
+    )
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default=env("CONVEYOR_ROUTING") or DEFAULT_ROUTING,
+        help="which engine a request goes to: cache_aware (the longest cached prefix of its prompt against each "
+        "engine's load, Dynamo's KV router cost), first_block (a hash of its first KV block, bounded by load) "
+        "or least_loaded",
+    )
+    p.add_argument(
+        "--routing-overlap-weight",
+        type=float,
+        default=float(env("CONVEYOR_ROUTING_OVERLAP_WEIGHT") or DEFAULT_OVERLAP_WEIGHT),
+        help="cache_aware: how much a prompt block an engine must prefill weighs against a block it has in use",
     )
     add_recovery_flags(
         p,
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             response_ttl_s=args.response_ttl,
             stall_timeout_s=args.stall_timeout,
             stream_interval_ms=args.stream_interval_ms,
+            routing=args.routing,
+            routing_overlap_weight=args.routing_overlap_weight,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,

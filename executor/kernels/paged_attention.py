@@ -254,7 +254,7 @@ def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int, d
         block_q, tile_n, warps, stages = 1, (64 if head_pad <= 128 else 16), 8, 2
     elif fp32:
         block_m = max(64 if head_pad <= 128 else 32, qpk_pad)
-        block_q, tile_n, warps, stages = block_m // qpk_pad, 16, 4, 2
+        block_q, tile_n, warps, stages = block_m // qpk_pad, 16, 8, 2
     elif head_pad <= 128:
         block_m = max(128, qpk_pad)
         block_q, tile_n, warps, stages = block_m // qpk_pad, 32, 8, 3

@@ -7,6 +7,7 @@ On CUDA (no interpreter) the same cases add bf16 and longer sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -314,7 +315,9 @@ def case_graph_split() -> None:
     want = paged_attention_2d(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     inputs = GraphInputs(4, batch.meta.block_tables.shape[1], torch.device(DEVICE), max_seq_len=4096)
     ids = torch.zeros(3, dtype=torch.int64, device=DEVICE)
-    gmeta = inputs.load(ids, ids, batch.meta, 4)
+    # make_batch's write has a padding token; the attention batch's own three slots go in.
+    step = dataclasses.replace(batch.meta, slot_mapping=batch.meta.slot_mapping[:3])
+    gmeta = inputs.load(ids, ids, step, 4)
     assert choose_num_splits(4, 2, gmeta.max_seq_len, 132) == 8  # what a capture on 132 SMs runs
     q = torch.cat([batch.q, torch.zeros_like(batch.q[:1])])  # the padding row's query
     got = dispatch_attention(q, batch.k_cache, batch.v_cache, gmeta, scale)

@@ -9,6 +9,10 @@
 - window decode: the decode batch with a sliding window and attention sinks (dispatch), against a
   torch path (gather the window's K/V, softmax with the sink column); max abs diff and times, and
   its time as a share of the full-context decode's (skipped tiles show as a small share).
+- decode sweep: decode attention alone at batch 1, 8 and 64 with 4k and 32k contexts, eager
+  (dispatch on the step's own lengths) and replayed from a CUDA graph captured as the engine
+  captures it (`executor.cuda_graphs.GraphInputs`, its split-KV count picked at capture from a
+  32k max context), and a graph held to the 2D kernel as the baseline; microseconds per call.
 - fused MoE: the Triton kernel against the torch backend's ``fused_moe`` on a Qwen3-30B-A3B
   layer (128 experts, top-8, hidden 2048, intermediate 768) for several token counts; max abs
   diff, times, and the kernel's GB/s of the expert weights it touches.
@@ -52,15 +56,52 @@ class Shapes:
     window: int
     moe: tuple[int, int, int, int]  # experts, top-k, hidden, intermediate
     moe_tokens: tuple[int, ...]
+    sweep_batches: tuple[int, ...]
+    sweep_contexts: tuple[int, ...]
     block_size: int = 16
     warmup: int = 5
     iters: int = 10
     calls: int = 10  # back to back within one timing, so launch latency overlaps the kernels as in a forward
 
 
-GPU = Shapes("cuda", torch.bfloat16, 2 << 30, 64, 4096, 4, 4096, 32, 8, 128, 1024, (128, 8, 2048, 768), (1, 16, 256, 2048))
+GPU = Shapes(
+    "cuda",
+    torch.bfloat16,
+    2 << 30,
+    64,
+    4096,
+    4,
+    4096,
+    32,
+    8,
+    128,
+    1024,
+    (128, 8, 2048, 768),
+    (1, 16, 256, 2048),
+    (1, 8, 64),
+    (4096, 32768),
+)
 # Head size 16 and contexts of a few blocks: tl.dot's smallest tile, and seconds under the interpreter.
-SMOKE = Shapes("cpu", torch.float32, 1 << 20, 3, 80, 1, 40, 4, 2, 16, 24, (4, 2, 32, 48), (1, 5), warmup=1, iters=2, calls=1)
+SMOKE = Shapes(
+    "cpu",
+    torch.float32,
+    1 << 20,
+    3,
+    80,
+    1,
+    40,
+    4,
+    2,
+    16,
+    24,
+    (4, 2, 32, 48),
+    (1, 5),
+    (1, 2),
+    (40, 80),
+    warmup=1,
+    iters=2,
+    calls=1,
+)
 
 
 def time_ms(fn: Callable[[], object], shapes: Shapes) -> float:
@@ -234,6 +275,55 @@ def bench_window_decode(s: Shapes) -> dict[str, float]:
     return {"max_abs_diff": diff, "triton_ms": triton_ms, "torch_ms": torch_ms, "full_context_ms": full_ms}
 
 
+def _sweep_point(s: Shapes, b: int, ctx: int, max_ctx: int) -> dict[str, float]:
+    """One batch x context of `bench_decode_sweep`."""
+    from executor.cuda_graphs import GraphInputs
+    from executor.kernels import _num_sms, dispatch_attention
+    from executor.kernels.decode_split import choose_num_splits
+
+    cuda = s.device == "cuda"
+    scale = s.head_size**-0.5
+    q, kc, vc, meta = paged_batch([ctx] * b, [1] * b, s.heads, s.kv_heads, s.head_size, s.block_size, s.dtype, s.device)
+    ref = dispatch_attention(q, kc, vc, meta, scale)
+    row: dict[str, float] = {"eager_us": 1e3 * time_ms(lambda: dispatch_attention(q, kc, vc, meta, scale), s)}
+    for name, longest in (("graph", max_ctx), ("graph_2d", None)):
+        inputs = GraphInputs(b, meta.block_tables.shape[1], q.device, max_seq_len=longest)
+        ids = torch.zeros(b, dtype=torch.int64, device=q.device)
+        gmeta = inputs.load(ids, ids, meta, b)
+
+        def call(gmeta: AttentionMetadata = gmeta) -> torch.Tensor:
+            return dispatch_attention(q, kc, vc, gmeta, scale)
+
+        if cuda:
+            call()  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call()
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, ref, atol=1.5e-2, rtol=1e-2)
+            row[f"{name}_us"] = 1e3 * time_ms(graph.replay, s)
+        else:
+            torch.testing.assert_close(call(), ref, atol=1e-4, rtol=1e-4)
+            row[f"{name}_us"] = 1e3 * time_ms(call, s)
+    row["graph_splits"] = choose_num_splits(b, s.kv_heads, max_ctx, _num_sms(q.device))
+    return row
+
+
+def bench_decode_sweep(s: Shapes) -> dict[str, dict[str, float]]:
+    """Per batch x context: microseconds of one decode attention call, eager and from a graph
+    (with the split-KV count a capture at the largest context picks, and held to 2D), and that
+    split count. Without CUDA the "graph" calls run uncaptured on the same metadata."""
+    result: dict[str, dict[str, float]] = {}
+    for ctx in s.sweep_contexts:
+        for b in s.sweep_batches:
+            result[f"b{b}_ctx{ctx}"] = _sweep_point(s, b, ctx, max(s.sweep_contexts))
+            if s.device == "cuda":
+                torch.cuda.empty_cache()  # the 32k caches of batch 64 are 8.6 GB each
+    return result
+
+
 def bench_fused_moe(s: Shapes) -> dict[str, dict[str, float]]:
     """Per token count: the fused-MoE kernel and the torch backend's fused_moe on the same layer."""
     from executor import ops_torch
@@ -285,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill = bench_prefill(shapes)
     window = bench_window_decode(shapes)
     moe = bench_fused_moe(shapes)
+    sweep = bench_decode_sweep(shapes)
     best_decode = max(decode.values())
     name = torch.cuda.get_device_name() if shapes.device == "cuda" else "cpu (smoke: the numbers mean nothing)"
     print(f"device {name}  copy {copy:.0f} GB/s (read+write)")
@@ -309,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| fused_moe {moe_shape} T={tokens} | triton | {r['triton_ms']:.3f} ms ({r['weight_gbps']:.0f} GB/s of weights) | "
             f"torch {r['torch_ms']:.3f} ms | {r['torch_ms'] / r['triton_ms']:.1f}x | max abs diff {r['max_abs_diff']:.2e} |"
         )
+    for key, r in sweep.items():
+        print(
+            f"| decode sweep {key} | eager {r['eager_us']:.1f} us | graph ({r['graph_splits']:.0f} splits) "
+            f"{r['graph_us']:.1f} us; graph 2D {r['graph_2d_us']:.1f} us | {r['graph_2d_us'] / r['graph_us']:.2f}x | |"
+        )
     summary = {
         "device": name,
         "decode_shape": decode_shape,
@@ -322,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "window_decode": dict(window, window=shapes.window),
         "moe_shape": moe_shape,
         "fused_moe": moe,
+        "decode_sweep": sweep,
     }
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,9 @@ class AttentionMetadata:
 
     KV-cache groups (a hybrid model): ``per_layer[i]`` is layer i's group's metadata (its own
     ``block_tables`` and ``slot_mapping``, the rest shared); None: every layer uses this one.
+
+    ``derived``: device tensors an op derives from this step's host lists, made by the first layer
+    that needs them and reused by the others (e.g. the attention kernels' work lists).
     """
 
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1] (cu_seqlens_q)
@@ -30,6 +33,7 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     per_layer: list[AttentionMetadata] | None = None
+    derived: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

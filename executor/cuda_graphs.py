@@ -4,7 +4,9 @@ A decode step of a small batch on a GPU is bound by kernel launches (a few hundr
 the forward pass of a decode-only batch is captured as a CUDA graph for each size of a ladder
 (`capture_sizes`: 1, 2, 4, 8, ... up to ``max_num_seqs``) and replayed. A batch of ``n``
 sequences runs as the smallest captured size ``>= n`` (`padded_size`); the padding rows write no
-KV (slot -1), attend over one key of block 0 and are cut from the output. Prefill and mixed steps,
+KV (slot -1), attend over one key of block 0 and are cut from the output. Each size's attention
+takes the split-KV count that the model's longest context asks for at that batch size, so batch
+1-8 decode at long contexts replays on most SMs, not on a handful of programs. Prefill and mixed steps,
 and decode batches larger than the largest size, run eagerly.
 
 A graph replays fixed device addresses, so its inputs live in static buffers (`GraphInputs`) that
@@ -59,12 +61,27 @@ class GraphInputs:
     ``query_start_loc`` of a decode batch is always ``0..b``, so it is written once. `load` copies
     a step's tensors into the first rows and resets the padding rows; every captured graph reads
     prefixes of these same buffers.
+
+    ``max_seq_len`` is the longest context a replay may see: the attention dispatch picks its
+    split-KV count from it at capture (a replay cannot change it), so long contexts at small
+    batches replay split-KV decode, its workspace sized then; short sequences leave some splits
+    empty, which the merge weighs at zero. None: 1, every replay on the 2D kernel.
     """
 
-    __slots__ = ("max_batch", "input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+    __slots__ = (
+        "max_batch",
+        "max_seq_len",
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "seq_lens",
+        "query_start_loc",
+        "block_tables",
+    )
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device, max_seq_len: int | None = None) -> None:
         self.max_batch = max_batch
+        self.max_seq_len = max_seq_len or 1
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
@@ -82,9 +99,7 @@ class GraphInputs:
             block_tables=self.block_tables[:b],
             slot_mapping=self.slot_mapping[:b],
             max_query_len=1,
-            # Graphs are captured with the 2D decode kernel (the split-KV choice depends on a host
-            # length that a replay cannot change), so every replay uses it too.
-            max_seq_len=1,
+            max_seq_len=self.max_seq_len,
             query_lens_list=[1] * b,
             seq_lens_list=lens,
         )
@@ -117,12 +132,21 @@ class GraphInputs:
 class CudaGraphRunner:
     """Captured decode graphs of one model on one CUDA device (see the module docstring)."""
 
-    def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        max_seq_len: int | None = None,
+    ) -> None:
+        """``max_seq_len``: the model's longest context, from which each captured size takes its
+        split-KV count (`GraphInputs`)."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
-        self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, device)
+        self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, device, max_seq_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 

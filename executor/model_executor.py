@@ -161,6 +161,7 @@ class ModelExecutor:
                 max_num_seqs,
                 -(-self.max_model_len // self.block_size),
                 self.device,
+                max_seq_len=self.max_model_len,
             )
             self.graphs.capture()
         log.info(

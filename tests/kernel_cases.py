@@ -7,6 +7,7 @@ On CUDA (no interpreter) the same cases add bf16 and longer sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -300,118 +301,47 @@ def case_e2e() -> None:
     print("tokens", tokens["torch"])
 
 
-def _compile_sm90(fn, pointers: dict[str, str], consts: dict, floats: tuple[str, ...] = ()) -> str:
-    """Compile ``fn`` for an H100/H200 (sm_90) without a GPU; return its resource line."""
-    import subprocess
-    import tempfile
+def case_graph_split() -> None:
+    """A padded decode batch in the CUDA graphs' static buffers, with the split count a capture
+    at a long max context picks, equals the unpadded batch on the 2D kernel."""
+    from executor.cuda_graphs import GraphInputs
+    from executor.kernels import dispatch_attention
+    from executor.kernels.decode_split import choose_num_splits
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    options = {k: consts.pop(k) for k in ("num_warps", "num_stages") if k in consts}
-    names = fn.arg_names
-    sig = {}
-    for n in names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n.endswith("_ptr"):
-            sig[n] = "*" + pointers[n]
-        else:
-            sig[n] = "fp32" if n in floats else "i32"
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        res = (
-            subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True)
-            .stdout.strip()
-            .splitlines()
-        )
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", path], capture_output=True, text=True).stdout
-    usage = " ".join(res[-1].split()[:2]) if res else "?"
-    return f"{usage} smem={kernel.metadata.shared} wgmma={'HGMMA' in sass}"
+    dtype = torch.float32
+    batch = make_batch([(70, 1), (3, 1), (33, 1)], 8, 2, 64, 16, dtype, seed=10)
+    write_kv(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    scale = 64**-0.5
+    want = paged_attention_2d(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    inputs = GraphInputs(4, batch.meta.block_tables.shape[1], torch.device(DEVICE), max_seq_len=4096)
+    ids = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    # make_batch's write has a padding token; the attention batch's own three slots go in.
+    step = dataclasses.replace(batch.meta, slot_mapping=batch.meta.slot_mapping[:3])
+    gmeta = inputs.load(ids, ids, step, 4)
+    assert choose_num_splits(4, 2, gmeta.max_seq_len, 132) == 8  # what a capture on 132 SMs runs
+    q = torch.cat([batch.q, torch.zeros_like(batch.q[:1])])  # the padding row's query
+    got = dispatch_attention(q, batch.k_cache, batch.v_cache, gmeta, scale)
+    check("graph split-KV decode", got[:3], want, dtype)
 
 
 def case_compile_sm90() -> None:
-    """Every kernel, at the configs the wrappers pick, compiles for sm_90 (no GPU needed).
+    """Every kernel, at the configs the wrappers pick, built for sm_90 as the GPU JIT builds it
+    (tests/sm90_build.py): no spills, and the attention kernels' K/V loads pipelined (cp.async).
 
-    The interpreter runs kernels as Python, so this is what catches code that only the real
+    The interpreter runs kernels as Python, so this is also what catches code that only the real
     compiler rejects. Run with TRITON_INTERPRET=0.
     """
     assert os.environ.get("TRITON_INTERPRET") == "0"
-    import importlib
+    from tests import sm90_build
 
-    # import_module: the package re-exports functions under some of its modules' names.
-    pa, ds, kv_write, rn, ro, activation, fm = (
-        importlib.import_module(f"executor.kernels.{m}")
-        for m in ("paged_attention", "decode_split", "kv_write", "rms_norm", "rotary", "activation", "fused_moe")
-    )
-
-    bf = "bf16"
-    attn_ptrs = dict(
-        q_ptr=bf,
-        k_cache_ptr=bf,
-        v_cache_ptr=bf,
-        out_ptr=bf,
-        block_tables_ptr="i32",
-        seq_lens_ptr="i32",
-        query_start_loc_ptr="i32",
-    )
-    attn_ptrs["sinks_ptr"] = "fp32"
-    plain = dict(USE_WINDOW=False, USE_SINKS=False, USE_SOFTCAP=False)
-    every = dict(USE_WINDOW=True, USE_SINKS=True, USE_SOFTCAP=True)
-    floats = ("qk_scale", "softcap")
-    shapes = ((512, 4, 128, plain), (1, 4, 128, plain), (512, 5, 80, plain), (512, 2, 256, plain), (1, 2, 256, plain))
-    # gpt-oss (64 query / 8 KV heads of 64: window, sinks) and Gemma 2 (head 256: window, softcap).
-    shapes += ((512, 8, 64, every), (1, 8, 64, every), (512, 2, 256, every))
-    for max_q, qpk, head, flags in shapes:
-        cfg = pa.launch_config(max_q, qpk, head)
-        usage = _compile_sm90(
-            pa._paged_attention_kernel, attn_ptrs, dict(cfg, BLOCK_SIZE=16, DOT_PRECISION="tf32", **flags), floats
-        )
-        print(f"paged_attention max_q={max_q} qpk={qpk} head={head} variants={flags == every}: {usage}")
-    split_ptrs = dict(attn_ptrs, part_out_ptr="fp32", part_lse_ptr="fp32")
-    for flags in (plain, every):
-        consts = dict(ds.split_config(4, 128), BLOCK_SIZE=16, DOT_PRECISION="tf32", **flags)
-        usage = _compile_sm90(ds._decode_split_kernel, split_ptrs, consts, floats)
-        print(f"decode_split variants={flags == every}: {usage}")
-    moe_ptrs = dict(
-        a_ptr=bf, b_ptr=bf, bias_ptr=bf, c_ptr=bf, topk_weights_ptr="fp32", sorted_ids_ptr="i32", expert_ids_ptr="i32"
-    )
-    for assignments, gated, act in ((8, True, 0), (4096, True, 1), (4096, False, 0)):
-        cfg = fm.moe_config(assignments, 128)
-        consts = dict(cfg, GATED=gated, ACTIVATION=act, HAS_BIAS=act == 1, MUL_WEIGHT=not gated, DOT_PRECISION="tf32")
-        usage = _compile_sm90(fm._moe_gemm_kernel, dict(moe_ptrs, c_ptr="fp32" if not gated else bf), consts, ("alpha", "limit"))
-        print(f"fused_moe gemm assignments={assignments} gated={gated} activation={act}: {usage}")
-    usage = _compile_sm90(ds._merge_splits_kernel, split_ptrs, dict(SPLITS_PAD=8, HEAD_PAD=128, num_warps=4))
-    print(f"merge_splits: {usage}")
-    usage = _compile_sm90(
-        kv_write._kv_write_kernel,
-        dict(key_ptr=bf, value_ptr=bf, k_cache_ptr=bf, v_cache_ptr=bf, slot_mapping_ptr="i64"),
-        dict(BLOCK_SIZE=16, BLOCK_T=4, HEADS_PAD=8, HEAD_PAD=128, num_warps=4),
-    )
-    print(f"kv_write: {usage}")
-    usage = _compile_sm90(
-        rn._rms_norm_kernel,
-        dict(x_ptr=bf, residual_ptr=bf, weight_ptr=bf, out_ptr=bf, residual_out_ptr=bf),
-        dict(HAS_RESIDUAL=True, BLOCK=4096, num_warps=8),
-        ("eps",),
-    )
-    print(f"rms_norm: {usage}")
-    usage = _compile_sm90(
-        ro._rotary_kernel,
-        dict(q_ptr=bf, k_ptr=bf, positions_ptr="i64", cache_ptr="fp32"),
-        dict(QHEADS_PAD=32, KHEADS_PAD=8, HALF_PAD=64, num_warps=4),
-    )
-    print(f"rotary: {usage}")
-    usage = _compile_sm90(activation._silu_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
-    print(f"silu_and_mul: {usage}")
-    usage = _compile_sm90(activation._gelu_tanh_and_mul_kernel, dict(x_ptr=bf, out_ptr=bf), dict(BLOCK=1024, num_warps=4))
-    print(f"gelu_tanh_and_mul: {usage}")
+    seen: dict[str, sm90_build.Build] = {}
+    builds = sm90_build.attention_builds(seen) + sm90_build.other_builds(seen)
+    for b in builds:
+        print(b.line(), flush=True)
+    spilled = [b.line() for b in builds if b.spills]
+    assert not spilled, spilled
+    attention = [b for b in builds if b.kernel in ("_paged_attention_kernel", "_decode_split_kernel")]
+    assert attention and all(b.cp_async > 0 for b in attention), [b.line() for b in attention]
 
 
 CASES = {
@@ -423,6 +353,7 @@ CASES = {
     "huge_pool": case_huge_pool,
     "norm_act": case_norm_act,
     "rotary": case_rotary,
+    "graph_split": case_graph_split,
     "e2e": case_e2e,
     "compile_sm90": case_compile_sm90,
 }

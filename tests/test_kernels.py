@@ -19,7 +19,17 @@ import pytest
 pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_CASES = ["attn_4_4", "attn_8_2", "attn_5_1", "decode_split", "engine_shapes", "huge_pool", "norm_act", "rotary"]
+KERNEL_CASES = [
+    "attn_4_4",
+    "attn_8_2",
+    "attn_5_1",
+    "decode_split",
+    "graph_split",
+    "engine_shapes",
+    "huge_pool",
+    "norm_act",
+    "rotary",
+]
 
 
 def _on_gpu() -> bool:
@@ -58,7 +68,11 @@ def test_kernel_matches_reference(case: str) -> None:
 
     attn_*: KV write by slot mapping, then paged attention over mixed prefill/decode batches
     (lengths 1..600, GQA 4/4, 8/2, 5/1, head sizes 64/80/128, block sizes 16/32).
+    Mixed batches run their one-token rows on the decode tile and their chunks on the prefill
+    tile, each launch over exactly the programs with work.
     decode_split: split-KV decode with 1, 3 and 16 splits (empty splits included).
+    graph_split: a padded decode batch in the CUDA graphs' buffers with the split count a capture
+    at a long max context picks, against the unpadded 2D kernel.
     engine_shapes: the GPU check's heads (32/8 of 64 mixed; 32/8 of 128 decode, split-KV too).
     huge_pool: block ids past 2^31 elements (int64 offsets) in the write and the attention.
     norm_act / rotary: RMSNorm with and without residual, SiLU- and GELU(tanh)-and-mul, neox
@@ -69,9 +83,10 @@ def test_kernel_matches_reference(case: str) -> None:
 
 @pytest.mark.skipif(_on_gpu(), reason="on a GPU every kernel is compiled by the cases above")
 def test_kernels_compile_for_sm90() -> None:
-    """Each kernel at the configs the wrappers pick compiles to an sm_90 cubin without a GPU.
+    """Each kernel at the configs the wrappers pick, built for sm_90 with the GPU JIT's
+    specialisation (tests/sm90_build.py), has no spills and pipelines its attention loads.
 
-    The interpreter never runs the real compiler, so this catches code it would reject.
+    The interpreter never runs the real compiler, so this also catches code it would reject.
     """
     _run_case("compile_sm90", {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"})
 

@@ -180,9 +180,9 @@ def _merge_splits_kernel(
     )
 
 
-def split_config(num_queries_per_kv: int, head_size: int) -> dict[str, int]:
+def split_config(num_queries_per_kv: int, head_size: int, dtype: torch.dtype) -> dict[str, int]:
     """The 2D kernel's decode tiles (same loop, same register limits; see launch_config)."""
-    cfg = launch_config(1, num_queries_per_kv, head_size)
+    cfg = launch_config(1, num_queries_per_kv, head_size, dtype)
     return {k: cfg[k] for k in ("BLOCK_M", "TILE_N", "HEAD_PAD", "num_warps", "num_stages")}
 
 
@@ -244,7 +244,7 @@ def decode_split(
         BLOCK_SIZE=k_cache.shape[1],
         DOT_PRECISION=dot_precision(q.dtype),
         **flags,
-        **split_config(qpk, head_size),
+        **split_config(qpk, head_size, q.dtype),
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out,

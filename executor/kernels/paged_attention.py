@@ -1,8 +1,11 @@
 """Paged attention over a batch that mixes prefill chunks and decodes (one launch).
 
-Grid ``(num_q_blocks, num_kv_heads)``: each program takes ``BLOCK_Q`` query tokens of one
-sequence times the query heads that share one KV head, packed into ``BLOCK_M`` rows so the KV tile
-is loaded once for the whole GQA group. KV is walked in ``TILE_N`` tiles that are independent of the
+Grid ``(programs, num_kv_heads)``: each program takes ``BLOCK_Q`` query tokens of one sequence
+times the query heads that share one KV head, packed into ``BLOCK_M`` rows so the KV tile is
+loaded once for the whole GQA group. A decode-only batch launches one program per sequence (the
+decode tile). A mixed batch launches twice, from work lists made once per step: its one-token
+rows on the decode tile, its longer chunks on the prefill tile, one program per ``BLOCK_Q`` block;
+either way the grid is exactly the programs with work. KV is walked in ``TILE_N`` tiles that are independent of the
 cache block size (each key looks up its own block id), with an online softmax in fp32.
 
 The variants of `executor.ops.Ops.paged_attention` are compile-time switches: a sliding window
@@ -108,20 +111,6 @@ def attend_tiles(
 
 
 @triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
-    """Largest i with ``query_start_loc[i] // BLOCK_Q + i <= pid`` (where seq i's q blocks start)."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        go_right = start <= pid
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    return lo - 1
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -131,10 +120,11 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     sinks_ptr,  # fp32 [Hq], base 2; read only with USE_SINKS
+    work_seq_ptr,  # int32 [programs]: each program's sequence; read unless DIRECT
+    work_block_ptr,  # int32 [programs]: each program's q block; read unless DECODE_TILE
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     softcap,  # soft-cap * log2(e); read only with USE_SOFTCAP
     window,  # sliding window in keys; read only with USE_WINDOW
-    num_seqs,
     num_queries_per_kv,
     head_size,
     stride_qt,
@@ -158,15 +148,21 @@ def _paged_attention_kernel(
     USE_SINKS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,  # program i is sequence i (a decode-only batch): no work list
+    DECODE_TILE: tl.constexpr,  # every program's sequence has one query token: q block 0
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq_idx = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    if DIRECT:
+        seq_idx = pid
+    else:
+        seq_idx = tl.load(work_seq_ptr + pid)
+    if DECODE_TILE:
+        q_block = 0
+    else:
+        q_block = tl.load(work_block_ptr + pid)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq_idx)
-    if q_block * BLOCK_Q >= q_len:  # grid is an upper bound; spare programs leave
-        return
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     ctx_len = seq_len - q_len
 
@@ -241,18 +237,24 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int) -> dict[str, int]:
+def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes and launch options: heuristics, no autotune (it breaks the interpreter).
 
-    Chosen by compiling for sm_90 and reading the register/stack use: the K/V tiles are gathers,
-    so every element holds a 64-bit pointer, and tiles above these sizes spill.
+    ``max_query_len == 1`` gives the decode tile (one token, the GQA group as rows), else the
+    prefill tile. Chosen from the sm_90 build with the JIT's specialisation (tests/sm90_build.py):
+    none of these spill. fp32 takes the exact ("ieee") dot, whose operands and accumulators
+    need twice the registers of 16-bit ones, so its prefill tiles are smaller.
     """
     qpk_pad = triton.next_power_of_2(num_queries_per_kv)
     head_pad = max(16, triton.next_power_of_2(head_size))
+    fp32 = dtype == torch.float32
     if max_query_len == 1:
         # Decode: one token per program; rows are the GQA group, padded to tl.dot's 16.
         block_m = max(16, qpk_pad)
         block_q, tile_n, warps, stages = 1, (64 if head_pad <= 128 else 16), 8, 2
+    elif fp32:
+        block_m = max(64 if head_pad <= 128 else 32, qpk_pad)
+        block_q, tile_n, warps, stages = block_m // qpk_pad, 16, 8, 2
     elif head_pad <= 128:
         block_m = max(128, qpk_pad)
         block_q, tile_n, warps, stages = block_m // qpk_pad, 32, 8, 3
@@ -262,6 +264,31 @@ def launch_config(max_query_len: int, num_queries_per_kv: int, head_size: int) -
     return dict(
         QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, HEAD_PAD=head_pad, num_warps=warps, num_stages=stages
     )
+
+
+def work_lists(meta: AttentionMetadata, block_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(decode sequences, prefill programs' sequences, their q blocks) of a mixed batch, int32 on
+    ``device``: sequences of one query token run on the decode tile, longer ones get one
+    program per ``block_q`` tokens (none of zero tokens). Made on the host from the step's query
+    lengths with one copy, once per step: the first layer keeps them in ``meta.derived``."""
+    key = f"attention_work_{block_q}"
+    if key + "_decode" not in meta.derived:
+        lens = torch.tensor(meta.query_lens_list, dtype=torch.int64)
+        decode = torch.nonzero(lens == 1).flatten()
+        prefill = torch.nonzero(lens > 1).flatten()
+        blocks = (lens[prefill] + block_q - 1) // block_q
+        seqs = torch.repeat_interleave(prefill, blocks)
+        q_blocks = torch.arange(seqs.numel()) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+        parts = (decode, seqs, q_blocks)
+        # Each list starts on 16 bytes: the JIT specialises pointers on that alignment, and an
+        # unaligned one would compile a second variant of the kernel.
+        padded = [torch.nn.functional.pad(p, (0, -p.numel() % 4)) for p in parts]
+        flat = torch.cat(padded).to(torch.int32).to(device, non_blocking=True)
+        at = 0
+        for name, part, pad in zip(("decode", "seqs", "blocks"), parts, padded):
+            meta.derived[f"{key}_{name}"] = flat[at : at + part.numel()]
+            at += pad.numel()
+    return meta.derived[f"{key}_decode"], meta.derived[f"{key}_seqs"], meta.derived[f"{key}_blocks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +322,57 @@ class Variant:
         return min(max_seq_len, self.window) if self.window else max_seq_len
 
 
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    variant: Variant,
+    cfg: dict[str, int],
+    work: tuple[int, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """One launch of the 2D kernel over ``work`` = (programs, their sequences or None: program i
+    is sequence i, their q blocks or None: the decode tile, block 0)."""
+    programs, work_seqs, work_blocks = work
+    sinks, softcap, window, flags = variant.kernel_args(q)
+    _paged_attention_kernel[(programs, k_cache.shape[2])](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        sinks,
+        work_seqs if work_seqs is not None else q,  # an unused pointer is q, never read
+        work_blocks if work_blocks is not None else q,
+        scale * LOG2E,
+        softcap,
+        window,
+        q.shape[1] // k_cache.shape[2],
+        q.shape[2],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        meta.block_tables.stride(0),
+        BLOCK_SIZE=k_cache.shape[1],
+        DOT_PRECISION=dot_precision(q.dtype),
+        DIRECT=work_seqs is None,
+        DECODE_TILE=work_blocks is None,
+        **flags,
+        **cfg,
+    )
+
+
 def paged_attention_2d(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -315,41 +393,17 @@ def paged_attention_2d(
     if num_tokens == 0:
         return out
     qpk = num_heads // num_kv_heads
-    cfg = launch_config(meta.max_query_len, qpk, head_size)
-    num_seqs = meta.num_seqs
-    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
-    sinks, softcap, window, flags = (variant or Variant.of(q, None, None, None)).kernel_args(q)
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        sinks,
-        scale * LOG2E,
-        softcap,
-        window,
-        num_seqs,
-        qpk,
-        head_size,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        meta.block_tables.stride(0),
-        BLOCK_SIZE=k_cache.shape[1],
-        DOT_PRECISION=dot_precision(q.dtype),
-        **flags,
-        **cfg,
-    )
+    variant = variant or Variant.of(q, None, None, None)
+    decode_cfg = launch_config(1, qpk, head_size, q.dtype)
+    if meta.max_query_len == 1:  # decode only: program i is sequence i (what graphs capture)
+        _launch(q, k_cache, v_cache, out, meta, scale, variant, decode_cfg, (meta.num_seqs, None, None))
+        return out
+    prefill_cfg = launch_config(meta.max_query_len, qpk, head_size, q.dtype)
+    decode, seqs, q_blocks = work_lists(meta, prefill_cfg["BLOCK_Q"], q.device)
+    if decode.numel():
+        _launch(q, k_cache, v_cache, out, meta, scale, variant, decode_cfg, (decode.numel(), decode, None))
+    if seqs.numel():
+        _launch(q, k_cache, v_cache, out, meta, scale, variant, prefill_cfg, (seqs.numel(), seqs, q_blocks))
     return out
 
 

@@ -37,17 +37,17 @@ BATCHES = (16, 64, 256)
 
 
 class StubModel:
-    """Stands in for the model: outputs of the right shapes, no computation."""
+    """Stands in for the model: outputs of the right shapes (views of buffers made once), no computation."""
 
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
-        self.hidden_size = hidden_size
-        self.vocab_size = vocab_size
+    def __init__(self, hidden_size: int, vocab_size: int, max_rows: int) -> None:
+        self.hidden = torch.zeros(max_rows, hidden_size)
+        self.logits = torch.zeros(max_rows, vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any) -> torch.Tensor:
-        return torch.zeros(input_ids.shape[0], self.hidden_size)
+        return self.hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(hidden.shape[0], self.vocab_size)
+        return self.logits[: hidden.shape[0]]
 
 
 def long_tiny_model(max_len: int, out: Path) -> Path:
@@ -73,7 +73,7 @@ def make_executor(max_seqs: int, context: int, steps: int, block_size: int, mode
         ParallelConfig(),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
     )
-    ex.model = StubModel(ex.hf_config.hidden_size, ex.hf_config.vocab_size)  # type: ignore[assignment]
+    ex.model = StubModel(ex.hf_config.hidden_size, ex.hf_config.vocab_size, max_seqs)  # type: ignore[assignment]
     return ex
 
 

@@ -84,6 +84,8 @@ class Batch:
     predict a prompt token, ``(sequence index, how many: from its first new token, top-k)``;
     ``prompt_lp_targets``: those predicted prompt tokens, concatenated.
     ``rows``: each sequence's row of the `PersistentBatch` that built it (empty for a hand-built one).
+    ``plain``: every sampling row is greedy and asks for nothing else (no logprobs, constraints,
+    biases, penalties or grammar), so sampling is one argmax.
 
     KV-cache groups (a hybrid model, ``num_groups`` G > 1, see `executor.kv_groups`): each
     ``block_tables`` row is the groups' tables interleaved (entry ``i * G + g``: group g's block
@@ -107,6 +109,7 @@ class Batch:
     prompt_lp_targets: list[int] = field(default_factory=list)
     num_groups: int = 1
     rows: Any = field(default_factory=list)
+    plain: bool = False
 
     def __post_init__(self) -> None:
         self.input_ids = _ints(self.input_ids)
@@ -137,6 +140,17 @@ class Batch:
         assert len(self.slot_mapping) == self.num_tokens * self.num_groups
         assert bool((self.query_lens >= 1).all()) and bool((self.seq_lens >= self.query_lens).all())
         assert self.token_counts is None or len(self.token_counts.slots) == n
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Whether sampling ``p`` is one argmax (see `Batch`)."""
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not (p.min_tokens or p.bad_words_token_ids or p.logit_bias or p.penalized)
+        and p.allowed_token_ids is None
+        and p.structured_outputs is None
+    )
 
 
 @dataclass(slots=True)
@@ -180,6 +194,7 @@ class PersistentBatch:
         self.num_blocks = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self.penalized = np.zeros(INITIAL_ROWS, dtype=bool)
         self.prompt_lp = np.zeros(INITIAL_ROWS, dtype=bool)
+        self.plain = np.zeros(INITIAL_ROWS, dtype=bool)
         # Token-count pool rows: freed ones for reuse, and the next never used (the pool's size).
         self.free_slots: list[int] = []
         self.num_slots = 0
@@ -211,7 +226,7 @@ class PersistentBatch:
         b = self.block_table.shape[1]
         if rows > r:
             new_r = max(rows, 2 * r)
-            for name in ("num_tokens", "num_prompt", "num_blocks", "penalized", "prompt_lp"):
+            for name in ("num_tokens", "num_prompt", "num_blocks", "penalized", "prompt_lp", "plain"):
                 old = getattr(self, name)
                 grown = np.zeros(new_r, dtype=old.dtype)
                 grown[:r] = old
@@ -242,7 +257,7 @@ class PersistentBatch:
             self.token_ids[row, :nt] = self.token_ids[last, :nt]
             self.block_table[row, :nb] = self.block_table[last, :nb]
             self.block_table[row, nb : self.num_blocks[row]] = 0
-            for col in (self.num_tokens, self.num_prompt, self.num_blocks, self.penalized, self.prompt_lp):
+            for col in (self.num_tokens, self.num_prompt, self.num_blocks, self.penalized, self.prompt_lp, self.plain):
                 col[row] = col[last]
         self.row_ids.pop()
         self.block_table[last, : self.num_blocks[last]] = 0
@@ -258,6 +273,7 @@ class PersistentBatch:
         self.num_tokens[row], self.num_prompt[row], self.num_blocks[row] = len(tokens), num_prompt, len(blocks)
         self.penalized[row] = params.penalized
         self.prompt_lp[row] = params.prompt_logprobs is not None
+        self.plain[row] = _plain(params)
 
     def _set_table(self, row: int, blocks: np.ndarray, replace: bool) -> None:
         old = int(self.num_blocks[row])
@@ -330,6 +346,8 @@ class PersistentBatch:
                 [self.block_table[tok_rows, block_index * groups + g].astype(np.int64) * bs + offset for g in range(groups)]
             )
         width = max(int(need.max(initial=0)), groups)
+        tables = self.block_table[rows, :width]  # a copy: later steps do not change it
+        tables[np.arange(width) >= need[:, None]] = 0  # only the blocks the step reads
         batch = Batch(
             request_ids=list(output.scheduled_req_ids),
             input_ids=input_ids,
@@ -337,12 +355,13 @@ class PersistentBatch:
             slot_mapping=slot_mapping,
             query_lens=q,
             seq_lens=end,
-            block_tables=self.block_table[rows, :width],  # a copy: later steps do not change it
+            block_tables=tables,
             sample=sample,
             output_lens=known - self.num_prompt[rows],
             sampling_params=[requests[r].params for r in output.scheduled_req_ids],
             num_groups=groups,
             rows=rows,
+            plain=bool(self.plain[rows].all()),
         )
         for i in np.flatnonzero(self.prompt_lp[rows]).tolist():
             state = requests[output.scheduled_req_ids[i]]

@@ -273,7 +273,7 @@ class ModelExecutor:
             batch = self.input_batch.prepare(output)
             # The structured-output masks are filled on a worker thread while the forward pass runs,
             # on the rank that samples (ranks > 0 take its tokens: their masks went unused).
-            if self.tp is None or self.tp.rank == 0:
+            if (self.tp is None or self.tp.rank == 0) and not batch.plain:
                 grammar = self.structured.start(batch, self.input_batch.requests)
             result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
@@ -342,19 +342,25 @@ class ModelExecutor:
                 if tp is not None:
                     tp.end_step()  # the other ranks are done with this step
                 return ExecutorOutput(tokens, logprobs, prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else [])
+            lps: list[dict[int, float] | None] | None = None
             try:
                 prompt_lps = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
-                sampled, lps = self._sample(batch, idx, logits, grammar)
+                if batch.plain:  # greedy, nothing else asked: the argmax is all there is to do
+                    sampled: list[int] = logits.argmax(dim=-1).tolist()
+                else:
+                    sampled, lps = self._sample(batch, idx, logits, grammar)
             except BaseException:
                 if tp is not None:  # the other ranks wait for these tokens: tell them
                     tp.share_tokens(None, len(idx))
                 raise
             if tp is not None:
                 tp.share_tokens(sampled, len(idx))
-        for j, i in enumerate(idx):
-            tokens[i] = sampled[j]
-            logprobs[i] = lps[j]
-        return ExecutorOutput(tokens, logprobs, prompt_lps)
+        column = np.full(n, -1, dtype=np.int64)
+        column[idx] = sampled
+        if lps is not None:
+            for j, i in enumerate(idx):
+                logprobs[i] = lps[j]
+        return ExecutorOutput(column.tolist(), logprobs if lps is not None else [], prompt_lps)
 
     def _sample(
         self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None

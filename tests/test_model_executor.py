@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from executor.ops_torch import write_kv
 pytestmark = pytest.mark.model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+COLUMNS = "request_ids input_ids positions slot_mapping query_lens seq_lens block_tables sample output_lens sampling_params".split()
 BLOCK = 4  # small blocks so every sequence spans several, out of order
 
 
@@ -46,7 +48,7 @@ def make_executor(path: Path, dtype: str = "float32", num_blocks: int = 64) -> M
 
 def step(ex: ModelExecutor, plan: list[tuple[Seq, int]], logprobs: int = 20) -> None:
     """Run one batch: each ``(seq, n)`` computes the seq's next ``n`` tokens."""
-    b = Batch()
+    b = SimpleNamespace(**{k: [] for k in COLUMNS})
     for seq, n in plan:
         start = seq.computed
         end = start + n
@@ -61,11 +63,12 @@ def step(ex: ModelExecutor, plan: list[tuple[Seq, int]], logprobs: int = 20) -> 
         b.sample.append(end == len(seq.tokens))
         b.output_lens.append(len(seq.outputs))
         b.sampling_params.append(SamplingParams(temperature=0.0, logprobs=logprobs))
-    b.check()
-    out = ex.execute_batch(b)
+    batch = Batch(**vars(b))
+    batch.check()
+    out = ex.execute_batch(batch)
     for i, (seq, n) in enumerate(plan):
         seq.computed += n
-        if b.sample[i]:
+        if batch.sample[i]:
             assert out.token_ids[i] >= 0 and out.logprobs[i] is not None
             seq.outputs.append(out.token_ids[i])
             seq.logprobs.append(out.logprobs[i])

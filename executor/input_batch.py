@@ -291,7 +291,11 @@ class PersistentBatch:
         vocab = self.vocab_size
         new_tokens = np.asarray(output.new_token_ids, dtype=np.int64)
         if vocab is not None and len(new_tokens) and not (new_tokens.min() >= 0 and new_tokens.max() < vocab):
-            bad = next(r.request_id for r in output.new_requests() if r.token_ids and not 0 <= min(r.token_ids) <= max(r.token_ids) < vocab)
+            bad = next(
+                r.request_id
+                for r in output.new_requests()
+                if r.token_ids and not 0 <= min(r.token_ids) <= max(r.token_ids) < vocab
+            )
             raise ValueError(f"request {bad!r}: token ids must be in [0, {vocab})")
         for new in output.new_requests():
             tokens = new.token_ids

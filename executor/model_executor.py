@@ -345,10 +345,7 @@ class ModelExecutor:
             lps: list[dict[int, float] | None] | None = None
             try:
                 prompt_lps = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
-                if batch.plain:  # greedy, nothing else asked: the argmax is all there is to do
-                    sampled: list[int] = logits.argmax(dim=-1).tolist()
-                else:
-                    sampled, lps = self._sample(batch, idx, logits, grammar)
+                sampled, lps = self._sample(batch, idx, logits, grammar)
             except BaseException:
                 if tp is not None:  # the other ranks wait for these tokens: tell them
                     tp.share_tokens(None, len(idx))
@@ -364,9 +361,11 @@ class ModelExecutor:
 
     def _sample(
         self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None
-    ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Tokens (and logprobs) of the sampled rows ``idx`` of ``batch``, from their ``logits``
-        (``grammar``: the masks of its structured-output rows)."""
+    ) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Tokens (and logprobs, None when no row asks) of the sampled rows ``idx`` of ``batch``,
+        from their ``logits`` (``grammar``: the masks of its structured-output rows)."""
+        if batch.plain:  # greedy, nothing else asked: the argmax is all there is to do
+            return logits.argmax(dim=-1).tolist(), None
         params = [batch.sampling_params[i] for i in idx]
         out_lens: list[int] = batch.output_lens[idx].tolist()
         banned, allowed = self._constraints(batch, idx, params, out_lens)

@@ -325,7 +325,8 @@ def _wire(output: SchedulerOutput) -> SchedulerOutput:
 
 def _columns() -> SimpleNamespace:
     """A `Batch`'s columns as lists, to append to and then pass to `Batch`."""
-    return SimpleNamespace(**{name: [] for name in "request_ids input_ids positions slot_mapping query_lens seq_lens block_tables sample output_lens sampling_params".split()})
+    names = "request_ids input_ids positions slot_mapping query_lens seq_lens block_tables sample output_lens sampling_params"
+    return SimpleNamespace(**{name: [] for name in names.split()})
 
 
 def _batch(rows: list[tuple[str, list[int], int, int, list[int], int, SamplingParams]], bs: int) -> Batch:

@@ -278,12 +278,15 @@ class SchedulerOutput:
     - new requests (``new_*`` columns, one entry per request; tokens and blocks concatenated);
     - cached requests whose block table changed (``cached_*``): new block ids appended, or, for
       one resumed from preemption, its whole new table;
-    - the batch, in order: ``scheduled_req_ids`` with ``num_scheduled_tokens`` and
-      ``num_computed_tokens`` (the position of each one's first scheduled token);
+    - the batch, in order: ``scheduled_req_ids`` with ``num_scheduled_tokens``,
+      ``num_computed_tokens`` (the position of each one's first scheduled token) and ``sample``
+      (whether it samples a token);
     - ``finished_req_ids``: requests whose state the executor drops first.
 
-    A scheduled request samples a token when its scheduled tokens reach the end of the tokens the
-    executor holds (so a step scheduled one ahead reads the token its predecessor sampled).
+    The scheduler alone decides these (a request samples when its scheduled tokens reach the end of
+    its tokens, placeholders included); the executor takes them as given, and a request that samples
+    takes its token at the position after its last scheduled one (so a step scheduled one ahead
+    reads the token its predecessor sampled).
     ``step`` numbers the scheduler's steps; ``epoch`` is the executor binding it was sent to.
     """
 
@@ -303,6 +306,7 @@ class SchedulerOutput:
     scheduled_req_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: list[int] = packed("i")
     num_computed_tokens: list[int] = packed("i")
+    sample: list[bool] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
 
     @property
@@ -330,10 +334,11 @@ class SchedulerOutput:
         self.cached_num_blocks.append(len(block_ids))
         self.cached_block_ids.extend(block_ids)
 
-    def add_scheduled(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> None:
+    def add_scheduled(self, request_id: str, num_tokens: int, num_computed_tokens: int, sample: bool) -> None:
         self.scheduled_req_ids.append(request_id)
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(num_computed_tokens)
+        self.sample.append(sample)
 
     def new_requests(self) -> list[NewRequestData]:
         """The new requests as records; raises `ProtocolError` if the columns disagree."""

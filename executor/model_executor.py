@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.config import DEFAULT_MAX_NUM_SEQS, CacheConfig, ExecutorInfo, ModelConfig, ParallelConfig
@@ -35,6 +36,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, CPU default when CacheConfig.kv_cache_memory is None
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _to(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor of ``dtype`` on ``device`` (on the CPU, sharing its memory when the
+    dtypes match)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def resolve_device_dtype(model_config: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -209,31 +217,31 @@ class ModelExecutor:
         return int(num_blocks)
 
     def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Tensors and attention metadata of ``batch``, built once for the whole step."""
+        """Tensors and attention metadata of ``batch``, built once for the whole step (from its
+        arrays, whole: no loop over its tokens or blocks)."""
         dev = self.device
-        qsl = [0]
-        for ql in batch.query_lens:
-            qsl.append(qsl[-1] + ql)
+        qsl = np.zeros(batch.num_seqs + 1, dtype=np.int32)
+        np.cumsum(batch.query_lens, out=qsl[1:])
         groups = self.kv_groups
         num_groups = 1 if groups is None else groups.num_groups
-        width = max(len(bt) for bt in batch.block_tables) // num_groups if batch.block_tables else 0
-        width = max(width, 1)
-        if groups is None:
-            tables = [bt + [0] * (width - len(bt)) for bt in batch.block_tables]
-        else:  # [group][sequence][block] from the interleaved tables
-            tables_g = [[bt[g::num_groups] for bt in batch.block_tables] for g in range(num_groups)]
-            tables = [[t + [0] * (width - len(t)) for t in tg] for tg in tables_g]  # type: ignore[misc]
-        block_tables = torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True)
-        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64).to(dev, non_blocking=True)
+        tables = batch.block_tables
+        if tables.shape[1] < num_groups:  # at least one block per sequence (and group)
+            tables = np.zeros((tables.shape[0], num_groups), dtype=np.int32)
+        if groups is not None:  # [group][sequence][block] from the interleaved tables
+            tables = np.stack([tables[:, g::num_groups] for g in range(num_groups)])
+        block_tables = _to(tables, torch.int32, dev)
+        slot_mapping = _to(batch.slot_mapping, torch.int64, dev)
+        seq_lens_list: list[int] = batch.seq_lens.tolist()
+        query_lens_list: list[int] = batch.query_lens.tolist()
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=_to(qsl, torch.int32, dev),
+            seq_lens=_to(batch.seq_lens, torch.int32, dev),
             block_tables=block_tables,
             slot_mapping=slot_mapping,
-            max_query_len=max(batch.query_lens),
-            max_seq_len=max(batch.seq_lens),
-            query_lens_list=list(batch.query_lens),
-            seq_lens_list=list(batch.seq_lens),
+            max_query_len=max(query_lens_list),
+            max_seq_len=max(seq_lens_list),
+            query_lens_list=query_lens_list,
+            seq_lens_list=seq_lens_list,
         )
         if groups is not None:
             # One metadata per group (its tables and slots; the rest shared), each layer its group's.
@@ -253,9 +261,9 @@ class ModelExecutor:
             ]
             meta = per_group[0]
             meta.per_layer = [per_group[g] for g in groups.layer_group]
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        positions = torch.tensor(batch.positions, dtype=torch.int64).to(dev, non_blocking=True)
-        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(batch.sample) if s]
+        input_ids = _to(batch.input_ids, torch.int64, dev)
+        positions = _to(batch.positions, torch.int64, dev)
+        sample_rows: list[int] = (qsl[1:][batch.sample] - 1).tolist()
         return input_ids, positions, meta, sample_rows
 
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
@@ -266,7 +274,7 @@ class ModelExecutor:
             batch = self.input_batch.prepare(output)
             # The structured-output masks are filled on a worker thread while the forward pass runs,
             # on the rank that samples (ranks > 0 take its tokens: their masks went unused).
-            if self.tp is None or self.tp.rank == 0:
+            if (self.tp is None or self.tp.rank == 0) and not batch.plain:
                 grammar = self.structured.start(batch, self.input_batch.requests)
             result = self.execute_batch(batch, grammar)
             self.input_batch.append_sampled(batch, result.token_ids)
@@ -302,12 +310,12 @@ class ModelExecutor:
             if tp is not None:
                 tp.end_step()
             return ExecutorOutput()
-        if max(batch.seq_lens) > self.max_model_len:
-            raise ValueError(f"sequence of {max(batch.seq_lens)} tokens exceeds max_model_len={self.max_model_len}")
-        if batch.input_ids and not (0 <= min(batch.input_ids) and max(batch.input_ids) < self.info.vocab_size):
-            raise ValueError(
-                f"token ids must be in [0, {self.info.vocab_size}), got {min(batch.input_ids)}..{max(batch.input_ids)}"
-            )
+        longest = int(batch.seq_lens.max())
+        if longest > self.max_model_len:
+            raise ValueError(f"sequence of {longest} tokens exceeds max_model_len={self.max_model_len}")
+        ids = batch.input_ids
+        if batch.num_tokens and not (0 <= ids.min() and ids.max() < self.info.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.info.vocab_size}), got {ids.min()}..{ids.max()}")
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n
         with torch.inference_mode():
@@ -323,7 +331,7 @@ class ModelExecutor:
                 if len(rows) < hidden.shape[0]:
                     hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
                 logits = self.model.compute_logits(hidden)
-            idx = [i for i, s in enumerate(batch.sample) if s]
+            idx: list[int] = np.flatnonzero(batch.sample).tolist()
             if tp is not None and tp.rank != 0:  # rank 0 samples; the others follow it
                 if not idx:
                     tp.end_step()
@@ -335,6 +343,7 @@ class ModelExecutor:
                 if tp is not None:
                     tp.end_step()  # the other ranks are done with this step
                 return ExecutorOutput(tokens, logprobs, prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else [])
+            lps: list[dict[int, float] | None] | None = None
             try:
                 prompt_lps = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
                 sampled, lps = self._sample(batch, idx, logits, grammar)
@@ -344,18 +353,22 @@ class ModelExecutor:
                 raise
             if tp is not None:
                 tp.share_tokens(sampled, len(idx))
-        for j, i in enumerate(idx):
-            tokens[i] = sampled[j]
-            logprobs[i] = lps[j]
-        return ExecutorOutput(tokens, logprobs, prompt_lps)
+        column = np.full(n, -1, dtype=np.int64)
+        column[idx] = sampled
+        if lps is not None:
+            for j, i in enumerate(idx):
+                logprobs[i] = lps[j]
+        return ExecutorOutput(column.tolist(), logprobs if lps is not None else [], prompt_lps)
 
     def _sample(
         self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None
-    ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Tokens (and logprobs) of the sampled rows ``idx`` of ``batch``, from their ``logits``
-        (``grammar``: the masks of its structured-output rows)."""
+    ) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Tokens (and logprobs, None when no row asks) of the sampled rows ``idx`` of ``batch``,
+        from their ``logits`` (``grammar``: the masks of its structured-output rows)."""
+        if batch.plain:  # greedy, nothing else asked: the argmax is all there is to do
+            return logits.argmax(dim=-1).tolist(), None
         params = [batch.sampling_params[i] for i in idx]
-        out_lens = [batch.output_lens[i] for i in idx]
+        out_lens: list[int] = batch.output_lens[idx].tolist()
         banned, allowed = self._constraints(batch, idx, params, out_lens)
         counts: TokenCounts | None = None
         step = batch.token_counts

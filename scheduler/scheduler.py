@@ -370,9 +370,9 @@ class Scheduler:
             elif len(table) > known:
                 output.add_cached(request_id, False, table[known:])
             self.executor_blocks[request_id] = len(table)
-            output.add_scheduled(request_id, n, start)
             request.num_computed_tokens = start + n
             samples = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            output.add_scheduled(request_id, n, start, samples)
             if samples:
                 request.num_output_placeholders += 1
             record.rows.append((request, start, n, samples))
@@ -406,9 +406,7 @@ class Scheduler:
             if not samples:
                 continue
             request.num_output_placeholders -= 1
-            token = result.token_ids[i]
-            if token < 0:
-                raise ValueError(f"request {request.request_id} was due a token in step {record.step}")
+            token = result.token_ids[i]  # the executor samples exactly the rows the step said
             logprobs = result.logprobs[i] if result.logprobs else None
             request.output_token_ids.append(token)
             request.output_logprobs.append(logprobs)

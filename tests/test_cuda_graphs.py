@@ -4,6 +4,7 @@ capture + replay against eager decoding (on CUDA only)."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def test_padded_size() -> None:
 
 def _batch(lens: list[int], tables: list[list[int]], decode: bool, rng: random.Random) -> Batch:
     """Whole prompts of ``lens`` tokens (``decode``: the last token of each, the rest cached)."""
-    b = Batch()
+    names = "request_ids input_ids positions slot_mapping query_lens seq_lens block_tables sample output_lens sampling_params"
+    b = SimpleNamespace(**{k: [] for k in names.split()})
     for i, (n, table) in enumerate(zip(lens, tables)):
         start = n - 1 if decode else 0
         b.request_ids.append(str(i))
@@ -49,7 +51,7 @@ def _batch(lens: list[int], tables: list[list[int]], decode: bool, rng: random.R
         b.sample.append(True)
         b.output_lens.append(0)
         b.sampling_params.append(SamplingParams())
-    return b
+    return Batch(**vars(b))
 
 
 def test_padded_decode_through_the_buffers_equals_eager(tiny_model) -> None:

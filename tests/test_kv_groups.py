@@ -109,10 +109,10 @@ def test_the_batch_maps_each_group_to_its_own_slots() -> None:
 
     out = SchedulerOutput(step=1)
     out.add_new("r", SamplingParams(max_tokens=2), 3, [1, 2, 3], [10, 20, 11, 21])
-    out.add_scheduled("r", 3, 0)
+    out.add_scheduled("r", 3, 0, True)
     batch = state.prepare(out)
     batch.check()
-    assert batch.slot_mapping == [20, 21, 22, 40, 41, 42]  # group 0's rows, then group 1's
+    assert batch.slot_mapping.tolist() == [20, 21, 22, 40, 41, 42]  # group 0's rows, then group 1's
 
 
 class HybridExecutor(ScriptedExecutor):

@@ -6,13 +6,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.config import CacheConfig, ModelConfig, ParallelConfig
+from common.protocol import SchedulerOutput
 from common.sampling_params import SamplingParams
-from executor.input_batch import Batch, CachedRequestState
+from executor.input_batch import Batch
 from executor.model_config import load_config, parse_config
 from executor.model_executor import ModelExecutor
 from executor.ops_torch import write_kv
@@ -20,6 +22,9 @@ from executor.ops_torch import write_kv
 pytestmark = pytest.mark.model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+COLUMNS = (
+    "request_ids input_ids positions slot_mapping query_lens seq_lens block_tables sample output_lens sampling_params".split()
+)
 BLOCK = 4  # small blocks so every sequence spans several, out of order
 
 
@@ -46,7 +51,7 @@ def make_executor(path: Path, dtype: str = "float32", num_blocks: int = 64) -> M
 
 def step(ex: ModelExecutor, plan: list[tuple[Seq, int]], logprobs: int = 20) -> None:
     """Run one batch: each ``(seq, n)`` computes the seq's next ``n`` tokens."""
-    b = Batch()
+    b = SimpleNamespace(**{k: [] for k in COLUMNS})
     for seq, n in plan:
         start = seq.computed
         end = start + n
@@ -61,11 +66,12 @@ def step(ex: ModelExecutor, plan: list[tuple[Seq, int]], logprobs: int = 20) -> 
         b.sample.append(end == len(seq.tokens))
         b.output_lens.append(len(seq.outputs))
         b.sampling_params.append(SamplingParams(temperature=0.0, logprobs=logprobs))
-    b.check()
-    out = ex.execute_batch(b)
+    batch = Batch(**vars(b))
+    batch.check()
+    out = ex.execute_batch(batch)
     for i, (seq, n) in enumerate(plan):
         seq.computed += n
-        if b.sample[i]:
+        if batch.sample[i]:
             assert out.token_ids[i] >= 0 and out.logprobs[i] is not None
             seq.outputs.append(out.token_ids[i])
             seq.logprobs.append(out.logprobs[i])
@@ -307,7 +313,9 @@ def test_min_tokens_bans_eos_and_bad_ids_are_refused(tiny_model) -> None:
     # checks that banned tokens are never drawn).
 
     def banned(params: SamplingParams, output_len: int) -> list[list[int]] | None:
-        ex.input_batch.requests["r"] = CachedRequestState(params, 1, [5], [0])
+        out = SchedulerOutput(step=1, finished_req_ids=["r"])
+        out.add_new("r", params, 1, [5], [0])
+        ex.input_batch.prepare(out)
         batch = Batch(request_ids=["r"], sampling_params=[params], output_lens=[output_len])
         return ex._constraints(batch, [0], [params], [output_len])[0]
 

@@ -173,7 +173,7 @@ def test_the_executor_reads_its_next_step_while_a_step_runs(env: tuple[redis.Red
         r.xadd(names.steps("0"), {ENTRY_FIELD: encode(BindExecutor("e", "0", 1))})
         for step in range(1, 6):  # one at a time, as a scheduler waiting on each result would
             out = SchedulerOutput(step=step, epoch=1)
-            out.add_scheduled("r", 1, 0)
+            out.add_scheduled("r", 1, 0, False)
             r.xadd(names.steps("0"), {ENTRY_FIELD: encode(out)})
             deadline = time.monotonic() + 5
             while step not in steps_in(r, names.results("0")):
@@ -209,7 +209,7 @@ def test_a_step_that_skips_ahead_is_ignored(env: tuple[redis.Redis, Names, SyncT
 
     def step(number: int) -> None:
         out = SchedulerOutput(step=number, epoch=1)
-        out.add_scheduled("r", 1, 0)
+        out.add_scheduled("r", 1, 0, False)
         r.xadd(names.steps("0"), {ENTRY_FIELD: encode(out)})
 
     try:

@@ -149,7 +149,7 @@ def test_token_counts_are_kept_incrementally_and_slots_reused() -> None:
     plain = SamplingParams(logit_bias={3: 1.0})
     out = _step(1)
     out.add_new("plain", plain, 3, [1, 2, 3], [0, 10, 11, 12])
-    out.add_scheduled("plain", 3, 0)
+    out.add_scheduled("plain", 3, 0, True)
     batch = state.prepare(out)
     assert batch.token_counts is None  # no request with penalties: nothing to count
     state.append_sampled(batch, [7])
@@ -157,9 +157,9 @@ def test_token_counts_are_kept_incrementally_and_slots_reused() -> None:
     out = _step(2)
     out.add_new("a", pen, 3, [4, 4, 9, 9, 11], [1, 2, 13, 14])
     out.add_new("b", SamplingParams(presence_penalty=1.0), 6, [5, 6, 7, 8, 5, 6], [3, 4, 15, 16])
-    out.add_scheduled("plain", 1, 3)
-    out.add_scheduled("a", 5, 0)
-    out.add_scheduled("b", 4, 0)  # a prefill chunk: b does not sample yet
+    out.add_scheduled("plain", 1, 3, True)
+    out.add_scheduled("a", 5, 0, True)
+    out.add_scheduled("b", 4, 0, False)  # a prefill chunk: b does not sample yet
     batch = state.prepare(out)
     batch.check()
     assert batch.token_counts is not None and batch.token_counts.slots == [-1, 0, -1]
@@ -186,11 +186,11 @@ def test_token_counts_are_kept_incrementally_and_slots_reused() -> None:
             held.append("c")
         for r in held:
             if r == "b" and step_number == 3:
-                out.add_scheduled("b", 2, 4)  # the rest of b's prompt
+                out.add_scheduled("b", 2, 4, True)  # the rest of b's prompt
             elif r == "c" and step_number == 5:
-                out.add_scheduled("c", 2, 0)
+                out.add_scheduled("c", 2, 0, True)
             else:
-                out.add_scheduled(r, 1, len(state.requests[r].token_ids) - 1)
+                out.add_scheduled(r, 1, len(state.requests[r].token_ids) - 1, True)
         batch = state.prepare(out)
         batch.check()
         if step_number == 5:

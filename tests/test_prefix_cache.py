@@ -59,7 +59,7 @@ class KVCheckingExecutor(FakeExecutor):
             request, tokens = sched.requests[request_id], self.state.requests[request_id].token_ids
             assert tokens[: request.num_tokens] == request.tokens_between(0, request.num_tokens)
             assert len(tokens) == request.num_tokens + request.num_output_placeholders - batch.sample[i]
-            assert batch.block_tables[i] == sched.cache.get_block_table(request_id)
+            assert self.state.table(request_id).tolist() == list(sched.cache.get_block_table(request_id))
         # Every slot of this step belongs to its sequence alone: no two sequences write one slot.
         assert len(set(batch.slot_mapping)) == len(batch.slot_mapping)
         for token, pos, slot in zip(batch.input_ids, batch.positions, batch.slot_mapping):
@@ -226,7 +226,7 @@ def test_last_prompt_token_is_always_computed(extra: int, computes: int, async_s
     mark = len(ex.batches)
     got = run(core, [Request("again", list(prompt), GREEDY)])
     assert plans(ex, mark)[0] == {"again": computes}
-    assert ex.batches[mark].sample == [True]
+    assert ex.batches[mark].sample.tolist() == [True]
     assert got["again"] == expected_output(prompt, GREEDY)
     # A one-block prompt after a full hit still computes its whole single block.
     mark = len(ex.batches)

@@ -35,7 +35,7 @@ def env(tmp_path: Path) -> Iterator[tuple[redis.Redis, Names, StreamExecutor]]:
 def step(n: int, request_ids: list[str]) -> SchedulerOutput:
     out = SchedulerOutput(step=n)
     for rid in request_ids:
-        out.add_scheduled(rid, 1, 0)
+        out.add_scheduled(rid, 1, 0, False)
     return out
 
 

@@ -58,7 +58,9 @@ from common.codec import (
 from common.codec import ProtocolError as ProtocolError  # re-exported: readers catch it from here
 from common.sampling_params import SamplingParams, sampling_to_dict
 
-PROTOCOL_VERSION = 7  # bumped whenever a message changes shape: messages of another version are rejected at decode
+# Bumped whenever a message or a key name changes shape: messages of another version are rejected
+# at decode, and services of two versions would not find each other's streams.
+PROTOCOL_VERSION = 8
 # Default ceiling on one encoded message: a 1M-token prompt is 4 MB packed; a step of 2048
 # prefill tokens is ~10 KB. Bigger means a bug or an attack, not a request.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

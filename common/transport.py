@@ -310,12 +310,19 @@ class Transport(TransportCore[aioredis.Redis]):
 
     async def send_many(self, sends: list[Outgoing], deadline_s: float | None = None) -> None:
         """XADD every message (and refresh TTLs) in one round trip: one script call where the
-        server runs scripts (`common.append_script`), else a pipeline. On a cluster, one call per
-        hash slot, all at once; every one of them has ended (sent or failed) before any error is raised."""
+        server runs scripts (`common.append_script`), else a pipeline. On a cluster, a script call
+        per hash slot with several appends, and one pipeline for the slots with one each (a
+        cluster pipeline takes one round trip per master, where a call per slot would take a
+        connection and a round trip per journal), all at once; every one of them has ended (sent
+        or failed) before any error is raised."""
         groups = by_slot(self.redis, sends)
         if len(groups) == 1:
             return await self._send_slot(sends, deadline_s)
-        outcomes = await asyncio.gather(*(self._send_slot(group, deadline_s) for group in groups), return_exceptions=True)
+        singles = [group[0] for group in groups if len(group) == 1]
+        calls = [self._send_slot(group, deadline_s) for group in groups if len(group) > 1]
+        if singles:
+            calls.append(self._send_pipelined(singles, deadline_s))
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -342,6 +349,10 @@ class Transport(TransportCore[aioredis.Redis]):
                 except redis.ResponseError as exc:  # e.g. a stand-in without Lua's cmsgpack: it fails before any append
                     logger.warning("%s: the append script failed (%s); appends go pipelined", self.owner, exc)
                     self._append_script = False
+        await self._send_pipelined(sends, deadline_s)
+
+    async def _send_pipelined(self, sends: list[Outgoing], deadline_s: float | None) -> None:
+        """`send_many` as one pipeline (on a cluster, one round trip per master it touches)."""
         if sends:  # a new pipeline per try: a failed execute() leaves its own empty
             await self.call(lambda: self._pipeline(sends, None, None).execute(), deadline_s=deadline_s)
 

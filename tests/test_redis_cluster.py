@@ -177,3 +177,38 @@ def test_engine_master_killed_under_load_loses_nothing(own_cluster: ClusterServe
         f"{outcome.started_before_kill} in flight at the kill (longest {outcome.longest_s:.1f} s), replica promoted "
         f"{state['promoted_after_s']:.1f} s after the kill, {outcome.refused} refused (503) and retried"
     )
+
+
+def test_appends_to_many_slots_share_connections(shared_cluster: ClusterServers) -> None:
+    """A gateway's read journals one entry to each of many responses' journals (a slot each): they
+    go as one cluster pipeline, a round trip per master on the connections it has, not as a call,
+    a connection and a round trip per journal."""
+    names = Names("test-fanout")
+    nodes = [shared_cluster.client(port) for port in shared_cluster.live_ports()]  # connected once: not counted twice
+
+    def opened() -> int:
+        return sum(int(node.info("stats")["total_connections_received"]) for node in nodes)
+
+    async def send() -> int:
+        t = Transport(shared_cluster.url, names, owner="test")
+        try:
+            sends = [Outgoing(names.journal(f"r{i}"), b"entry", None, 60_000) for i in range(64)]
+            await t.send_many(sends)  # connects to every master
+            before = opened()
+            for _ in range(4):
+                await t.send_many(sends)
+            return opened() - before
+        finally:
+            await t.close()
+
+    sync = SyncTransport(shared_cluster.url, names, owner="test")
+    try:
+        new_connections = asyncio.run(send())
+        r: Any = sync.redis
+        assert [r.xlen(names.journal(f"r{i}")) for i in range(64)] == [5] * 64
+        assert 0 < r.pttl(names.journal("r7")) <= 60_000 + 60_000 // 8
+        assert new_connections == 0, f"{new_connections} connections opened for 4 reads' appends"
+    finally:
+        for key in list(sync.redis.scan_iter(match="test-fanout:*")):
+            sync.redis.delete(key)
+        sync.close()

@@ -360,8 +360,8 @@ class SchedulerService:
         now = time.monotonic()
         while self.dead_gateways:
             gateway_id = self.dead_gateways.popleft()
-            # A stopping gateway deletes its outputs stream: one that comes back under the same id
-            # makes it anew, and it needs its TTL at the first write.
+            # Its outputs stream may lapse meanwhile: one that comes back under the same id has it
+            # made anew, and it needs its TTL at the first write.
             self.transport.forget_renewals()
             doomed = self.router.gateway_died(gateway_id, now)
             logger.warning("gateway %s is gone: %d requests aborted, the resumable ones kept", gateway_id, len(doomed))

@@ -16,6 +16,7 @@ import redis
 from common.codec import unpack_logprobs
 from common.protocol import (
     ENTRY_FIELD,
+    OUTPUTS_TTL_MS,
     AbortRequests,
     EngineStatus,
     GenerateRequest,
@@ -28,7 +29,7 @@ from common.protocol import (
     encode,
 )
 from common.sampling_params import SamplingParams
-from common.transport import Outgoing, renewed_ttl_ms
+from common.transport import Outgoing, SyncTransport, renewed_ttl_ms
 from gateway.engine.client import AFFINITY_SLACK, EngineClient, EngineEvent, EngineUnavailable, RequestHandle, RequestIdInUse
 from gateway.engine.journal import read_journal
 from gateway.engine.outputs import replay
@@ -852,3 +853,20 @@ async def test_priority_and_cache_salt_go_with_every_attempt() -> None:
     assert await client._route(h, [])
     [moved] = await sent(client, "p2")
     assert (moved.priority, moved.cache_salt, moved.output_token_ids) == (-4, "tenant-salt", [7])
+
+
+@async_test
+async def test_a_stopped_gateways_outputs_stream_keeps_its_ttl() -> None:
+    """A scheduler renews an outputs stream's TTL once per eighth of it, so a stream deleted under
+    it and made again by its next write would have none; the outputs of a step in flight still
+    reach a gateway that just stopped (before its aborts are applied), and its stream must expire."""
+    server = fakeredis.FakeServer()
+    client = make_client(server=server)
+    scheduler = SyncTransport("redis://unused", NAMES, owner="scheduler")
+    scheduler.redis = fakeredis.FakeRedis(server=server)
+    stream = client.outputs_stream
+    step = Outgoing(stream, encode(outputs(("r", 0, [5]))), 100, OUTPUTS_TTL_MS)
+    scheduler.exchange([step])  # renews the stream's TTL
+    await client.stop()
+    scheduler.exchange([step])  # a step in flight when the gateway stopped
+    assert 0 < await fakeredis.FakeAsyncRedis(server=server).pttl(stream) <= renewed_ttl_ms(OUTPUTS_TTL_MS)

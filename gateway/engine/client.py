@@ -164,9 +164,10 @@ class EngineClient:
             for handle in list(self.requests.values()):
                 self.abort(handle.request_id)
             await self.aborts.flush("gateway stopped", deadline_s=2)
-            await self.transport.call(
-                self.transport.redis.delete, self.outputs_stream, self.names.heartbeat("gateway", self.gateway_id), deadline_s=2
-            )
+            # The outputs stream is left to its TTL: schedulers write to it until they apply the
+            # aborts, renewing its TTL only now and then (`common.transport`), so one deleted here
+            # would be made again by such a write without a TTL, and kept for good.
+            await self.transport.call(self.transport.redis.delete, self.names.heartbeat("gateway", self.gateway_id), deadline_s=2)
         except Exception as exc:
             logger.warning("could not clean up on shutdown: %s", exc)
         await self.transport.close()

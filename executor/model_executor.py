@@ -51,7 +51,7 @@ def _to(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.T
     return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: each launch is one step
 class LaunchedStep:
     """One step launched by `ModelExecutor.launch`, for `ModelExecutor.collect`.
 

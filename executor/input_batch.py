@@ -199,11 +199,13 @@ class PersistentBatch:
         self.plain = np.zeros(INITIAL_ROWS, dtype=bool)
         self.row_uid = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self.next_uid = 0
+        self.layout = 0  # counts the edits that move or remove rows: rows noted before it stay valid
         # Token-count pool rows: freed ones for reuse, and the next never used (the pool's size).
         self.free_slots: list[int] = []
         self.num_slots = 0
 
     def clear(self) -> None:
+        self.layout += 1
         self.requests.clear()
         self.row_ids.clear()
         self.token_ids[:] = 0
@@ -250,6 +252,7 @@ class PersistentBatch:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        self.layout += 1
         if state.count_slot >= 0:
             self.free_slots.append(state.count_slot)
         row, last = state.row, len(self.row_ids) - 1
@@ -435,11 +438,15 @@ class PersistentBatch:
         rows = order[pos]
         return rows, live[rows] == uids
 
-    def fill_sampled(self, uids: np.ndarray, at: np.ndarray, token_ids: np.ndarray) -> None:
+    def fill_sampled(self, uids: np.ndarray, at: np.ndarray, token_ids: np.ndarray, rows: np.ndarray, layout: int) -> None:
         """Tokens sampled by a step whose tokens were left on the device (`append_sampled` held
         their places): each goes to position ``at`` of request ``uids``, if that request is still
-        here and still holds that position (a later edit may have dropped it)."""
-        rows, ok = self.rows_of(uids)
+        here and still holds that position (a later edit may have dropped it). ``rows``: theirs
+        when ``layout`` was current (looked up again only if rows moved since)."""
+        if layout == self.layout:
+            ok = np.ones(len(rows), dtype=bool)
+        else:
+            rows, ok = self.rows_of(uids)
         ok &= at < self.num_tokens[rows]
         self.token_ids[rows[ok], at[ok]] = token_ids[ok]
 

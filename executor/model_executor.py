@@ -55,8 +55,9 @@ def _to(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.T
 class LaunchedStep:
     """One step launched by `ModelExecutor.launch`, for `ModelExecutor.collect`.
 
-    ``n``: the step's sequences; ``idx``: those that sample, in order; ``uids`` and ``at``: per
-    sampling sequence, its request (`PersistentBatch.row_uid`) and the position its token takes.
+    ``n``: the step's sequences; ``idx``: those that sample, in order; ``uids``, ``at`` and
+    ``rows``: per sampling sequence, its request (`PersistentBatch.row_uid`), the position its
+    token takes, and its row while the batch's ``layout`` is what it was at launch.
     ``tokens``: the sampled tokens (per ``idx``) once on the host. Until then ``sampled`` holds them
     on the device and, on a GPU, ``host`` is their pinned copy, complete when ``event`` is.
     """
@@ -65,6 +66,8 @@ class LaunchedStep:
     idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     uids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    layout: int = -1
     tokens: np.ndarray | None = None
     sampled: torch.Tensor | None = None
     host: torch.Tensor | None = None
@@ -395,7 +398,7 @@ class ModelExecutor:
             else:
                 tokens = launched.sampled.numpy().astype(np.int64)  # type: ignore[union-attr]
             launched.tokens, launched.sampled, launched.host, launched.event = tokens, None, None, None
-            self.input_batch.fill_sampled(launched.uids, launched.at, tokens)
+            self.input_batch.fill_sampled(launched.uids, launched.at, tokens, launched.rows, launched.layout)
         if launched in self._pending:
             self._pending.remove(launched)
 
@@ -443,7 +446,12 @@ class ModelExecutor:
         idx = np.flatnonzero(batch.sample)
         sampled_rows = batch.rows[idx] if len(batch.rows) else np.zeros(0, dtype=np.int64)
         launched = LaunchedStep(
-            n, idx, self.input_batch.row_uid[sampled_rows], batch.seq_lens[idx] if n else np.zeros(0, dtype=np.int64)
+            n,
+            idx,
+            self.input_batch.row_uid[sampled_rows],
+            batch.seq_lens[idx] if n else np.zeros(0, dtype=np.int64),
+            sampled_rows,
+            self.input_batch.layout,
         )
         if n == 0:
             if tp is not None:

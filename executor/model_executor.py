@@ -376,14 +376,12 @@ class ModelExecutor:
         """The input tokens of ``batch`` that the last launched step sampled and left on the device."""
         if not self._pending or not len(batch.rows):
             return None
-        source = self._pending[-1]
+        source = self._pending[-1]  # (a step left on the device sampled at least one row)
         uids = self.input_batch.row_uid[batch.rows]
         order = np.argsort(source.uids)
-        pos = np.minimum(np.searchsorted(source.uids[order], uids), max(len(order) - 1, 0))
-        j = order[pos] if len(order) else pos
-        start = batch.seq_lens - batch.query_lens
-        at = source.at[j] if len(order) else start
-        hit = (source.uids[j] == uids) & (start <= at) & (at < batch.seq_lens) if len(order) else np.zeros(len(uids), bool)
+        j = order[np.minimum(np.searchsorted(source.uids[order], uids), len(order) - 1)]
+        start, at = batch.seq_lens - batch.query_lens, source.at[j]
+        hit = (source.uids[j] == uids) & (start <= at) & (at < batch.seq_lens)
         if not hit.any():
             return None
         qsl = np.cumsum(batch.query_lens) - batch.query_lens

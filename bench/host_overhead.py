@@ -4,10 +4,13 @@
     python -m bench.host_overhead --steps 400 --context 2048
 
 A real `ModelExecutor` (the cached tiny checkpoint) runs decode-only steps of ``N`` requests at
-``--context`` tokens each; its model is swapped for a stub that returns hidden states and logits of
-the real shapes (zeros) at once, so what is timed is the host's share of a step: decoding the step
-message, applying it to the persistent batch and building the step's inputs, sampling's
-bookkeeping, and packing and encoding the result (`ExecutorService._step`). Every step crosses
+``--context`` tokens each; its model is swapped for a stub that returns hidden states of the real
+shape and logits over a small vocabulary (`STUB_VOCAB` columns, zeros) at once, so what is timed is
+the host's share of a step: decoding the step message, applying it to the persistent batch and
+building the step's inputs, sampling's bookkeeping, and packing and encoding the result
+(`ExecutorService._step`). The greedy argmax over ``N x vocabulary`` logits is the device's work
+on a GPU, not host bookkeeping; over the real vocabulary it would be one CPU thread's compute that
+grows with the batch, so the stub's vocabulary is kept small (the sampled ids stay valid tokens). Every step crosses
 into a new block for a sixteenth of the requests, as real decodes do. Prints one line per batch
 size, then the ratio of the largest batch's cost to the smallest's: the host cost per step should
 grow far slower than the batch (a per-block or per-token Python loop makes it grow with
@@ -34,10 +37,12 @@ from executor.model_executor import ModelExecutor
 from executor.service import ExecutorService
 
 BATCHES = (16, 64, 256)
+STUB_VOCAB = 16  # the stub's logits' columns: the argmax, device work on a GPU, stays out of the timing
 
 
 class StubModel:
-    """Stands in for the model: outputs of the right shapes (views of buffers made once), no computation."""
+    """Stands in for the model: hidden states of the right shape and logits over ``vocab_size``
+    columns (views of buffers made once), no computation."""
 
     def __init__(self, hidden_size: int, vocab_size: int, max_rows: int) -> None:
         self.hidden = torch.zeros(max_rows, hidden_size)
@@ -73,7 +78,7 @@ def make_executor(max_seqs: int, context: int, steps: int, block_size: int, mode
         ParallelConfig(),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
     )
-    ex.model = StubModel(ex.hf_config.hidden_size, ex.hf_config.vocab_size, max_seqs)  # type: ignore[assignment]
+    ex.model = StubModel(ex.hf_config.hidden_size, STUB_VOCAB, max_seqs)  # type: ignore[assignment]
     return ex
 
 

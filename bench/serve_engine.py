@@ -62,7 +62,8 @@ def offline_breakdown(
     chat: bool = False,
 ) -> dict[str, float]:
     """The same requests in-process (``concurrency`` per `generate` call; arrival times are not
-    reproduced), with timers around execute_model, the forward pass and sampling."""
+    reproduced), with timers around the executor's steps (launch and collect), the forward pass and
+    sampling."""
     from common.sampling_params import SamplingParams
     from gateway.llm import LLM
 
@@ -92,7 +93,8 @@ def offline_breakdown(
 
         return wrapper
 
-    ex.execute_model = timed("execute", ex.execute_model)  # type: ignore[method-assign]
+    ex.launch = timed("execute", ex.launch)  # type: ignore[method-assign]
+    ex.collect = timed("execute", ex.collect)  # type: ignore[method-assign]
     ex.model.forward = timed("forward", ex.model.forward)  # type: ignore[method-assign]
     ex.sampler.sample = timed("sample", ex.sampler.sample)  # type: ignore[method-assign]
     llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up

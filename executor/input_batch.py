@@ -178,7 +178,9 @@ class PersistentBatch:
 
     Rows ``0 .. len(requests) - 1`` are live. ``token_ids[row, :num_tokens[row]]`` are a request's
     tokens, ``block_table[row, :num_blocks[row]]`` its table (zero past it); ``penalized`` and
-    ``prompt_lp`` are per-row flags of its sampling parameters, ``row_ids`` its id.
+    ``prompt_lp`` are per-row flags of its sampling parameters, ``row_ids`` its id, ``row_uid`` a
+    number no other request added to this batch has had (a sampled token still on the device names
+    its request by it, since rows move: `rows_of`).
     """
 
     def __init__(self, block_size: int, vocab_size: int | None = None, num_groups: int = 1) -> None:
@@ -195,11 +197,15 @@ class PersistentBatch:
         self.penalized = np.zeros(INITIAL_ROWS, dtype=bool)
         self.prompt_lp = np.zeros(INITIAL_ROWS, dtype=bool)
         self.plain = np.zeros(INITIAL_ROWS, dtype=bool)
+        self.row_uid = np.zeros(INITIAL_ROWS, dtype=np.int64)
+        self.next_uid = 0
+        self.layout = 0  # counts the edits that move or remove rows: rows noted before it stay valid
         # Token-count pool rows: freed ones for reuse, and the next never used (the pool's size).
         self.free_slots: list[int] = []
         self.num_slots = 0
 
     def clear(self) -> None:
+        self.layout += 1
         self.requests.clear()
         self.row_ids.clear()
         self.token_ids[:] = 0
@@ -226,7 +232,7 @@ class PersistentBatch:
         b = self.block_table.shape[1]
         if rows > r:
             new_r = max(rows, 2 * r)
-            for name in ("num_tokens", "num_prompt", "num_blocks", "penalized", "prompt_lp", "plain"):
+            for name in ("num_tokens", "num_prompt", "num_blocks", "penalized", "prompt_lp", "plain", "row_uid"):
                 old = getattr(self, name)
                 grown = np.zeros(new_r, dtype=old.dtype)
                 grown[:r] = old
@@ -246,6 +252,7 @@ class PersistentBatch:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        self.layout += 1
         if state.count_slot >= 0:
             self.free_slots.append(state.count_slot)
         row, last = state.row, len(self.row_ids) - 1
@@ -257,7 +264,15 @@ class PersistentBatch:
             self.token_ids[row, :nt] = self.token_ids[last, :nt]
             self.block_table[row, :nb] = self.block_table[last, :nb]
             self.block_table[row, nb : self.num_blocks[row]] = 0
-            for col in (self.num_tokens, self.num_prompt, self.num_blocks, self.penalized, self.prompt_lp, self.plain):
+            for col in (
+                self.num_tokens,
+                self.num_prompt,
+                self.num_blocks,
+                self.penalized,
+                self.prompt_lp,
+                self.plain,
+                self.row_uid,
+            ):
                 col[row] = col[last]
         self.row_ids.pop()
         self.block_table[last, : self.num_blocks[last]] = 0
@@ -274,6 +289,7 @@ class PersistentBatch:
         self.penalized[row] = params.penalized
         self.prompt_lp[row] = params.prompt_logprobs is not None
         self.plain[row] = _plain(params)
+        self.row_uid[row], self.next_uid = self.next_uid, self.next_uid + 1
 
     def _set_table(self, row: int, blocks: np.ndarray, replace: bool) -> None:
         old = int(self.num_blocks[row])
@@ -404,11 +420,35 @@ class PersistentBatch:
 
     def append_sampled(self, batch: Batch, token_ids: Sequence[int] | np.ndarray) -> None:
         """Each sampling row of ``batch`` takes its new token at the position after its last
-        scheduled one (read by the next step); what it held past there is dropped."""
+        scheduled one (read by the next step); what it held past there is dropped. ``token_ids``
+        (one per sequence) may hold placeholders for tokens not read back yet (`fill_sampled`)."""
         sel = batch.sample
         rows, at = batch.rows[sel], batch.seq_lens[sel]
         self.token_ids[rows, at] = np.asarray(token_ids, dtype=np.int64)[sel]
         self.num_tokens[rows] = at + 1
+
+    def rows_of(self, uids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each of ``uids``: the row that holds it now, and whether one does (a request dropped
+        since has none; its row entry is then meaningless)."""
+        live = self.row_uid[: len(self.row_ids)]
+        if not len(live) or not len(uids):
+            return np.zeros(len(uids), dtype=np.int64), np.zeros(len(uids), dtype=bool)
+        order = np.argsort(live)
+        pos = np.minimum(np.searchsorted(live[order], uids), len(live) - 1)
+        rows = order[pos]
+        return rows, live[rows] == uids
+
+    def fill_sampled(self, uids: np.ndarray, at: np.ndarray, token_ids: np.ndarray, rows: np.ndarray, layout: int) -> None:
+        """Tokens sampled by a step whose tokens were left on the device (`append_sampled` held
+        their places): each goes to position ``at`` of request ``uids``, if that request is still
+        here and still holds that position (a later edit may have dropped it). ``rows``: theirs
+        when ``layout`` was current (looked up again only if rows moved since)."""
+        if layout == self.layout:
+            ok = np.ones(len(rows), dtype=bool)
+        else:
+            rows, ok = self.rows_of(uids)
+        ok &= at < self.num_tokens[rows]
+        self.token_ids[rows[ok], at[ok]] = token_ids[ok]
 
     def _state(self, request_id: str) -> CachedRequestState:
         state = self.requests.get(request_id)

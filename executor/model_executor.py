@@ -2,13 +2,18 @@
 
 `execute_model` takes one `SchedulerOutput` (the scheduler's step, as a delta), lets the
 `PersistentBatch` turn it into a `Batch`, runs the forward pass and sampling, and appends the
-sampled tokens to the requests' state so that a step scheduled one ahead reads them.
+sampled tokens to the requests' state so that a step scheduled one ahead reads them. It is
+`launch` then `collect`: a caller with the next step at hand launches it before collecting the
+one before, so that the host prepares step N+1 while the device runs step N (`launch` says when
+the host waits for step N's tokens first).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,9 +45,50 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def _to(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a tensor of ``dtype`` on ``device`` (on the CPU, sharing its memory when the
-    dtypes match)."""
+    dtypes match). To a GPU it goes through pinned memory, so the copy does not wait for the
+    device (the caching host allocator keeps the pinned block until the copy is done)."""
     tensor = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(slots=True, eq=False)  # compared by identity: each launch is one step
+class LaunchedStep:
+    """One step launched by `ModelExecutor.launch`, for `ModelExecutor.collect`.
+
+    ``n``: the step's sequences; ``idx``: those that sample, in order; ``uids``, ``at`` and
+    ``rows``: per sampling sequence, its request (`PersistentBatch.row_uid`), the position its
+    token takes, and its row while the batch's ``layout`` is what it was at launch.
+    ``tokens``: the sampled tokens (per ``idx``) once on the host. Until then ``sampled`` holds them
+    on the device and, on a GPU, ``host`` is their pinned copy, complete when ``event`` is.
+    """
+
+    n: int = 0
+    idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    uids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    layout: int = -1
+    tokens: np.ndarray | None = None
+    sampled: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: Any = None
+    logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[list[dict[int, float] | None] | None] = field(default_factory=list)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether its tokens are still to be read back."""
+        return self.tokens is None
+
+
+@dataclass(slots=True)
+class Placeholders:
+    """Input tokens of a step that are the tokens ``source`` sampled, not read back yet: input
+    token ``token_index[i]`` is ``source``'s sampled token ``sampled_index[i]`` (in ``source.idx``'s order)."""
+
+    source: LaunchedStep
+    token_index: np.ndarray
+    sampled_index: np.ndarray
 
 
 def resolve_device_dtype(model_config: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -156,6 +202,7 @@ class ModelExecutor:
         self.backend = backend
         num_groups = 1 if self.kv_groups is None else self.kv_groups.num_groups
         self.input_batch = PersistentBatch(self.block_size, cfg.vocab_size, num_groups)
+        self._pending: list[LaunchedStep] = []  # launched, tokens still on the device (`launch`)
         self.structured = StructuredDecoding(model_dir, cfg.vocab_size, list(cfg.eos_token_ids), self.device)
         self.graphs: CudaGraphRunner | None = None
         # Graphs need kernels that read every size from device tensors: the Triton backend's. Not
@@ -269,24 +316,105 @@ class ModelExecutor:
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
         """Run one scheduled step; on any error every request's state is dropped (and re-raised):
         the scheduler then resends them all as new."""
+        return self.collect(self.launch(output))
+
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Start one scheduled step: its inputs, forward pass and sampling are queued on the
+        device, and its sampled tokens are read back by `collect` (collect steps in launch order).
+
+        A step launched before the previous one is collected reads that step's tokens on the device:
+        its rows whose input is a token the previous step sampled get a placeholder, filled on the
+        device from the previous step's sampled tensor. The rule for when the host waits instead:
+        a step leaves its tokens on the device only when sampling it is one greedy argmax
+        (`Batch.plain`) and there is no tensor parallelism; any other step (grammars, bad words,
+        ``min_tokens``, allowed token ids, penalties, logprobs, prompt logprobs, or tensor
+        parallelism: ranks share tokens on the host) first reads the previous step's tokens back
+        and samples on the host. The executor checks no stop conditions (the scheduler does), so
+        nothing else needs them. On any error every request's state is dropped (and re-raised).
+        """
         grammar: GrammarMask | None = None
         try:
+            # Only the step launched last may still hold its tokens on the device.
+            for old in self._pending[:-1]:
+                self._read_back(old)
             batch = self.input_batch.prepare(output)
+            holes = self._placeholders(batch)
+            overlap = self.tp is None and batch.plain and not batch.prompt_lp
+            if holes is not None and not overlap:
+                self._read_back(holes.source)
+                batch.input_ids[holes.token_index] = holes.source.tokens[holes.sampled_index]  # type: ignore[index]
+                holes = None
             # The structured-output masks are filled on a worker thread while the forward pass runs,
             # on the rank that samples (ranks > 0 take its tokens: their masks went unused).
             if (self.tp is None or self.tp.rank == 0) and not batch.plain:
                 grammar = self.structured.start(batch, self.input_batch.requests)
-            result = self.execute_batch(batch, grammar)
-            self.input_batch.append_sampled(batch, result.token_ids)
+            launched = self._run(batch, grammar, holes, keep_on_device=overlap)
+            column = np.zeros(batch.num_seqs, dtype=np.int64)  # placeholders until read back
+            if launched.tokens is not None:
+                column[launched.idx] = launched.tokens
+            else:
+                self._pending.append(launched)
+            self.input_batch.append_sampled(batch, column)
         except BaseException:
             if grammar is not None:
                 grammar.future.exception()  # the worker is done with the matchers before they are dropped
             self.reset()
             raise
-        return result
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> ExecutorOutput:
+        """The result of a launched step (waiting for its tokens if need be); on any error every
+        request's state is dropped (and re-raised)."""
+        try:
+            self._read_back(launched)
+        except BaseException:
+            self.reset()
+            raise
+        return self._output(launched)
+
+    def _placeholders(self, batch: Batch) -> Placeholders | None:
+        """The input tokens of ``batch`` that the last launched step sampled and left on the device."""
+        if not self._pending or not len(batch.rows):
+            return None
+        source = self._pending[-1]  # (a step left on the device sampled at least one row)
+        uids = self.input_batch.row_uid[batch.rows]
+        order = np.argsort(source.uids)
+        j = order[np.minimum(np.searchsorted(source.uids[order], uids), len(order) - 1)]
+        start, at = batch.seq_lens - batch.query_lens, source.at[j]
+        hit = (source.uids[j] == uids) & (start <= at) & (at < batch.seq_lens)
+        if not hit.any():
+            return None
+        qsl = np.cumsum(batch.query_lens) - batch.query_lens
+        return Placeholders(source, (qsl + at - start)[hit], j[hit])
+
+    def _read_back(self, launched: LaunchedStep) -> None:
+        """Bring a launched step's tokens to the host and into the requests' state (once)."""
+        if launched.tokens is None:
+            if launched.event is not None:
+                launched.event.synchronize()
+                tokens = launched.host.numpy().copy()  # type: ignore[union-attr]
+            else:
+                tokens = launched.sampled.numpy().astype(np.int64)  # type: ignore[union-attr]
+            launched.tokens, launched.sampled, launched.host, launched.event = tokens, None, None, None
+            self.input_batch.fill_sampled(launched.uids, launched.at, tokens, launched.rows, launched.layout)
+        if launched in self._pending:
+            self._pending.remove(launched)
+
+    def _output(self, launched: LaunchedStep) -> ExecutorOutput:
+        column = np.full(launched.n, -1, dtype=np.int64)
+        assert launched.tokens is not None
+        column[launched.idx] = launched.tokens
+        lps = launched.logprobs
+        logprobs: list[dict[int, float] | None] = []
+        if lps is not None:
+            logprobs = [None] * launched.n
+            for j, i in enumerate(launched.idx.tolist()):
+                logprobs[i] = lps[j]
+        return ExecutorOutput(column.tolist(), logprobs, launched.prompt_logprobs)
 
     def reset(self) -> None:
         """Drop every request's state (after a failed step, or a new binding)."""
+        self._pending.clear()
         self.input_batch.clear()
         self.token_counts.clear()
 
@@ -299,29 +427,51 @@ class ModelExecutor:
 
     def execute_batch(self, batch: Batch, grammar: GrammarMask | None = None) -> ExecutorOutput:
         """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode;
-        ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`).
+        ``grammar``: the masks of its structured-output rows (`StructuredDecoding.start`)."""
+        return self._output(self._run(batch, grammar, None, keep_on_device=False))
+
+    def _run(self, batch: Batch, grammar: GrammarMask | None, holes: Placeholders | None, keep_on_device: bool) -> LaunchedStep:
+        """Run one forward pass over ``batch`` and sample the rows that finish a prompt or decode;
+        ``holes``: its input tokens to take from the previous step's sampled tensor on the device.
+        With ``keep_on_device`` (a plain batch) the greedy tokens stay on the device, a copy to the
+        host on its way behind an event (`LaunchedStep`); otherwise they are on the host on return.
 
         With tensor parallelism every rank runs the forward pass and the logits' all-gathers, and
         rank 0 alone samples and computes prompt logprobs, then shares the tokens: the phases of
         `TensorParallel` mark where an error leaves the ranks out of step."""
         tp = self.tp
         n = batch.num_seqs
+        idx = np.flatnonzero(batch.sample)
+        sampled_rows = batch.rows[idx] if len(batch.rows) else np.zeros(0, dtype=np.int64)
+        launched = LaunchedStep(
+            n,
+            idx,
+            self.input_batch.row_uid[sampled_rows],
+            batch.seq_lens[idx] if n else np.zeros(0, dtype=np.int64),
+            sampled_rows,
+            self.input_batch.layout,
+        )
         if n == 0:
             if tp is not None:
                 tp.end_step()
-            return ExecutorOutput()
+            launched.tokens = np.zeros(0, dtype=np.int64)
+            return launched
         longest = int(batch.seq_lens.max())
         if longest > self.max_model_len:
             raise ValueError(f"sequence of {longest} tokens exceeds max_model_len={self.max_model_len}")
         ids = batch.input_ids
         if batch.num_tokens and not (0 <= ids.min() and ids.max() < self.info.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.info.vocab_size}), got {ids.min()}..{ids.max()}")
-        tokens: list[int] = [-1] * n
-        logprobs: list[dict[int, float] | None] = [None] * n
+        num_sampled = len(idx)
         with torch.inference_mode():
             if tp is not None:
                 tp.enter_collectives()
             input_ids, positions, meta, rows = self._prepare(batch)
+            if holes is not None:
+                source = holes.source.sampled
+                assert source is not None
+                at = _to(holes.token_index, torch.int64, self.device)
+                input_ids.index_copy_(0, at, source.index_select(0, _to(holes.sampled_index, torch.int64, self.device)))
             hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
             if hidden is None:
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
@@ -329,36 +479,41 @@ class ModelExecutor:
             logits = None
             if rows:
                 if len(rows) < hidden.shape[0]:
-                    hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
+                    hidden = hidden.index_select(0, _to(np.asarray(rows), torch.int64, self.device))
                 logits = self.model.compute_logits(hidden)
-            idx: list[int] = np.flatnonzero(batch.sample).tolist()
             if tp is not None and tp.rank != 0:  # rank 0 samples; the others follow it
-                if not idx:
+                if not num_sampled:
                     tp.end_step()
-                    return ExecutorOutput(tokens, logprobs)
-                for i, token in zip(idx, tp.share_tokens(None, len(idx))):
-                    tokens[i] = token
-                return ExecutorOutput(tokens, logprobs)
+                    launched.tokens, launched.logprobs = np.zeros(0, dtype=np.int64), []
+                    return launched
+                launched.tokens = np.asarray(tp.share_tokens(None, num_sampled), dtype=np.int64)
+                launched.logprobs = [None] * num_sampled  # (rank 0's are the step's)
+                return launched
             if logits is None:
                 if tp is not None:
                     tp.end_step()  # the other ranks are done with this step
-                return ExecutorOutput(tokens, logprobs, prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else [])
-            lps: list[dict[int, float] | None] | None = None
+                launched.tokens, launched.logprobs = np.zeros(0, dtype=np.int64), []
+                launched.prompt_logprobs = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
+                return launched
+            if keep_on_device and batch.plain:
+                launched.sampled = logits.argmax(dim=-1)
+                if self.device.type == "cuda":
+                    launched.host = torch.empty(num_sampled, dtype=torch.int64, pin_memory=True)
+                    launched.host.copy_(launched.sampled, non_blocking=True)
+                    launched.event = torch.cuda.Event()
+                    launched.event.record()
+                return launched
             try:
-                prompt_lps = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
-                sampled, lps = self._sample(batch, idx, logits, grammar)
+                launched.prompt_logprobs = prompt_logprobs_of(plp_logits, batch) if plp_logits is not None else []
+                sampled, launched.logprobs = self._sample(batch, idx.tolist(), logits, grammar)
             except BaseException:
                 if tp is not None:  # the other ranks wait for these tokens: tell them
-                    tp.share_tokens(None, len(idx))
+                    tp.share_tokens(None, num_sampled)
                 raise
             if tp is not None:
-                tp.share_tokens(sampled, len(idx))
-        column = np.full(n, -1, dtype=np.int64)
-        column[idx] = sampled
-        if lps is not None:
-            for j, i in enumerate(idx):
-                logprobs[i] = lps[j]
-        return ExecutorOutput(column.tolist(), logprobs if lps is not None else [], prompt_lps)
+                tp.share_tokens(sampled, num_sampled)
+        launched.tokens = np.asarray(sampled, dtype=np.int64).reshape(-1)
+        return launched
 
     def _sample(
         self, batch: Batch, idx: list[int], logits: torch.Tensor, grammar: GrammarMask | None

@@ -9,6 +9,10 @@ steps of it, already sent one ahead, are ignored): the scheduler rebinds with a 
 resends every request. The step stream has exactly one reader (this process), so no consumer group. The loop
 is one thread (the forward pass inline; the read of the next step sent before the current one runs,
 results not waited for: `executor.overlap`); heartbeats run on their own thread.
+
+With the next step already read, it is launched before the current one is collected
+(`ModelExecutor.launch`): the host prepares step N+1 while the device runs step N, and step N's
+result leaves right after. A step with nothing queued behind it is collected at once.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class ExecutorService:
         self.watchdog = Watchdog("the step loop", config.stall_timeout_s)
         self.stopping = threading.Event()  # `run` returns once set (and its read times out)
         self.last_step = 0  # of the current epoch
+        self.in_flight: InFlight | None = None  # launched, not collected (`_handle`)
 
     def _hello(self) -> ExecutorHello:
         i = self.info
@@ -241,10 +246,13 @@ class ExecutorService:
                     last_activity = time.monotonic()
                     done, msg = queue.popleft()
                     self._handle(msg, results, sends)
+                    if not queue:  # nothing to launch behind it: its result leaves now
+                        self._flush(results, sends)
         finally:
             if read is not None:
                 read.close()
             try:
+                self._flush(results, sends)
                 writes.send(sends)  # a last result, and the answers of the one before
                 writes.settle()
             except Exception as exc:  # kept for a resume; whoever else serves the scheduler is rebound
@@ -256,6 +264,7 @@ class ExecutorService:
     def _handle(self, msg: SchedulerOutput | BindExecutor, results: str, sends: list[Outgoing]) -> None:
         """Apply a binding, or run a step of the bound epoch (its result appended to ``sends``)."""
         if isinstance(msg, BindExecutor):
+            self._flush(results, sends)  # the step in flight belongs to the binding before
             if msg.executor_id == self.eid and msg.epoch == self.epoch:
                 return  # a copy (a retried send): a second reset would drop the state its steps built
             if msg.executor_id == self.eid:
@@ -274,29 +283,53 @@ class ExecutorService:
                 logger.warning("step %d skips ahead of step %d in epoch %d; ignored", msg.step, self.last_step, msg.epoch)
                 return
             self.last_step = msg.step
-            result = self._step(msg)
-            if result.error is not None:
+            launched = self._launch(msg)
+            self._flush(results, sends)  # the step before, collected once this one is on its way
+            if msg.epoch != self.epoch:
+                return  # the step before failed: this one refers to the state that dropped
+            if isinstance(launched, StepResult):  # it failed
                 self.epoch = None  # the rest of the epoch refers to the state just dropped
-            sends.append(Outgoing(results, self.transport.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
+                sends.append(Outgoing(results, self.transport.encode(launched), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
+            else:
+                self.in_flight = launched
+
+    def _flush(self, results: str, sends: list[Outgoing]) -> None:
+        """Collect the step in flight, if any (its result appended to ``sends``)."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            return
+        result = self._collect(in_flight)
+        if result.error is not None:
+            self.epoch = None  # the rest of the epoch refers to the state just dropped
+        sends.append(Outgoing(results, self.transport.encode(result), RESULTS_MAXLEN, ENGINE_STREAMS_TTL_MS))
 
     def _step(self, output: SchedulerOutput) -> StepResult:
+        """Run one step whole: launch, then collect."""
+        launched = self._launch(output)
+        return launched if isinstance(launched, StepResult) else self._collect(launched)
+
+    def _launch(self, output: SchedulerOutput) -> InFlight | StepResult:
+        """Launch one step; a failed one is its error result."""
         result = StepResult(epoch=output.epoch, step=output.step)
+        launch = getattr(self.model, "launch", None)
         try:
             t0 = time.perf_counter()
-            out = self.model.execute_model(output)  # type: ignore[attr-defined]
-            result.forward_s = time.perf_counter() - t0
+            launched = launch(output) if launch is not None else self.model.execute_model(output)  # type: ignore[attr-defined]
+            return InFlight(output, result, launched, launch is None, time.perf_counter() - t0)
         except Exception as exc:  # report, drop state; the scheduler isolates the step's requests
-            logger.exception("step %d failed", output.step)
+            return self._failed(output, result, exc)
+
+    def _collect(self, in_flight: InFlight) -> StepResult:
+        """The result of a launched step."""
+        result, out = in_flight.result, in_flight.launched
+        if not in_flight.done:
             try:
-                self.model.check_device()  # type: ignore[attr-defined]
-            except Exception as broken:
-                # Reported, every request would be failed in turn as a culprit, and the engine
-                # would look healthy while it answered only errors. Gone, its requests wait for
-                # (or move to) an executor that works: a supervisor restarts this one.
-                raise DeviceBroken(f"the device is unusable after step {output.step} failed: {broken}") from exc
-            self.model.reset()  # type: ignore[attr-defined]
-            result.error = f"{exc.__class__.__name__}: {exc}"
-            return result
+                t0 = time.perf_counter()
+                out = self.model.collect(out)  # type: ignore[attr-defined]
+                in_flight.seconds += time.perf_counter() - t0
+            except Exception as exc:
+                return self._failed(in_flight.output, result, exc)
+        result.forward_s = in_flight.seconds
         result.token_ids = list(out.token_ids)
         if out.logprobs and any(lp is not None for lp in out.logprobs):
             result.lp_counts, result.lp_token_ids, result.lp_values = pack_logprobs(list(out.logprobs))
@@ -304,6 +337,34 @@ class ExecutorService:
             packed = pack_prompt_logprobs(out.prompt_logprobs)
             result.plp_num, result.plp_counts, result.plp_token_ids, result.plp_values, result.plp_ranks = packed
         return result
+
+    def _failed(self, output: SchedulerOutput, result: StepResult, exc: Exception) -> StepResult:
+        """``result`` as the error of ``output``, every request's state dropped; `DeviceBroken` if
+        the device does not work any more."""
+        logger.error("step %d failed", output.step, exc_info=exc)
+        try:
+            self.model.check_device()  # type: ignore[attr-defined]
+        except Exception as broken:
+            # Reported, every request would be failed in turn as a culprit, and the engine
+            # would look healthy while it answered only errors. Gone, its requests wait for
+            # (or move to) an executor that works: a supervisor restarts this one.
+            raise DeviceBroken(f"the device is unusable after step {output.step} failed: {broken}") from exc
+        self.model.reset()  # type: ignore[attr-defined]
+        result.error = f"{exc.__class__.__name__}: {exc}"
+        return result
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A step launched and not collected: its result so far, the model's handle on it
+    (`ModelExecutor.launch`, or the finished `ExecutorOutput` of a model that only executes whole
+    steps), and the host seconds spent on it."""
+
+    output: SchedulerOutput
+    result: StepResult
+    launched: Any
+    done: bool
+    seconds: float
 
 
 class DeviceBroken(RuntimeError):

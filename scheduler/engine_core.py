@@ -18,7 +18,7 @@ the output position.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.config import ExecutorInfo
 from common.protocol import ExecutorOutput, SchedulerOutput
@@ -48,19 +48,23 @@ class InlineExecutor:
     """A `StepExecutor` over an in-process executor: each step runs when it is submitted.
 
     Scheduling one ahead still takes effect (step N+1 is decided before N's tokens are applied),
-    which keeps the offline engine's scheduling identical to the services'."""
+    which keeps the offline engine's scheduling identical to the services'. An executor with
+    ``launch``/``collect`` (`ModelExecutor`) has each step launched when submitted and collected
+    when its result is, so step N+1 is launched before step N is collected, as in the service."""
 
     def __init__(self, executor: ModelExecutorLike) -> None:
         self.executor = executor
         self.info = executor.info
-        self._results: deque[ExecutorOutput | BaseException] = deque()
+        # Per step submitted: its result, its launch handle (collected by the executor), or its error.
+        self._results: deque[ExecutorOutput | BaseException | Any] = deque()
 
     def submit(self, output: SchedulerOutput) -> None:
         if self._results and isinstance(self._results[-1], BaseException):
             self._results.append(self._results[-1])  # after a failed step the rest is void: not run
             return
         try:
-            self._results.append(self.executor.execute_model(output))
+            launch = getattr(self.executor, "launch", None)
+            self._results.append(launch(output) if launch is not None else self.executor.execute_model(output))
         except Exception as exc:  # raised by `collect`, in step order
             self._results.append(exc)
 
@@ -74,7 +78,14 @@ class InlineExecutor:
         if isinstance(result, BaseException):
             self._results.clear()  # the executor dropped its state; later steps are void
             raise result
-        return result
+        if isinstance(result, ExecutorOutput):
+            return result
+        try:
+            out: ExecutorOutput = self.executor.collect(result)  # type: ignore[attr-defined]
+        except Exception:
+            self._results.clear()  # the executor dropped its state; later steps are void
+            raise
+        return out
 
 
 class EngineCore:

@@ -3,7 +3,7 @@ hangs on demand, for the watchdog tests (`tests/test_stalls.py`).
 
 It runs `infra.cli` unchanged, except that one function on the service's working path blocks for
 good once the file ``$CONVEYOR_TEST_HANG_DIR/hang-<pid>`` exists: the scheduler's engine thread in
-`EngineCore.step`, the executor's step loop in `ModelExecutor.execute_model` (as a hung device
+`EngineCore.step`, the executor's step loop in `ModelExecutor.launch` (as a hung device
 would), the gateway's event loop while routing outputs. Every other thread (the heartbeat among
 them) goes on, which is what makes such a hang invisible without a watchdog.
 """
@@ -46,7 +46,7 @@ def _patch(command: str, flag: Path) -> None:
     elif command == "executor":
         from executor.model_executor import ModelExecutor
 
-        ModelExecutor.execute_model = _hanging(ModelExecutor.execute_model, flag)  # type: ignore[method-assign]
+        ModelExecutor.launch = _hanging(ModelExecutor.launch, flag)  # type: ignore[method-assign]
     elif command == "gateway":
         import gateway.engine.client
 

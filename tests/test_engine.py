@@ -276,7 +276,7 @@ def test_bad_input_raises_and_engine_stays_usable(llama_512: LLM, prompt, params
     llm.cache_manager.check_invariants()
 
 
-@pytest.mark.parametrize("where", ["execute_model", "update_from_output"])
+@pytest.mark.parametrize("where", ["launch", "update_from_output"])
 def test_an_interrupted_generate_leaves_the_llm_usable(tiny_model, where: str) -> None:
     """Ctrl-C in a notebook: inside a forward pass, or while a step's tokens are applied. The next
     ``generate`` runs as on a fresh engine (the step bookkeeping stays in step)."""
@@ -284,7 +284,7 @@ def test_an_interrupted_generate_leaves_the_llm_usable(tiny_model, where: str) -
     prompts = [[5, 17, 99, 3], [42] * 20, list(range(40, 73))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(prompts, params)]
-    owner = llm.executor if where == "execute_model" else llm.scheduler
+    owner = llm.executor if where == "launch" else llm.scheduler
     real, calls = getattr(owner, where), [0]
 
     def interrupted(*args):

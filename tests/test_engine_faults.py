@@ -250,6 +250,7 @@ def test_a_bind_read_twice_resets_nothing_and_runs_no_step_twice() -> None:
     bind, step41, step42 = BindExecutor("e1", "s", 7), SchedulerOutput(step=41, epoch=7), SchedulerOutput(step=42, epoch=7)
     for msg in (bind, step41, bind, step41, step42):
         service._handle(msg, "results:s", sends)
+    service._flush("results:s", sends)  # the last step's result (the loop flushes when nothing is queued)
     assert ran == [41, 42] and len(resets) == 1 and len(sends) == 2
 
 

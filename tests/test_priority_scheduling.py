@@ -171,13 +171,13 @@ def test_the_offline_engine_runs_prompts_by_priority(tiny_model) -> None:
     options = dict(dtype="float32", max_num_seqs=1, num_threads=1)
     llm = LLM(tiny_model(), scheduling_policy="priority", **options)  # type: ignore[arg-type]
     started: list[str] = []
-    execute = llm.executor.execute_model
+    launch = llm.executor.launch
 
     def recording(output: Any) -> Any:
         started.extend(new.request_id for new in output.new_requests())
-        return execute(output)
+        return launch(output)
 
-    llm.executor.execute_model = recording  # type: ignore[method-assign]
+    llm.executor.launch = recording  # type: ignore[method-assign]
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     got = llm.generate(prompts, params, priority=[2, 0, 1])

@@ -237,16 +237,16 @@ def test_interrupt_on_rank0_before_the_forward_stops_the_unit(tiny_model, monkey
     try:
         ex: Any = llm.executor
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        execute_batch = ModelExecutor.execute_batch
+        run = ModelExecutor._run
 
-        def interrupted(self: ModelExecutor, *args: Any) -> Any:
+        def interrupted(self: ModelExecutor, *args: Any, **kwargs: Any) -> Any:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(ModelExecutor, "execute_batch", interrupted)  # in this process: rank 0 only
+        monkeypatch.setattr(ModelExecutor, "_run", interrupted)  # in this process: rank 0 only
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             llm.generate([[5, 6, 7]], params)
-        monkeypatch.setattr(ModelExecutor, "execute_batch", execute_batch)
+        monkeypatch.setattr(ModelExecutor, "_run", run)
         assert ex.dead is not None and "KeyboardInterrupt" in ex.dead and "out of step" in ex.dead
         with pytest.raises(RuntimeError, match="out of step"):
             llm.generate([[8, 9]], params)

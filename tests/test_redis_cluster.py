@@ -9,7 +9,6 @@ text as before the fault (a 503 before a request was taken, retried, is the only
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -21,11 +20,9 @@ from common.protocol import Names
 from common.transport import Outgoing, SyncTransport, Transport, by_slot, renewed_ttl_ms
 from infra.stack import Stack
 from tests.redis_servers import ClusterServers
-from tests.test_redis_sentinel import AFTER_FAILOVER, MAX_TOKENS, Outcome, _client_loop, _one
+from tests.test_redis_sentinel import AFTER_FAILOVER, MAX_TOKENS, NUM_CLIENTS, _one, run_clients_through_failover
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
-
-NUM_CLIENTS = 6
 
 
 def _start(workdir: Path) -> ClusterServers:
@@ -136,25 +133,12 @@ def test_engine_master_killed_under_load_loses_nothing(own_cluster: ClusterServe
     sid = cast(list[bytes], stack.redis.zrange(stack.names.engines, 0, -1))[0].decode()
     victim = own_cluster.master_of(stack.names.requests(sid))  # the engine's streams, its status and heartbeat
     try:
-        state: dict[str, Any] = {"killed": False, "promoted": False}
-        outcome = Outcome()
-
-        async def main() -> None:
-            tasks = [asyncio.create_task(_client_loop(stack.urls[0], i, state, outcome)) for i in range(NUM_CLIENTS)]
-            while len(outcome.texts) < 2 * NUM_CLIENTS:  # warm: every client has completed requests
-                await asyncio.sleep(0.01)
-                assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
-            own_cluster.kill(victim)
-            state["killed"], killed_at = True, time.monotonic()
-            while own_cluster.master_of(stack.names.requests(sid)) == victim or not own_cluster.serving():
-                assert time.monotonic() < killed_at + 30, f"no promotion within 30 s\n{own_cluster.logs()}"
-                await asyncio.sleep(0.1)
-            state["promoted"], state["promoted_after_s"] = True, time.monotonic() - killed_at
-            await asyncio.wait_for(asyncio.gather(*tasks), 60)
-
-        t0 = time.monotonic()
-        asyncio.run(main())
-        elapsed = time.monotonic() - t0
+        outcome, state, elapsed = run_clients_through_failover(
+            stack.urls[0],
+            lambda: own_cluster.kill(victim),
+            lambda: own_cluster.master_of(stack.names.requests(sid)) != victim and own_cluster.serving(),
+            own_cluster.logs,
+        )
     except BaseException:
         print(stack.logs(30), own_cluster.logs(), sep="\n")
         raise

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,31 +95,42 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sentine
         c.stop()
 
 
+def run_clients_through_failover(
+    url: str, kill: Callable[[], None], promoted: Callable[[], bool], logs: Callable[[], str]
+) -> tuple[Outcome, dict[str, Any], float]:
+    """``NUM_CLIENTS`` clients (`_client_loop`) on the gateway at ``url``: once every one has
+    completed requests, ``kill`` the master, wait (30 s at most) until ``promoted()``, then until
+    every client has finished. The outcome, the shared state and the seconds it all took."""
+    state: dict[str, Any] = {"killed": False, "promoted": False}
+    outcome = Outcome()
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(_client_loop(url, i, state, outcome)) for i in range(NUM_CLIENTS)]
+        while len(outcome.texts) < 2 * NUM_CLIENTS:  # warm: every client has completed requests
+            await asyncio.sleep(0.01)
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+        kill()
+        state["killed"], killed_at = True, time.monotonic()
+        while not promoted():
+            assert time.monotonic() < killed_at + 30, f"no promotion within 30 s\n{logs()}"
+            await asyncio.sleep(0.1)
+        state["promoted"], state["promoted_after_s"] = True, time.monotonic() - killed_at
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    return outcome, state, time.monotonic() - t0
+
+
 def test_master_killed_under_load_requests_complete(cluster: SentinelCluster, tiny_model: Any, tmp_path: Path) -> None:
     old_master = cluster.ports["master"]
     old_run_id = cluster.client("master").info("server")["run_id"]
     stack = Stack(tiny_model(), tmp_path, redis_url=cluster.url, scheduler_args=("--recovery-timeout", "60"))
     stack.start()
     try:
-        state: dict[str, Any] = {"killed": False, "promoted": False}
-        outcome = Outcome()
-
-        async def main() -> None:
-            tasks = [asyncio.create_task(_client_loop(stack.urls[0], i, state, outcome)) for i in range(NUM_CLIENTS)]
-            while len(outcome.texts) < 2 * NUM_CLIENTS:  # warm: every client has completed requests
-                await asyncio.sleep(0.01)
-                assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
-            cluster.kill_master()
-            state["killed"], killed_at = True, time.monotonic()
-            while cluster.master_port() == old_master:
-                assert time.monotonic() < killed_at + 30, f"no promotion within 30 s\n{cluster.logs()}"
-                await asyncio.sleep(0.1)
-            state["promoted"], state["promoted_after_s"] = True, time.monotonic() - killed_at
-            await asyncio.wait_for(asyncio.gather(*tasks), 60)
-
-        t0 = time.monotonic()
-        asyncio.run(main())
-        elapsed = time.monotonic() - t0
+        outcome, state, elapsed = run_clients_through_failover(
+            stack.urls[0], cluster.kill_master, lambda: cluster.master_port() != old_master, cluster.logs
+        )
     except BaseException:
         print(stack.logs(30), cluster.logs(), sep="\n")
         raise

@@ -51,15 +51,24 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
     start = time.perf_counter()
     events = SseEvents(result, start)
     try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                detail = (await response.read()).decode(errors="replace")[:300]
-                result.error = f"HTTP {response.status}: {detail}"
-                return result
-            # Whatever arrived, not line by line: the events of one read share their arrival time,
-            # and the client pays one await per read instead of three per event.
-            async for data in response.content.iter_any():
-                events.feed(data, time.perf_counter())
+        for attempt in (1, 2):
+            try:
+                async with session.post(url, json=body) as response:
+                    if response.status != 200:
+                        detail = (await response.read()).decode(errors="replace")[:300]
+                        result.error = f"HTTP {response.status}: {detail}"
+                        return result
+                    # Whatever arrived, not line by line: the events of one read share their arrival
+                    # time, and the client pays one await per read instead of three per event.
+                    async for data in response.content.iter_any():
+                        events.feed(data, time.perf_counter())
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # A kept-alive connection the server closed while it idled (llama-server closes them
+                # after 5 s) fails before a byte of the response: HTTP clients send the request
+                # again on a new connection, once; the time lost stays in the request's.
+                if attempt == 2 or result.chunks or events.rest:
+                    raise
         if result.error:
             return result
         result.latency = (events.done_at or time.perf_counter()) - start

@@ -10,6 +10,7 @@ _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+CPU_DECODE_KERNEL_MODES = ("auto", "off")
 DEFAULT_MAX_NUM_SEQS = 256  # SchedulerConfig's; also the largest decode batch an executor captures as a CUDA graph
 MAX_TENSOR_PARALLEL = 64  # ranks of one executor (one machine; multi-node is not supported)
 MAX_STEPS_IN_FLIGHT = 8  # `SchedulerConfig.steps_in_flight`: past a few, only the tokens wasted at a stop grow
@@ -58,6 +59,7 @@ class ModelConfig:
     seed: int = 0
     num_threads: int | None = None  # CPU intra-op threads; None: CONVEYOR_NUM_THREADS, else OMP_NUM_THREADS, else the usable CPUs
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (every step runs eagerly)
+    cpu_decode_kernel: str = "auto"  # auto | off: decode steps of a few rows in C on CPU (executor.cpu_decode)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option, before anything is loaded.
@@ -76,6 +78,9 @@ class ModelConfig:
         _check_int("num_threads", self.num_threads, 1, 4096, optional=True)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.cpu_decode_kernel not in CPU_DECODE_KERNEL_MODES:
+            modes = ", ".join(CPU_DECODE_KERNEL_MODES)
+            raise ValueError(f"cpu_decode_kernel must be one of {modes}, got {self.cpu_decode_kernel!r}")
         device = _device_type(self.device)
         if self.attention_backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(

@@ -23,6 +23,7 @@ from common.protocol import ExecutorOutput, SchedulerOutput
 from common.sampling_params import SamplingParams
 from executor.attention_metadata import AttentionMetadata
 from executor.backends import get_ops
+from executor.cpu_decode import CpuDecodeKernel, make_cpu_decode_kernel
 from executor.cuda_graphs import CudaGraphRunner
 from executor.grammar import GrammarMask, StructuredDecoding
 from executor.input_batch import Batch, PersistentBatch
@@ -219,6 +220,11 @@ class ModelExecutor:
                 max_seq_len=self.max_model_len,
             )
             self.graphs.capture()
+        # Decode steps of a few rows in C on CPU (`executor.cpu_decode`); the same limits as graphs.
+        self.cpu_decode: CpuDecodeKernel | None = None
+        if self.device.type == "cpu":
+            unsupported = "tensor parallel" if world > 1 else "KV-cache groups" if self.kv_groups is not None else None
+            self.cpu_decode = make_cpu_decode_kernel(model_config.cpu_decode_kernel, self.model, self.kv_caches, unsupported)
         log.info(
             "executor ready: %s on %s/%s, backend %s, %d KV blocks x %d tokens, tensor parallel %d, cuda graphs %s",
             self.info.model_name,
@@ -312,6 +318,12 @@ class ModelExecutor:
         positions = _to(batch.positions, torch.int64, dev)
         sample_rows: list[int] = (qsl[1:][batch.sample] - 1).tolist()
         return input_ids, positions, meta, sample_rows
+
+    @property
+    def launch_returns_early(self) -> bool:
+        """Whether `launch` returns with the step queued on the device (so collecting the step
+        before after it overlaps the two); on CPU it returns with the step run."""
+        return self.device.type == "cuda"
 
     def execute_model(self, output: SchedulerOutput) -> ExecutorOutput:
         """Run one scheduled step; on any error every request's state is dropped (and re-raised):
@@ -473,6 +485,8 @@ class ModelExecutor:
                 at = _to(holes.token_index, torch.int64, self.device)
                 input_ids.index_copy_(0, at, source.index_select(0, _to(holes.sampled_index, torch.int64, self.device)))
             hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+            if hidden is None and self.cpu_decode is not None:
+                hidden = self.cpu_decode.run(input_ids, positions, meta)
             if hidden is None:
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
             plp_logits = prompt_logits(self.model, hidden, batch) if batch.prompt_lp else None
@@ -480,7 +494,9 @@ class ModelExecutor:
             if rows:
                 if len(rows) < hidden.shape[0]:
                     hidden = hidden.index_select(0, _to(np.asarray(rows), torch.int64, self.device))
-                logits = self.model.compute_logits(hidden)
+                logits = self.cpu_decode.logits(hidden) if self.cpu_decode is not None else None
+                if logits is None:
+                    logits = self.model.compute_logits(hidden)
             if tp is not None and tp.rank != 0:  # rank 0 samples; the others follow it
                 if not num_sampled:
                     tp.end_step()
@@ -574,6 +590,7 @@ class ModelExecutor:
 
     def shutdown(self) -> None:
         """Free the KV cache and weights."""
+        self.cpu_decode = None  # it points into the caches and weights
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
         self.structured.close()

@@ -12,7 +12,9 @@ results not waited for: `executor.overlap`); heartbeats run on their own thread.
 
 With the next step already read, it is launched before the current one is collected
 (`ModelExecutor.launch`): the host prepares step N+1 while the device runs step N, and step N's
-result leaves right after. A step with nothing queued behind it is collected at once.
+result leaves right after. A step with nothing queued behind it is collected at once. Where a
+launch runs the step itself (CPU: `ModelExecutor.launch_returns_early` is false), the step before
+is collected and sent first, or every result would leave one step late.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.codec import pack_logprobs, pack_prompt_logprobs
-from common.config import CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
+from common.config import CPU_DECODE_KERNEL_MODES, CacheConfig, ModelConfig, ParallelConfig, ServiceDefaults
 from common.heartbeat import Heartbeat
 from common.protocol import ENGINE_STREAMS_TTL_MS, RESULTS_MAXLEN, BindExecutor, ExecutorHello, Names, SchedulerOutput, StepResult
 from common.redis_errors import REDIS_FAILURES, TRANSIENT_ERRORS, Backoff
@@ -245,6 +247,10 @@ class ExecutorService:
                 if queue and read is not None:  # a step runs only with the read for the next one out
                     last_activity = time.monotonic()
                     done, msg = queue.popleft()
+                    if self.in_flight is not None and not getattr(self.model, "launch_returns_early", False):
+                        self._flush(results, sends)
+                        writes.send(sends)
+                        sends = []
                     self._handle(msg, results, sends)
                     if not queue:  # nothing to launch behind it: its result leaves now
                         self._flush(results, sends)
@@ -402,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="no CUDA graphs: run every decode step eagerly",
     )
     p.add_argument(
+        "--cpu-decode-kernel",
+        choices=CPU_DECODE_KERNEL_MODES,
+        default=env("CONVEYOR_CPU_DECODE_KERNEL", "auto"),
+        help="auto: decode steps of up to 8 rows run in C on CPU (fp32 dense models; built at load); off: torch",
+    )
+    p.add_argument(
         "--num-threads",
         type=int,
         default=None,
@@ -427,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
+        cpu_decode_kernel=args.cpu_decode_kernel,
     )
     parallel_config = ParallelConfig(args.tensor_parallel_size)
     cache_config = CacheConfig(

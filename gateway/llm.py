@@ -108,7 +108,8 @@ class LLM:
     ``enable_prefix_caching`` (default True), ``async_scheduling`` (default True), ``steps_in_flight``
     (default 2), ``scheduling_policy`` (``fcfs``, or ``priority``: `generate`'s ``priority``),
     ``num_threads`` (CPU intra-op threads), ``tensor_parallel_size`` (ranks spawned by this process;
-    call `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs), ``generation_config``
+    call `shutdown` to stop them early), ``enforce_eager`` (no CUDA graphs), ``cpu_decode_kernel`` (``auto``/``off``:
+    few-row decode steps in C on CPU, `executor.cpu_decode`), ``generation_config``
     (``auto``: `generate` without parameters samples as the model's ``generation_config.json`` says;
     ``vllm``: `SamplingParams`' defaults).
     """

@@ -1,0 +1,239 @@
+/* Decode steps of one to CONVEYOR_MAX_ROWS rows on CPU (fp32): every layer of a dense decoder in
+ * one call, built at load time by executor/cpu_decode.py with the machine's C compiler.
+ *
+ * Why C: at a few rows a step streams every weight once and is bound by memory, so the matmuls
+ * take what they must; what is left is the dispatch of ~60 small torch ops per layer from Python,
+ * each of which, right after a matmul has streamed megabytes through the caches, finds the
+ * interpreter's and the dispatcher's code and data evicted. Here the small ops are a few loops.
+ *
+ * Layouts are the executor's: weights in the checkpoint layout [out, in] (row-major), paged K/V
+ * [num_blocks, block_size, kv_heads, head_dim], the rotary table [max_pos, rot_dim] =
+ * cat(cos, sin) (neox style on the first rot_dim channels of each head).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CONVEYOR_MAX_ROWS 8
+#define VEC 16
+
+typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
+typedef float vec_u __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
+
+typedef struct {
+    const float *in_norm, *post_norm;  /* [hidden] */
+    const float *qkv, *qkv_bias;       /* [(heads + 2 kv_heads) head_dim, hidden], bias or NULL */
+    const float *q_norm, *k_norm;      /* [head_dim] or NULL (both or neither) */
+    const float *o, *o_bias;           /* [hidden, heads head_dim] */
+    const float *gate_up, *gate_up_bias; /* [2 inter, hidden] */
+    const float *down, *down_bias;     /* [hidden, inter] */
+    float *k_cache, *v_cache;          /* [num_blocks, block_size, kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, rot_dim, inter, block_size, num_layers;
+    double eps, scale;
+} Dims;
+
+int conveyor_max_rows(void) { return CONVEYOR_MAX_ROWS; }
+
+static inline vec load(const float *p) { return *(const vec_u *)p; }
+
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+
+/* The sum of the lanes as a tree of halves (a scalar loop is a chain of 15 dependent adds). */
+static inline float hsum(vec v) {
+    vec8 a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    vec4 c, d;
+    memcpy(&c, &a, sizeof c);
+    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* Y[b, n] = X[b, :] . W[n, :] (+ bias[n]) for NB rows of X, NR rows of W at a time: each weight
+ * row is read once for all rows of X, several weight rows stream at once (more loads in flight),
+ * and the threads take contiguous blocks of rows so that each streams its own range of W. NB x NR
+ * accumulators stay in registers (the last N % NR rows go one at a time). Work-sharing loops:
+ * called inside a parallel region, ending at its barrier; chunks handed out dynamically, as the
+ * two halves of a static split finish far apart on a shared machine (and the early thread sleeps). */
+#define DEFINE_LINEAR(NB, NR)                                                                    \
+    static void linear_##NB(const float *W, const float *bias, const float *X, float *Y,        \
+                            int64_t N, int64_t K) {                                              \
+        const int64_t kv = K - K % VEC, nv = N - N % NR;                                         \
+        _Pragma("omp for schedule(dynamic, 8)") for (int64_t n0 = 0; n0 < nv; n0 += NR) {       \
+            vec a[NR][NB];                                                                       \
+            for (int r = 0; r < NR; ++r)                                                         \
+                for (int b = 0; b < NB; ++b) a[r][b] = (vec){0};                                 \
+            for (int64_t k = 0; k < kv; k += VEC) {                                              \
+                vec x[NB];                                                                       \
+                for (int b = 0; b < NB; ++b) x[b] = load(X + b * K + k);                         \
+                for (int r = 0; r < NR; ++r) {                                                   \
+                    const vec w = load(W + (n0 + r) * K + k);                                    \
+                    for (int b = 0; b < NB; ++b) a[r][b] += w * x[b];                            \
+                }                                                                                \
+            }                                                                                    \
+            for (int r = 0; r < NR; ++r) {                                                       \
+                const float *w = W + (n0 + r) * K;                                               \
+                for (int b = 0; b < NB; ++b) {                                                   \
+                    float s = hsum(a[r][b]);                                                     \
+                    for (int64_t k = kv; k < K; ++k) s += w[k] * X[b * K + k];                   \
+                    Y[b * N + n0 + r] = bias ? s + bias[n0 + r] : s;                             \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        _Pragma("omp single") for (int64_t n = nv; n < N; ++n) {                                 \
+            for (int b = 0; b < NB; ++b) {                                                       \
+                float s = 0.f;                                                                   \
+                for (int64_t k = 0; k < K; ++k) s += W[n * K + k] * X[b * K + k];                \
+                Y[b * N + n] = bias ? s + bias[n] : s;                                           \
+            }                                                                                    \
+        }                                                                                        \
+    }
+DEFINE_LINEAR(1, 8)
+DEFINE_LINEAR(2, 8)
+DEFINE_LINEAR(3, 4)
+DEFINE_LINEAR(4, 4)
+DEFINE_LINEAR(5, 2)
+DEFINE_LINEAR(6, 2)
+DEFINE_LINEAR(7, 2)
+DEFINE_LINEAR(8, 2)
+
+typedef void (*linear_fn)(const float *, const float *, const float *, float *, int64_t, int64_t);
+static const linear_fn LINEAR[CONVEYOR_MAX_ROWS + 1] = {
+    0, linear_1, linear_2, linear_3, linear_4, linear_5, linear_6, linear_7, linear_8,
+};
+
+/* out = x / rms(x) * w over n channels (the sum of squares in double, as torch's fp32 kernel
+ * accumulates wide). */
+static void rms_norm(const float *x, const float *w, float *out, int64_t n, double eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += (double)x[i] * x[i];
+    const float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+static void rotate(float *x, const float *cos_sin, int64_t rot) {
+    const int64_t half = rot / 2;
+    const float *c = cos_sin, *s = cos_sin + half;
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+/* Floats of scratch memory `conveyor_decode` needs for `rows` rows and contexts up to `max_ctx`. */
+int64_t conveyor_work_floats(const Dims *d, int64_t rows, int64_t max_ctx) {
+    const int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
+    return rows * (2 * d->hidden + qkv + d->heads * d->head_dim + 3 * d->inter) + rows * d->heads * max_ctx;
+}
+
+/* One decode step of `rows` sequences through every layer.
+ * h [rows, hidden]: the embeddings in, the last hidden states (block output + residual) out.
+ * block_tables [rows, bt_stride] (int32), slots / positions / ctx_lens [rows] (int64: where the
+ * new K/V goes, the rotary position, the context including the new token). With `logits` (else
+ * NULL), also the head: logits [rows, vocab] = rms_norm(h, norm) lm_head^T, in the same region. */
+int conveyor_decode(const Dims *d, const Layer *layers, int64_t rows, float *h, const int32_t *block_tables,
+                    int64_t bt_stride, const int64_t *slots, const int64_t *positions, const int64_t *ctx_lens,
+                    const float *rope_table, float *work, const float *norm, const float *lm_head, int64_t vocab,
+                    float *logits, int threads) {
+    if (rows < 1 || rows > CONVEYOR_MAX_ROWS) return -1;
+    const int64_t H = d->hidden, hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, I = d->inter;
+    const int64_t qkv_n = (hq + 2 * hkv) * hd, kv_row = hkv * hd, rep = hq / hkv, bs = d->block_size;
+    int64_t max_ctx = 0;
+    for (int64_t b = 0; b < rows; ++b) max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
+    float *residual = work, *x = residual + rows * H, *qkv = x + rows * H, *attn = qkv + rows * qkv_n;
+    float *gu = attn + rows * hq * hd, *act = gu + rows * 2 * I, *scores = act + rows * I;
+    const linear_fn linear = LINEAR[rows];
+    memset(residual, 0, sizeof(float) * rows * H);
+
+    /* One parallel region for the whole step: the small serial parts run on one thread while the
+     * others wait at the barrier, spinning, rather than the team being woken for every matmul. */
+    _Pragma("omp parallel num_threads(threads)") {
+    for (int64_t l = 0; l < d->num_layers; ++l) {
+        const Layer *L = &layers[l];
+        _Pragma("omp single") for (int64_t b = 0; b < rows; ++b) {
+            float *r = residual + b * H;
+            for (int64_t i = 0; i < H; ++i) r[i] += h[b * H + i];
+            rms_norm(r, L->in_norm, x + b * H, H, d->eps);
+        }
+        linear(L->qkv, L->qkv_bias, x, qkv, qkv_n, H);
+        _Pragma("omp single") for (int64_t b = 0; b < rows; ++b) {
+            float *q = qkv + b * qkv_n, *k = q + hq * hd, *v = k + kv_row;
+            if (L->q_norm) {
+                for (int64_t i = 0; i < hq; ++i) rms_norm(q + i * hd, L->q_norm, q + i * hd, hd, d->eps);
+                for (int64_t i = 0; i < hkv; ++i) rms_norm(k + i * hd, L->k_norm, k + i * hd, hd, d->eps);
+            }
+            const float *cs = rope_table + positions[b] * d->rot_dim;
+            for (int64_t i = 0; i < hq; ++i) rotate(q + i * hd, cs, d->rot_dim);
+            for (int64_t i = 0; i < hkv; ++i) rotate(k + i * hd, cs, d->rot_dim);
+            memcpy(L->k_cache + slots[b] * kv_row, k, sizeof(float) * kv_row);
+            memcpy(L->v_cache + slots[b] * kv_row, v, sizeof(float) * kv_row);
+        }
+        /* Attention of each (row, head) over its context, in its own slice of scores. */
+        _Pragma("omp for schedule(static)") for (int64_t job = 0; job < rows * hq; ++job) {
+            const int64_t b = job / hq, head = job % hq, g = head / rep, ctx = ctx_lens[b];
+            const int32_t *bt = block_tables + b * bt_stride;
+            const float *q = qkv + b * qkv_n + head * hd;
+            float *s = scores + job * max_ctx, *out = attn + b * hq * hd + head * hd;
+            float mx = -INFINITY, sum = 0.f;
+            for (int64_t p = 0; p < ctx; ++p) {
+                const float *kp = L->k_cache + ((int64_t)bt[p / bs] * bs + p % bs) * kv_row + g * hd;
+                float dot = 0.f;
+                _Pragma("omp simd reduction(+ : dot)") for (int64_t j = 0; j < hd; ++j) dot += q[j] * kp[j];
+                s[p] = dot * (float)d->scale;
+                mx = s[p] > mx ? s[p] : mx;
+            }
+            for (int64_t p = 0; p < ctx; ++p) sum += (s[p] = expf(s[p] - mx));
+            for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
+            for (int64_t p = 0; p < ctx; ++p) {
+                const float *vp = L->v_cache + ((int64_t)bt[p / bs] * bs + p % bs) * kv_row + g * hd;
+                const float pr = s[p] / sum;
+                _Pragma("omp simd") for (int64_t j = 0; j < hd; ++j) out[j] += pr * vp[j];
+            }
+        }
+        linear(L->o, L->o_bias, attn, h, H, hq * hd);
+        _Pragma("omp single") for (int64_t b = 0; b < rows; ++b) {
+            float *r = residual + b * H;
+            for (int64_t i = 0; i < H; ++i) r[i] += h[b * H + i];
+            rms_norm(r, L->post_norm, x + b * H, H, d->eps);
+        }
+        linear(L->gate_up, L->gate_up_bias, x, gu, 2 * I, H);
+        _Pragma("omp for schedule(static)") for (int64_t j = 0; j < rows * I; ++j) {
+            const float gate = gu[(j / I) * 2 * I + j % I], up = gu[(j / I) * 2 * I + I + j % I];
+            act[j] = gate / (1.f + expf(-gate)) * up;
+        }
+        linear(L->down, L->down_bias, act, h, H, I);
+    }
+    _Pragma("omp single") for (int64_t b = 0; b < rows; ++b) {
+        for (int64_t i = 0; i < H; ++i) h[b * H + i] += residual[b * H + i];
+        if (logits) rms_norm(h + b * H, norm, x + b * H, H, d->eps);
+    }
+    if (logits) linear(lm_head, 0, x, logits, vocab, H);
+    }
+    return 0;
+}
+
+/* Y [rows, N] = X [rows, K] W^T (+ bias): the kernel's matrix-vector product on its own. The
+ * entry points take the thread count: an OpenMP thread count set elsewhere (torch's) belongs to
+ * the thread that set it. */
+int conveyor_linear(const float *W, const float *bias, const float *X, float *Y, int64_t rows, int64_t N, int64_t K,
+                    int threads) {
+    if (rows < 1 || rows > CONVEYOR_MAX_ROWS) return -1;
+    _Pragma("omp parallel num_threads(threads)") LINEAR[rows](W, bias, X, Y, N, K);
+    return 0;
+}
+
+/* logits [rows, vocab] = rms_norm(hidden) lm_head^T: the model's head for rows rows. */
+int conveyor_logits(const Dims *d, const float *norm, const float *lm_head, int64_t vocab, int64_t rows,
+                    const float *hidden, float *normed, float *logits, int threads) {
+    if (rows < 1 || rows > CONVEYOR_MAX_ROWS) return -1;
+    for (int64_t b = 0; b < rows; ++b) rms_norm(hidden + b * d->hidden, norm, normed + b * d->hidden, d->hidden, d->eps);
+    _Pragma("omp parallel num_threads(threads)") LINEAR[rows](lm_head, 0, normed, logits, vocab, d->hidden);
+    return 0;
+}

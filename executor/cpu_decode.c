@@ -6,9 +6,9 @@
  * each of which, right after a matmul has streamed megabytes through the caches, finds the
  * interpreter's and the dispatcher's code and data evicted. Here the small ops are a few loops.
  *
- * Layouts are the executor's: weights in the checkpoint layout [out, in] (row-major), paged K/V
- * [num_blocks, block_size, kv_heads, head_dim], the rotary table [max_pos, rot_dim] =
- * cat(cos, sin) (neox style on the first rot_dim channels of each head).
+ * Layouts: weights in panels of 16 rows (PANEL_GROUP below; the kernel's own copy), the rest as the
+ * executor has them: paged K/V [num_blocks, block_size, kv_heads, head_dim], the rotary table
+ * [max_pos, rot_dim] = cat(cos, sin) (neox style on the first rot_dim channels of each head).
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,13 +16,17 @@
 
 #define CONVEYOR_MAX_ROWS 8
 #define VEC 16
+/* Weights in panels: W [N, K] as [P, K, VEC], panel p holding rows p VEC .. p VEC + VEC - 1
+ * interleaved (row-major within a k), P padded with zero rows to a multiple of PANEL_GROUP / VEC
+ * (what `panels` in executor/cpu_decode.py writes). */
+#define PANEL_GROUP 64
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef float vec_u __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
 
-typedef struct {
+typedef struct {                       /* matrices [out, in] as panels; biases [out] or NULL */
     const float *in_norm, *post_norm;  /* [hidden] */
-    const float *qkv, *qkv_bias;       /* [(heads + 2 kv_heads) head_dim, hidden], bias or NULL */
+    const float *qkv, *qkv_bias;       /* [(heads + 2 kv_heads) head_dim, hidden] */
     const float *q_norm, *k_norm;      /* [head_dim] or NULL (both or neither) */
     const float *o, *o_bias;           /* [hidden, heads head_dim] */
     const float *gate_up, *gate_up_bias; /* [2 inter, hidden] */
@@ -36,66 +40,53 @@ typedef struct {
 } Dims;
 
 int conveyor_max_rows(void) { return CONVEYOR_MAX_ROWS; }
+int conveyor_panel_rows(void) { return VEC; }
+int conveyor_panel_group(void) { return PANEL_GROUP; }
 
 static inline vec load(const float *p) { return *(const vec_u *)p; }
 
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+static inline vec splat(float x) { return (vec){0} + x; }
 
-/* The sum of the lanes as a tree of halves (a scalar loop is a chain of 15 dependent adds). */
-static inline float hsum(vec v) {
-    vec8 a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    vec4 c, d;
-    memcpy(&c, &a, sizeof c);
-    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-/* Y[b, n] = X[b, :] . W[n, :] (+ bias[n]) for NB rows of X, NR rows of W at a time: each weight
- * row is read once for all rows of X, several weight rows stream at once (more loads in flight),
- * and the threads take contiguous blocks of rows so that each streams its own range of W. NB x NR
- * accumulators stay in registers (the last N % NR rows go one at a time). Work-sharing loops:
- * called inside a parallel region, ending at its barrier; chunks handed out dynamically, as the
- * two halves of a static split finish far apart on a shared machine (and the early thread sleeps). */
-#define DEFINE_LINEAR(NB, NR)                                                                    \
+/* Y[b, n] = X[b, :] . W[n, :] (+ bias[n]) for NB rows of X, with W in panels (`conveyor_decode`):
+ * each k adds x[b][k] times 16 consecutive rows' weights to 16 outputs held in one register, so
+ * there is no horizontal sum, and NP panels stream at once (more loads in flight). Each weight is
+ * read once for all rows of X. Work-sharing loops: called inside a parallel region, ending at its
+ * barrier; chunks are handed out dynamically, as the two halves of a static split finish far apart
+ * on a shared machine (and the early thread sleeps). */
+#define DEFINE_LINEAR(NB, NP)                                                                    \
     static void linear_##NB(const float *W, const float *bias, const float *X, float *Y,        \
                             int64_t N, int64_t K) {                                              \
-        const int64_t kv = K - K % VEC, nv = N - N % NR;                                         \
-        _Pragma("omp for schedule(dynamic, 8)") for (int64_t n0 = 0; n0 < nv; n0 += NR) {       \
-            vec a[NR][NB];                                                                       \
-            for (int r = 0; r < NR; ++r)                                                         \
-                for (int b = 0; b < NB; ++b) a[r][b] = (vec){0};                                 \
-            for (int64_t k = 0; k < kv; k += VEC) {                                              \
+        const int64_t panels = (N + PANEL_GROUP - 1) / PANEL_GROUP * (PANEL_GROUP / VEC);        \
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t p0 = 0; p0 < panels; p0 += NP) {   \
+            vec a[NP][NB];                                                                       \
+            for (int p = 0; p < NP; ++p)                                                         \
+                for (int b = 0; b < NB; ++b) a[p][b] = (vec){0};                                 \
+            const float *w = W + p0 * K * VEC;                                                   \
+            for (int64_t k = 0; k < K; ++k) {                                                    \
                 vec x[NB];                                                                       \
-                for (int b = 0; b < NB; ++b) x[b] = load(X + b * K + k);                         \
-                for (int r = 0; r < NR; ++r) {                                                   \
-                    const vec w = load(W + (n0 + r) * K + k);                                    \
-                    for (int b = 0; b < NB; ++b) a[r][b] += w * x[b];                            \
+                for (int b = 0; b < NB; ++b) x[b] = splat(X[b * K + k]);                         \
+                for (int p = 0; p < NP; ++p) {                                                   \
+                    const vec wv = load(w + (p * K + k) * VEC);                                  \
+                    for (int b = 0; b < NB; ++b) a[p][b] += wv * x[b];                           \
                 }                                                                                \
             }                                                                                    \
-            for (int r = 0; r < NR; ++r) {                                                       \
-                const float *w = W + (n0 + r) * K;                                               \
+            for (int p = 0; p < NP; ++p) {                                                       \
+                const int64_t n0 = (p0 + p) * VEC;                                               \
                 for (int b = 0; b < NB; ++b) {                                                   \
-                    float s = hsum(a[r][b]);                                                     \
-                    for (int64_t k = kv; k < K; ++k) s += w[k] * X[b * K + k];                   \
-                    Y[b * N + n0 + r] = bias ? s + bias[n0 + r] : s;                             \
+                    vec out = a[p][b];                                                           \
+                    if (n0 + VEC <= N) {                                                         \
+                        if (bias) out += load(bias + n0);                                        \
+                        *(vec_u *)(Y + b * N + n0) = out;                                        \
+                    } else {                                                                     \
+                        for (int64_t i = 0; n0 + i < N; ++i)                                     \
+                            Y[b * N + n0 + i] = bias ? out[i] + bias[n0 + i] : out[i];           \
+                    }                                                                            \
                 }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        _Pragma("omp single") for (int64_t n = nv; n < N; ++n) {                                 \
-            for (int b = 0; b < NB; ++b) {                                                       \
-                float s = 0.f;                                                                   \
-                for (int64_t k = 0; k < K; ++k) s += W[n * K + k] * X[b * K + k];                \
-                Y[b * N + n] = bias ? s + bias[n] : s;                                           \
             }                                                                                    \
         }                                                                                        \
     }
-DEFINE_LINEAR(1, 8)
-DEFINE_LINEAR(2, 8)
+DEFINE_LINEAR(1, 4)
+DEFINE_LINEAR(2, 4)
 DEFINE_LINEAR(3, 4)
 DEFINE_LINEAR(4, 4)
 DEFINE_LINEAR(5, 2)
@@ -219,7 +210,7 @@ int conveyor_decode(const Dims *d, const Layer *layers, int64_t rows, float *h, 
     return 0;
 }
 
-/* Y [rows, N] = X [rows, K] W^T (+ bias): the kernel's matrix-vector product on its own. The
+/* Y [rows, N] = X [rows, K] W^T (+ bias), W in panels: the kernel's matrix product on its own. The
  * entry points take the thread count: an OpenMP thread count set elsewhere (torch's) belongs to
  * the thread that set it. */
 int conveyor_linear(const float *W, const float *bias, const float *X, float *Y, int64_t rows, int64_t N, int64_t K,
@@ -229,7 +220,7 @@ int conveyor_linear(const float *W, const float *bias, const float *X, float *Y,
     return 0;
 }
 
-/* logits [rows, vocab] = rms_norm(hidden) lm_head^T: the model's head for rows rows. */
+/* logits [rows, vocab] = rms_norm(hidden) lm_head^T (lm_head in panels): the model's head. */
 int conveyor_logits(const Dims *d, const float *norm, const float *lm_head, int64_t vocab, int64_t rows,
                     const float *hidden, float *normed, float *logits, int threads) {
     if (rows < 1 || rows > CONVEYOR_MAX_ROWS) return -1;

@@ -125,9 +125,19 @@ def _shape(linear: Linear) -> torch.Size:
 def _plain(linear: Linear) -> torch.Tensor:
     """The weight in the checkpoint layout ``[out, in]`` (unpacked from oneDNN's copy if needed)."""
     if linear.weight is not None:
-        return linear.weight.contiguous()
+        return linear.weight
     assert linear.packed is not None
-    return linear.packed.to_dense().contiguous()
+    return linear.packed.to_dense()
+
+
+def panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` in the kernel's layout: ``[P, K, r]``, panel ``p`` holding rows
+    ``p r .. p r + r - 1`` interleaved, N padded with zero rows to a whole group of panels
+    (``r`` and the group: `cpu_decode.c`'s ``VEC`` and ``PANEL_GROUP``)."""
+    rows, group = int(lib.conveyor_panel_rows()), int(lib.conveyor_panel_group())
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, 0, 0, -n % group))
+    return padded.view(-1, rows, k).transpose(1, 2).contiguous()
 
 
 def _available_memory() -> int | None:
@@ -191,7 +201,8 @@ def build_library() -> ctypes.CDLL | str:
     ]
     lib.conveyor_work_floats.restype = ctypes.c_int64
     lib.conveyor_work_floats.argtypes = [ctypes.POINTER(_Dims), ctypes.c_int64, ctypes.c_int64]
-    lib.conveyor_max_rows.restype = ctypes.c_int
+    for name in ("conveyor_max_rows", "conveyor_panel_rows", "conveyor_panel_group"):
+        getattr(lib, name).restype = ctypes.c_int
     lib.conveyor_logits.restype = ctypes.c_int
     lib.conveyor_logits.argtypes = [ctypes.POINTER(_Dims), _P, _P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int]
     lib.conveyor_linear.restype = ctypes.c_int
@@ -208,7 +219,7 @@ class CpuDecodeKernel:
     returns None for a step it does not take; the caller runs the torch path then.
     """
 
-    __slots__ = ("lib", "model", "max_rows", "dims", "layers", "_keep", "_rope", "_work", "_norm", "_head", "_last")
+    __slots__ = ("lib", "model", "max_rows", "dims", "layers", "_keep", "_rope", "_work", "_norm", "_head", "_vocab", "_last")
 
     def __init__(self, lib: ctypes.CDLL, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.lib, self.model = lib, model
@@ -237,15 +248,15 @@ class CpuDecodeKernel:
             tensors = {
                 "in_norm": layer.in_norm.weight,
                 "post_norm": layer.post_norm.weight,
-                "qkv": _plain(a.qkv),
+                "qkv": panels(lib, _plain(a.qkv)),
                 "qkv_bias": a.qkv.bias,
                 "q_norm": None if a.q_norm is None else a.q_norm.weight,
                 "k_norm": None if a.k_norm is None else a.k_norm.weight,
-                "o": _plain(a.o),
+                "o": panels(lib, _plain(a.o)),
                 "o_bias": a.o.bias,
-                "gate_up": _plain(m.gate_up),
+                "gate_up": panels(lib, _plain(m.gate_up)),
                 "gate_up_bias": m.gate_up.bias,
-                "down": _plain(m.down),
+                "down": panels(lib, _plain(m.down)),
                 "down_bias": m.down.bias,
                 "k_cache": k_cache,
                 "v_cache": v_cache,
@@ -258,7 +269,8 @@ class CpuDecodeKernel:
                 setattr(entry, name, _ptr(t))
         self.layers = layers
         self._work = torch.empty(0)
-        self._norm, self._head = model.norm.weight.contiguous(), _plain(model.lm_head)
+        self._norm, self._head = model.norm.weight.contiguous(), panels(lib, _plain(model.lm_head))
+        self._vocab = _shape(model.lm_head)[0]
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # `run`'s hidden states and their logits
 
     @staticmethod
@@ -288,7 +300,7 @@ class CpuDecodeKernel:
         tables = meta.block_tables.to(torch.int32).contiguous()
         ctx = torch.tensor(meta.seq_lens_list, dtype=torch.int64)
         pos = positions.to(torch.int64).contiguous()
-        vocab = self._head.shape[0]
+        vocab = self._vocab
         logits = torch.empty(rows, vocab, dtype=torch.float32)
         need = int(self.lib.conveyor_work_floats(ctypes.byref(self.dims), rows, max(meta.seq_lens_list)))
         if self._work.numel() < need:
@@ -327,8 +339,8 @@ class CpuDecodeKernel:
             return None
         hidden = hidden.contiguous()
         normed = torch.empty_like(hidden)
-        out = torch.empty(rows, self._head.shape[0], dtype=torch.float32)
-        vocab = self._head.shape[0]
+        vocab = self._vocab
+        out = torch.empty(rows, vocab, dtype=torch.float32)
         rc = self.lib.conveyor_logits(
             ctypes.byref(self.dims),
             _ptr(self._norm),

@@ -32,15 +32,15 @@ def lib() -> Any:
 
 @pytest.mark.parametrize("rows", range(1, 9))
 def test_linear_matches_torch(lib: Any, rows: int) -> None:
-    """Odd sizes (a tail of rows of W past the kernel's blocks, K past whole vectors), with and
-    without a bias, for every row count the kernel takes."""
+    """Sizes whose rows fill panels partly, whole or in part of a group of them, with and without
+    a bias, for every row count the kernel takes."""
     g = torch.Generator().manual_seed(rows)
-    for n, k, bias in ((37, 100, True), (64, 48, False), (8, 17, True)):
+    for n, k, bias in ((37, 100, True), (64, 48, False), (8, 17, True), (130, 16, False)):
         w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
         b = torch.randn(n, generator=g) if bias else None
         y = torch.full((rows, n), float("nan"))
         ptr = cpu_decode._ptr
-        assert lib.conveyor_linear(ptr(w), ptr(b), ptr(x), ptr(y), rows, n, k, 2) == 0
+        assert lib.conveyor_linear(ptr(cpu_decode.panels(lib, w)), ptr(b), ptr(x), ptr(y), rows, n, k, 2) == 0
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert lib.conveyor_linear(None, None, None, None, 9, 1, 1, 1) != 0  # more rows than it takes
 

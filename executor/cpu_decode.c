@@ -15,6 +15,7 @@
 #include <string.h>
 
 #define CONVEYOR_MAX_ROWS 8
+#define MAX_REP 64 /* query heads per KV head */
 #define VEC 16
 /* Weights in panels: W [N, K] as [P, K, VEC], panel p holding rows p VEC .. p VEC + VEC - 1
  * interleaved (row-major within a k), P padded with zero rows to a multiple of PANEL_GROUP / VEC
@@ -136,6 +137,9 @@ int conveyor_decode(const Dims *d, const Layer *layers, int64_t rows, float *h, 
     if (rows < 1 || rows > CONVEYOR_MAX_ROWS) return -1;
     const int64_t H = d->hidden, hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, I = d->inter;
     const int64_t qkv_n = (hq + 2 * hkv) * hd, kv_row = hkv * hd, rep = hq / hkv, bs = d->block_size;
+    if (rep > MAX_REP) return -2;
+    /* Whole groups of query heads per attention job when that still gives every thread one. */
+    const int64_t per_job = rows * hkv >= threads ? rep : 1;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < rows; ++b) max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
     float *residual = work, *x = residual + rows * H, *qkv = x + rows * H, *attn = qkv + rows * qkv_n;
@@ -166,26 +170,41 @@ int conveyor_decode(const Dims *d, const Layer *layers, int64_t rows, float *h, 
             memcpy(L->k_cache + slots[b] * kv_row, k, sizeof(float) * kv_row);
             memcpy(L->v_cache + slots[b] * kv_row, v, sizeof(float) * kv_row);
         }
-        /* Attention of each (row, head) over its context, in its own slice of scores. */
-        _Pragma("omp for schedule(static)") for (int64_t job = 0; job < rows * hq; ++job) {
-            const int64_t b = job / hq, head = job % hq, g = head / rep, ctx = ctx_lens[b];
+        /* Attention over each row's context: a job takes `per_job` query heads of one KV head
+         * (all of them when there are enough jobs for the threads), so the K/V rows it reads
+         * serve them all; each head has its own slice of scores. */
+        _Pragma("omp for schedule(static)") for (int64_t job = 0; job < rows * hq / per_job; ++job) {
+            const int64_t b = job / (hq / per_job), head0 = job % (hq / per_job) * per_job, g = head0 / rep;
+            const int64_t ctx = ctx_lens[b];
             const int32_t *bt = block_tables + b * bt_stride;
-            const float *q = qkv + b * qkv_n + head * hd;
-            float *s = scores + job * max_ctx, *out = attn + b * hq * hd + head * hd;
-            float mx = -INFINITY, sum = 0.f;
+            const float *q = qkv + b * qkv_n + head0 * hd;
+            float *s = scores + (b * hq + head0) * max_ctx, *out = attn + (b * hq + head0) * hd;
+            float mx[MAX_REP], sum[MAX_REP];
+            for (int64_t i = 0; i < per_job; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
             for (int64_t p = 0; p < ctx; ++p) {
                 const float *kp = L->k_cache + ((int64_t)bt[p / bs] * bs + p % bs) * kv_row + g * hd;
-                float dot = 0.f;
-                _Pragma("omp simd reduction(+ : dot)") for (int64_t j = 0; j < hd; ++j) dot += q[j] * kp[j];
-                s[p] = dot * (float)d->scale;
-                mx = s[p] > mx ? s[p] : mx;
+                for (int64_t i = 0; i < per_job; ++i) {
+                    const float *qi = q + i * hd;
+                    float dot = 0.f;
+                    _Pragma("omp simd reduction(+ : dot)") for (int64_t j = 0; j < hd; ++j) dot += qi[j] * kp[j];
+                    const float sc = dot * (float)d->scale;
+                    s[i * max_ctx + p] = sc;
+                    mx[i] = sc > mx[i] ? sc : mx[i];
+                }
             }
-            for (int64_t p = 0; p < ctx; ++p) sum += (s[p] = expf(s[p] - mx));
-            for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
+            for (int64_t i = 0; i < per_job; ++i) {
+                float *si = s + i * max_ctx;
+                for (int64_t p = 0; p < ctx; ++p) sum[i] += (si[p] = expf(si[p] - mx[i]));
+                for (int64_t p = 0; p < ctx; ++p) si[p] /= sum[i];
+            }
+            for (int64_t j = 0; j < per_job * hd; ++j) out[j] = 0.f;
             for (int64_t p = 0; p < ctx; ++p) {
                 const float *vp = L->v_cache + ((int64_t)bt[p / bs] * bs + p % bs) * kv_row + g * hd;
-                const float pr = s[p] / sum;
-                _Pragma("omp simd") for (int64_t j = 0; j < hd; ++j) out[j] += pr * vp[j];
+                for (int64_t i = 0; i < per_job; ++i) {
+                    const float pr = s[i * max_ctx + p];
+                    float *oi = out + i * hd;
+                    _Pragma("omp simd") for (int64_t j = 0; j < hd; ++j) oi[j] += pr * vp[j];
+                }
             }
         }
         linear(L->o, L->o_bias, attn, h, H, hq * hd);

@@ -111,7 +111,7 @@ def eligible(model: CausalLM) -> str | None:
         norms = [layer.in_norm, layer.post_norm, *(n for n in (attn.q_norm, attn.k_norm) if n is not None)]
         if any(n.fp32_scale for n in norms):
             return "norms scaled in fp32"
-        if attn.hq % attn.hkv or attn.cos_sin.shape[1] > attn.d or attn.cos_sin.shape[1] % 2:
+        if attn.hq % attn.hkv or attn.hq // attn.hkv > 64 or attn.cos_sin.shape[1] > attn.d or attn.cos_sin.shape[1] % 2:
             return "unsupported head layout"
         if attn.cos_sin is not model.layers[0].attn.cos_sin:
             return "layers with different rotary tables"

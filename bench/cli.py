@@ -13,11 +13,12 @@ BENCHES = {
     "moe-layer": "bench.moe_layer",
     "window-kv": "bench.window_kv",
     "broker": "bench.broker",
+    "decode-rows": "bench.decode_rows",
 }
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer,window-kv,broker} [options]``."""
+    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer,window-kv,broker,decode-rows} [options]``."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

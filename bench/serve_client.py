@@ -167,7 +167,9 @@ async def run_load(
     delays = arrival_delays(len(requests), request_rate, seed)
     # aiohttp, as vLLM's benchmark: httpx's pool hands reused connections to a burst so slowly that it
     # measured itself (docs/performance.md). Lines up to 10 MiB: chunks with many top logprobs are long.
-    connector = aiohttp.TCPConnector(limit=width + 8, keepalive_timeout=60)
+    # Idle connections are closed after 4 s, before the servers' own 5 s (uvicorn's, llama-server's)
+    # can close one under a request that reuses it.
+    connector = aiohttp.TCPConnector(limit=width + 8, keepalive_timeout=4)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers, read_bufsize=10 << 20) as client:
         # One burst of short requests at the full concurrency opens the connections and wakes the

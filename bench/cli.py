@@ -18,7 +18,7 @@ BENCHES = {
 
 
 def main(argv: list[str]) -> int:
-    """Run ``conveyor bench {offline,serve,prefix-overhead,engine-redis,cpu-threads,moe-layer,window-kv,broker,decode-rows} [options]``."""
+    """Run ``conveyor bench NAME [options]``, NAME one of `BENCHES`."""
     if not argv or argv[0] not in BENCHES:
         print(f"usage: conveyor bench {{{','.join(BENCHES)}}} [options]")
         return 2

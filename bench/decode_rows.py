@@ -5,11 +5,12 @@
     python -m bench.decode_rows --rows 1 --prompt-tokens 2000        # decoding at a long context
 
 For each row count ``B``, an offline `LLM` decodes ``B`` requests (``--prompt-tokens`` each, 128
-greedy tokens, EOS ignored; the prefill's time is measured apart and subtracted) with ``cpu_decode_kernel`` ``auto`` and ``off``, alternating, each its
-best of ``--repeat`` timed runs after a warm-up. Prints ms per step and tokens/s per mode, the ratio
-auto/off, and whether the two produced the same tokens. The stepping includes everything between
-steps in process (scheduling, sampling, bookkeeping), not serving: `conveyor bench serve` measures
-the served path (docs/performance.md, "Few-row decode on CPU").
+greedy tokens, EOS ignored; the prefill's time is measured apart and subtracted) with
+``cpu_decode_kernel`` ``auto`` and ``off``, one after the other, each its best of ``--repeat``
+timed runs after a warm-up. Prints ms per step and tokens/s per mode, the ratio auto/off, and
+whether the two produced the same tokens. The stepping includes everything between steps in
+process (scheduling, sampling, bookkeeping), not serving: `conveyor bench serve` measures the
+served path (docs/performance.md, "Few-row decode on CPU").
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def run(model: str, mode: str, rows: int, repeat: int, prompt_tokens: int) -> tu
 
     per_row = -(-(prompt_tokens + OUTPUT_TOKENS) // 16)
     llm = LLM(model, num_blocks=max(512, per_row * rows), cpu_decode_kernel=mode, max_num_batched_tokens=max(1024, prompt_tokens))
+    if mode == "auto" and getattr(llm.executor, "cpu_decode", None) is None:
+        raise SystemExit("the CPU decode kernel is off here (the executor's log says why)")
     prompts = [[(13 * i + 7 * b) % 4000 + 10 for i in range(prompt_tokens)] for b in range(rows)]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     prefill = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

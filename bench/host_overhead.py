@@ -73,7 +73,12 @@ def make_executor(max_seqs: int, context: int, steps: int, block_size: int, mode
     num_blocks = max_seqs * (-(-max_len // block_size)) + 1
     ex = ModelExecutor(
         ModelConfig(
-            str(long_tiny_model(max_len, model_dir)), dtype="float32", device="cpu", max_model_len=max_len, num_threads=1
+            str(long_tiny_model(max_len, model_dir)),
+            dtype="float32",
+            device="cpu",
+            max_model_len=max_len,
+            num_threads=1,
+            cpu_decode_kernel="off",  # it would run the real model past the stub
         ),
         ParallelConfig(),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),

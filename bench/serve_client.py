@@ -50,6 +50,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
     result = RequestResult()
     start = time.perf_counter()
     events = SseEvents(result, start)
+    received = False  # any byte of a response: a request is sent again only before one
     try:
         for attempt in (1, 2):
             try:
@@ -61,13 +62,14 @@ async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                     # Whatever arrived, not line by line: the events of one read share their arrival
                     # time, and the client pays one await per read instead of three per event.
                     async for data in response.content.iter_any():
+                        received = True
                         events.feed(data, time.perf_counter())
                 break
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                 # A kept-alive connection the server closed while it idled (llama-server closes them
                 # after 5 s) fails before a byte of the response: HTTP clients send the request
                 # again on a new connection, once; the time lost stays in the request's.
-                if attempt == 2 or result.chunks or events.rest:
+                if attempt == 2 or received:
                     raise
         if result.error:
             return result

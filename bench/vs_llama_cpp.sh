@@ -20,6 +20,8 @@ WORK=${WORK:-$HOME/.cache/conveyor/llama.cpp}
 MODEL=${MODEL:-$($PY -c 'from executor.make_model import cached_model; print(cached_model("llama", "small"))')}
 PORT=${PORT:-8090}
 mkdir -p "$OUT" "$WORK"
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2> /dev/null || true' EXIT  # no llama-server left behind by a failed run
 
 # 1. llama.cpp and the GGUF.
 if [ ! -x "$WORK/bin/llama-server" ]; then
@@ -65,6 +67,7 @@ for r in $(seq 1 "$ROUNDS"); do
     $PY -m bench.serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" --max-concurrency "$c" "${COMMON[@]}" \
       --result-file "$OUT/llama_c${c}_r${r}.json" > "$OUT/llama_c${c}_r${r}.txt" 2>&1
     kill "$pid" && wait "$pid" 2> /dev/null || true
+    pid=""
     $PY -m bench.serve --start --model "$MODEL" --num-blocks 2048 --max-concurrency "$c" "${COMMON[@]}" \
       --result-file "$OUT/conveyor_c${c}_r${r}.json" > "$OUT/conveyor_c${c}_r${r}.txt" 2>&1
     echo "concurrency $c round $r: llama-server $(summary "$OUT/llama_c${c}_r${r}.json") | conveyor $(summary "$OUT/conveyor_c${c}_r${r}.json")"

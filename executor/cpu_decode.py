@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 # The most of the available memory the kernel's copy of the weights may take ("auto").
 MAX_MEMORY_SHARE = 0.25
 
@@ -156,7 +156,8 @@ def _openmp_runtimes() -> set[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return set()
-    return {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and "/" in line}
+    names = ("libgomp", "libomp", "libiomp")
+    return {line.split()[-1] for line in maps.splitlines() if "/" in line and any(n in line for n in names)}
 
 
 def build_library() -> ctypes.CDLL | str:
@@ -285,9 +286,12 @@ class CpuDecodeKernel:
                 total += shape[0] * shape[1] * 4
         return total + model.cfg.vocab_size * model.cfg.hidden_size * 4  # the head
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, head: bool = True
+    ) -> torch.Tensor | None:
         """The hidden states ``[rows, hidden]`` of a decode-only step of at most `max_rows` rows
-        (the K/V of its tokens written to the cache), or None for any other step."""
+        (the K/V of its tokens written to the cache), or None for any other step. With ``head``
+        (every row is sampled), their logits too, in the same call: `logits` returns them."""
         rows = meta.num_seqs
         if rows > self.max_rows or meta.per_layer is not None or input_ids.shape[0] != rows:
             return None
@@ -301,7 +305,7 @@ class CpuDecodeKernel:
         ctx = torch.tensor(meta.seq_lens_list, dtype=torch.int64)
         pos = positions.to(torch.int64).contiguous()
         vocab = self._vocab
-        logits = torch.empty(rows, vocab, dtype=torch.float32)
+        logits = torch.empty(rows, vocab, dtype=torch.float32) if head else None
         need = int(self.lib.conveyor_work_floats(ctypes.byref(self.dims), rows, max(meta.seq_lens_list)))
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
@@ -325,7 +329,7 @@ class CpuDecodeKernel:
         )
         if rc != 0:
             raise RuntimeError(f"cpu decode kernel failed ({rc})")
-        self._last = (h, logits)
+        self._last = None if logits is None else (h, logits)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -486,7 +486,7 @@ class ModelExecutor:
                 input_ids.index_copy_(0, at, source.index_select(0, _to(holes.sampled_index, torch.int64, self.device)))
             hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
             if hidden is None and self.cpu_decode is not None:
-                hidden = self.cpu_decode.run(input_ids, positions, meta)
+                hidden = self.cpu_decode.run(input_ids, positions, meta, head=len(rows) == input_ids.shape[0])
             if hidden is None:
                 hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
             plp_logits = prompt_logits(self.model, hidden, batch) if batch.prompt_lp else None

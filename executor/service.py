@@ -203,6 +203,7 @@ class ExecutorService:
         outage: Backoff | None = None  # since the last read that answered, while Redis fails
         last_activity = last_claim_check = time.monotonic()
         run_id = t.run_id()
+        launch_early = bool(getattr(self.model, "launch_returns_early", False))
         logger.info("executor %s: serving scheduler %s", self.eid, scheduler_id)
         try:
             while not self.stopping.is_set():
@@ -213,6 +214,8 @@ class ExecutorService:
                         break
                 got: list[Any] | None = None  # None: nothing read this turn
                 try:
+                    if self.in_flight is not None and not launch_early:
+                        self._flush(results, sends)  # run already: its result leaves before the next runs
                     if sends:  # steps run ride along as a trim (this process is the stream's only reader)
                         writes.send(sends, trim={steps: done} if done != trimmed else None)
                         sends, trimmed = [], done
@@ -247,10 +250,6 @@ class ExecutorService:
                 if queue and read is not None:  # a step runs only with the read for the next one out
                     last_activity = time.monotonic()
                     done, msg = queue.popleft()
-                    if self.in_flight is not None and not getattr(self.model, "launch_returns_early", False):
-                        self._flush(results, sends)
-                        writes.send(sends)
-                        sends = []
                     self._handle(msg, results, sends)
                     if not queue:  # nothing to launch behind it: its result leaves now
                         self._flush(results, sends)

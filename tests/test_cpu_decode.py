@@ -62,8 +62,8 @@ def test_decode_steps_match_the_torch_path(tiny_model, monkeypatch: pytest.Monke
     rows_seen: set[int] = set()
     run = CpuDecodeKernel.run
 
-    def counted(self: CpuDecodeKernel, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> Any:
-        hidden = run(self, input_ids, positions, meta)
+    def counted(self: CpuDecodeKernel, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, head: bool = True) -> Any:
+        hidden = run(self, input_ids, positions, meta, head)
         if hidden is not None:
             rows_seen.add(hidden.shape[0])
         return hidden

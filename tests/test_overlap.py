@@ -228,3 +228,62 @@ def test_a_step_that_skips_ahead_is_ignored(env: tuple[redis.Redis, Names, SyncT
         service.stopping.set()
         serving.join(5)
     assert [s for s in steps_in(r, names.results("0")) if s] == [1, 2]
+
+
+class _CpuLaunches:
+    """A model whose launch runs the step (as on CPU: `launch_returns_early` is false); each launch
+    waits up to 2 s for the step before's result to reach Redis and records whether it did."""
+
+    info = ExecutorInfo("cpu", 16, 4, 64, [0], 100)
+    launch_returns_early = False
+
+    def __init__(self, r: redis.Redis, results: str) -> None:
+        self.r, self.results = r, results
+        self.before_sent: list[bool] = []
+
+    def reset(self) -> None:
+        pass
+
+    def launch(self, output: SchedulerOutput) -> SchedulerOutput:
+        if output.step > 1:
+            deadline = time.monotonic() + 2
+            while output.step - 1 not in steps_in(self.r, self.results) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.before_sent.append(output.step - 1 in steps_in(self.r, self.results))
+        return output
+
+    def collect(self, output: SchedulerOutput) -> ExecutorOutput:
+        return ExecutorOutput([7] * output.num_seqs, [])
+
+
+def test_where_a_launch_runs_the_step_the_result_before_leaves_first(env: tuple[redis.Redis, Names, SyncTransport]) -> None:
+    """Steps queued behind each other on a CPU executor: each step's result is in Redis before the
+    next step runs, not one step late (collected only after the next launch, as on a GPU)."""
+    r, names, t = env
+    model = _CpuLaunches(r, names.results("0"))
+    service = ExecutorService(ExecutorServiceConfig(t.url, "cpu", names.namespace, executor_id="e"), model)
+    serving = threading.Thread(target=service._serve, args=("0", None), daemon=True)
+    serving.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not r.xlen(names.results("0")):
+            assert time.monotonic() < deadline, "the executor never said hello"
+            time.sleep(0.005)
+        entries = [BindExecutor("e", "0", 1)]
+        for number in range(1, 5):
+            out = SchedulerOutput(step=number, epoch=1)
+            out.add_scheduled("r", 1, 0, False)
+            entries.append(out)  # type: ignore[arg-type]
+        with r.pipeline() as pipe:  # all queued at once: each step runs with the next one read
+            for entry in entries:
+                pipe.xadd(names.steps("0"), {ENTRY_FIELD: encode(entry)})
+            pipe.execute()
+        deadline = time.monotonic() + 10
+        while 4 not in steps_in(r, names.results("0")):
+            assert time.monotonic() < deadline, f"no result for step 4: {steps_in(r, names.results('0'))}"
+            time.sleep(0.005)
+    finally:
+        service.stopping.set()
+        serving.join(5)
+    assert [s for s in steps_in(r, names.results("0")) if s] == [1, 2, 3, 4]
+    assert model.before_sent == [True, True, True]

@@ -82,6 +82,7 @@ class Counters:
         """The counts between ``earlier`` and this snapshot (``at``: the seconds between)."""
 
         def diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            """``a - b`` per key, the keys that differ only."""
             return {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b) if a.get(k, 0) != b.get(k, 0)}
 
         return Counters(
@@ -98,6 +99,7 @@ class Counters:
         scale = self.at / idle.at if idle.at > 0 else 0.0
 
         def net(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            """``a`` less ``b`` scaled to ``a``'s interval, the keys left positive only."""
             out = {k: round(v - scale * b.get(k, 0)) for k, v in a.items()}
             return {k: v for k, v in out.items() if v > 0}
 
@@ -310,6 +312,7 @@ def format_report(summaries: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's options (``--help`` lists them)."""
     p = argparse.ArgumentParser(prog="python -m bench.broker", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random llama)")
     p.add_argument("--requests", type=int, default=16, help="requests per workload, sent at once")
@@ -330,6 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure every workload on each stack asked for and print the table (module docstring)."""
     args = parse_args(argv)
     workloads = [w for w in WORKLOADS if not args.workload or w.name in args.workload]
     scratch = Path(tempfile.mkdtemp(prefix="bench-broker-code-"))

@@ -49,9 +49,11 @@ class StubModel:
         self.logits = torch.zeros(max_rows, vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any) -> torch.Tensor:
+        """Hidden states of the step's shape, at once."""
         return self.hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Zero logits over the stub's vocabulary, at once."""
         return self.logits[: hidden.shape[0]]
 
 
@@ -131,6 +133,7 @@ def run(ex: ModelExecutor, n: int, context: int, steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time the host's work per step at each batch size and print the lines the module names."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=2048, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=200, help="timed decode steps per batch size")

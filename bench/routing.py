@@ -46,6 +46,7 @@ class TimedExecutor(NullExecutor):
         self.last_tokens = 0
 
     def execute_model(self, output: SchedulerOutput):  # type: ignore[no-untyped-def]
+        """The step's result at once, its token count kept for the clock."""
         self.last_tokens = sum(output.num_scheduled_tokens)
         return super().execute_model(output)
 
@@ -60,6 +61,7 @@ class Engine:
     clock: float = 0.0
 
     def status(self) -> EngineStatus:
+        """The status this engine would publish now (its load and cached prefixes)."""
         s, cache = self.core.scheduler, self.core.scheduler.cache
         assert isinstance(cache, CacheManager)
         return EngineStatus(
@@ -79,6 +81,7 @@ class Conversation:
 
 
 def make_conversations(args: argparse.Namespace, rng: random.Random) -> list[Conversation]:
+    """``--conversations`` conversations sharing a system prompt, each with its own turns."""
     system = [rng.randrange(3, 30000) for _ in range(args.system_tokens)]
     out = []
     for _ in range(args.conversations):
@@ -159,16 +162,19 @@ def run(policy: str, weight: float, engines_n: int, num_blocks: int, args: argpa
 
 
 def span(text: str) -> tuple[int, int]:
+    """``"a-b"`` (or ``"a"``) as ``(a, b)`` integers."""
     lo, _, hi = text.partition("-")
     return int(lo), int(hi or lo)
 
 
 def fspan(text: str) -> tuple[float, float]:
+    """``"a-b"`` (or ``"a"``) as ``(a, b)`` floats."""
     lo, _, hi = text.partition("-")
     return float(lo), float(hi or lo)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Simulate every routing policy asked for and print their hit rates and TTFTs."""
     ap = argparse.ArgumentParser(
         prog="python -m bench.routing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -66,6 +66,7 @@ class PrefixSummary:
             return dict(self._keys)
 
     def clear(self) -> None:
+        """Forget every key (the prefix cache was reset)."""
         with self._lock:
             self._keys.clear()
 

@@ -24,6 +24,7 @@ ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=16, num_
 
 @pytest.fixture(scope="module")
 def lib() -> Any:
+    """The built kernel library; the test is skipped where it cannot be built (no C compiler)."""
     built = build_library()
     if isinstance(built, str):
         pytest.skip(f"no kernel here: {built}")
@@ -55,7 +56,7 @@ def _workload(vocab: int, n: int = 10) -> tuple[list[list[int]], list[SamplingPa
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
-def test_decode_steps_match_the_torch_path(tiny_model, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+def test_decode_steps_match_the_torch_path(lib: Any, tiny_model, monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """Greedy tokens equal the torch path's and the logprobs agree, for plain Llama, QKV biases
     (Qwen2), q/k norms (Qwen3) and partial rotary (Phi-3); the kernel ran steps of 1 to 8 rows."""
     path = tiny_model(arch)

@@ -168,6 +168,13 @@ async def test_cache_aware_gateway_follows_summaries_and_its_own_recent_routes()
     # Prompts sharing nothing spread (each one's blocks count as load where it went).
     spread = {(await client.submit(f"u{i}", [i] * (16 * 6), SAMPLING)).scheduler_id for i in range(6)}
     assert len(spread) == 3
+    # A prompt's n samples (siblings on the first one's engine) count its new blocks once.
+    before = dict(client.sent_blocks_since_refresh)
+    lead = await client.submit("n0", list(range(2000, 2000 + 16 * 5)), SAMPLING)
+    for i in (1, 2, 3):
+        await client.submit(f"n{i}", list(range(2000, 2000 + 16 * 5)), SAMPLING, group_id="g", prefer_engine=lead.scheduler_id)
+    sid = lead.scheduler_id
+    assert client.sent_blocks_since_refresh[sid] - before.get(sid, 0) == 5
     # Every policy routes a prompt under one block by load alone.
     for policy in ("cache_aware", "first_block", "least_loaded"):
         other = make_client(routing=policy)

@@ -292,9 +292,9 @@ class EngineClient:
     async def _route(self, handle: RequestHandle, extra: list[Outgoing]) -> bool:
         """Submit ``handle``'s next attempt to the best engine; False if none is live."""
         engine = self.engines.get(handle.prefer_engine) if handle.attempts == 0 else None  # a sibling's
-        hashes: list[bytes] = []
+        # Hashed for a sibling too: its prompt's blocks are the first one's, just counted there.
+        hashes = self.prompt_hashes(handle.prompt_token_ids, handle.cache_salt)
         if engine is None or not engine.executor_id:
-            hashes = self.prompt_hashes(handle.prompt_token_ids, handle.cache_salt)
             engine = self.pick_engine(handle.prompt_token_ids, handle.priority, hashes)
         if engine is None:
             return False

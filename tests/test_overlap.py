@@ -40,6 +40,14 @@ def steps_in(r: redis.Redis, stream: str) -> list[int]:
     return [m.step for m in (decode(e[ENTRY_FIELD]) for _, e in entries) if isinstance(m, (StepResult, SchedulerOutput))]
 
 
+def await_result(r: redis.Redis, stream: str, step: int, timeout_s: float = 5) -> None:
+    """Wait until ``stream`` holds the result of ``step`` (failing after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while step not in steps_in(r, stream):
+        assert time.monotonic() < deadline, f"no result for step {step}: {steps_in(r, stream)}"
+        time.sleep(0.005)
+
+
 def kill(r: redis.Redis, *conns: Any) -> None:
     """Kill these redis-py connections from the server's side (found by their local address)."""
     for conn in conns:
@@ -175,10 +183,7 @@ def test_the_executor_reads_its_next_step_while_a_step_runs(env: tuple[redis.Red
             out = SchedulerOutput(step=step, epoch=1)
             out.add_scheduled("r", 1, 0, False)
             r.xadd(names.steps("0"), {ENTRY_FIELD: encode(out)})
-            deadline = time.monotonic() + 5
-            while step not in steps_in(r, names.results("0")):
-                assert time.monotonic() < deadline, f"no result for step {step}"
-                time.sleep(0.005)
+            await_result(r, names.results("0"), step)
     finally:
         service.stopping.set()
         serving.join(5)
@@ -220,10 +225,7 @@ def test_a_step_that_skips_ahead_is_ignored(env: tuple[redis.Redis, Names, SyncT
         r.xadd(names.steps("0"), {ENTRY_FIELD: encode(BindExecutor("e", "0", 1))})
         for number in (1, 2**31 - 1, 1, 2):
             step(number)
-        deadline = time.monotonic() + 5
-        while 2 not in steps_in(r, names.results("0")):
-            assert time.monotonic() < deadline, f"no result for step 2: {steps_in(r, names.results('0'))}"
-            time.sleep(0.005)
+        await_result(r, names.results("0"), 2)
     finally:
         service.stopping.set()
         serving.join(5)
@@ -278,10 +280,7 @@ def test_where_a_launch_runs_the_step_the_result_before_leaves_first(env: tuple[
             for entry in entries:
                 pipe.xadd(names.steps("0"), {ENTRY_FIELD: encode(entry)})
             pipe.execute()
-        deadline = time.monotonic() + 10
-        while 4 not in steps_in(r, names.results("0")):
-            assert time.monotonic() < deadline, f"no result for step 4: {steps_in(r, names.results('0'))}"
-            time.sleep(0.005)
+        await_result(r, names.results("0"), 4, timeout_s=10)
     finally:
         service.stopping.set()
         serving.join(5)

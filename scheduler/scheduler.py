@@ -407,6 +407,8 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             token = result.token_ids[i]  # the executor samples exactly the rows the step said
+            if token < 0:  # its "nothing sampled": this executor and this step disagree
+                raise ValueError(f"request {request.request_id} was due a token in step {record.step}")
             logprobs = result.logprobs[i] if result.logprobs else None
             request.output_token_ids.append(token)
             request.output_logprobs.append(logprobs)

@@ -780,3 +780,12 @@ def test_abort_with_error_reason() -> None:
     assert sched.decide() == {} and sched.suspects == []  # aborted suspects are dropped
     assert sched.cache.get_num_free_blocks() == 64
     sched.cache.check_invariants()
+
+
+def test_a_result_without_the_token_a_row_was_due_is_refused() -> None:
+    """An executor's -1 ("not sampled") for a row the step samples is an error, not a token."""
+    sched, ex, _ = make()
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4)))
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="request a was due a token in step"):
+        sched.update_from_output(out, ExecutorOutput([-1], []))
